@@ -1,0 +1,273 @@
+"""DeepSpeed ZeRO-3 backend: the adapter, ``initialize`` and per-replica checkpoints.
+
+ZeRO-3 partitions inside the shard group (the mpu of ``hdet_scale.topology``). This
+adapter exposes the optimizer's flat fp32 master partitions and its flat gradient
+partition buffer: converge and gradient sharing are then one (or a few) all-reduces,
+whatever the number of parameter tensors.
+
+DeepSpeed has no public API for the flat partitions (``safe_get_local_fp32_param`` is
+per tensor and leaves the low-precision working copy alone), so this file reads
+``fp32_partitioned_groups_flat``, ``fp16_partitioned_groups_flat`` and
+``grad_partitions_flat_buffer`` of ``DeepSpeedZeroOptimizer_Stage3``; checked against
+deepspeed 0.19 (see ``_check_zero3``), and the tests compare the result with
+``GatheredParameters``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.sync import DistributedSync
+from hdet_scale.topology import Layout, Topology
+
+_FLAT_ATTRS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_partitions_flat_buffer",
+               "_reassign_or_swap_out_partitioned_parameters")
+
+
+def _check_zero3(optimizer: Any) -> None:
+    missing = [a for a in _FLAT_ATTRS if not hasattr(optimizer, a)]
+    if missing:
+        import deepspeed
+        raise RuntimeError(f"hdet_scale needs DeepSpeed ZeRO-3 internals {missing}, absent in deepspeed "
+                           f"{deepspeed.__version__} ({type(optimizer).__name__}); supported: deepspeed 0.19")
+
+
+class DeepSpeedBackend:
+    """Local tensors of one rank of a ZeRO-3 engine.
+
+    ``master_tensors()``: the fp32 master partitions (1-D, float32, one per optimizer
+    sub-group, this rank's ``1/S`` of the parameters). ``refresh()`` copies them into the
+    low-precision working partitions (bf16 / fp16 / fp32) and re-gathers ZeRO-3's
+    persistent (small, never partitioned) parameters, so the next forward pass reads
+    the averaged weights.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.optimizer = engine.optimizer
+        _check_zero3(self.optimizer)
+        self.device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
+
+    def master_tensors(self) -> Sequence[torch.Tensor]:
+        return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    def buffers(self) -> Sequence[torch.Tensor]:
+        # Persistent floating buffers only: non-persistent ones (rotary tables) are
+        # derived constants, equal everywhere, and averaging them could change bits.
+        module = self.engine.module
+        persistent = set(module.state_dict().keys())
+        return [b for n, b in module.named_buffers() if n in persistent and b.is_floating_point()]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        opt = self.optimizer
+        for i in range(len(opt.fp16_groups)):
+            opt._reassign_or_swap_out_partitioned_parameters(i)
+        if opt.persistent_parameters:
+            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+        if hasattr(opt, "invalidate_secondary_tensor"):
+            opt.invalidate_secondary_tensor()
+
+    def install_grad_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        """Run ``hook([flat gradient partition])`` at every accumulation boundary, after
+        ZeRO's reduce-scatter and before the optimizer's overflow check, clipping and
+        step (so clipping sees the shared gradient's norm)."""
+        opt = self.optimizer
+        original = opt.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            hook([opt.grad_partitions_flat_buffer])
+            return original(*args, **kwargs)
+
+        opt.step = step
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+
+def _load_ds_config(config: str | dict) -> dict:
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    return copy.deepcopy(dict(config))
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tuple[HDETConfig, dict]:
+    """Validate the ``"hdet"`` block against the rest of a DeepSpeed config, without
+    communication. Returns ``(hdet_config, deepspeed_config_without_hdet)``.
+
+    The DeepSpeed batch keys keep their global meaning: ``train_batch_size`` counts
+    samples over all W ranks; since DeepSpeed's data-parallel group is the shard group,
+    the returned config divides it by R.
+
+    Raises:
+        HDETConfigError: any invalid key, naming it; all problems at once.
+    """
+    ds = _load_ds_config(ds_config)
+    cfg = HDETConfig.from_dict(ds.pop("hdet", {}) or {})
+    world = _world_size() if world_size is None else world_size
+    errors = []
+    if cfg.enabled:
+        try:
+            Layout(world, cfg.replicas)
+        except HDETConfigError as e:
+            errors.append(str(e))
+        if "scheduler" in ds:
+            errors.append("scheduler: a DeepSpeed 'scheduler' block cannot be combined with hdet (two schedules "
+                          "would fight over the LR); remove it and set hdet.schedule (name: onecycle, cosine or "
+                          "constant; see docs/config.md)")
+        stage = ds.get("zero_optimization", {}).get("stage", 0)
+        if stage != 3:
+            errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3, got {stage}")
+        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        if offload not in (None, "none"):
+            errors.append(f"zero_optimization.offload_optimizer.device: optimizer offload ({offload}) is not "
+                          "supported with hdet yet; use 'none'")
+        if ds.get("fp16", {}).get("enabled", False) and cfg.gradient_sharing == "replica":
+            errors.append("fp16.enabled: fp16 loss scaling skips steps per replica, which would desynchronise "
+                          "the sync steps under hdet.gradient_sharing='replica'; use bf16 or 'global'")
+        tbs = ds.get("train_batch_size")
+        if isinstance(tbs, int) and tbs % cfg.replicas:
+            errors.append(f"train_batch_size: {tbs} (samples over all ranks) must be divisible by "
+                          f"hdet.replicas={cfg.replicas}")
+        elif isinstance(tbs, int):
+            ds["train_batch_size"] = tbs // cfg.replicas
+    if errors:
+        raise HDETConfigError("invalid DeepSpeed config for hdet:\n  " + "\n  ".join(errors))
+    return cfg, ds
+
+
+def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, collate_fn: Any = None, log: Callable[[dict], None] | None = None,
+               dist_backend: str | None = None, **kwargs: Any):
+    """``deepspeed.initialize`` with HDET set up from the config's ``"hdet"`` block.
+
+    Returns ``(engine, optimizer, dataloader, scheduler)`` like DeepSpeed; the scheduler is
+    an :class:`~hdet_scale.ensemble.HDETScheduler` (also ``engine.lr_scheduler``), driven
+    by ``engine.step(lr_kwargs={"loss": loss})``. The dataloader (when ``training_data``
+    is given) shards the data over all W ranks, not over the shard group DeepSpeed sees.
+
+    Validation happens before ``torch.distributed`` is touched, identically on every rank.
+
+    Raises:
+        HDETConfigError: invalid ``"hdet"`` block or incompatible DeepSpeed keys.
+    """
+    import deepspeed
+
+    cfg, ds = prepare_config(config)
+    if not cfg.enabled:
+        engine, opt, loader, sched = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
+                                                          model_parameters=model_parameters,
+                                                          training_data=training_data, collate_fn=collate_fn,
+                                                          **kwargs)
+        return engine, opt, loader, sched
+    if not dist.is_initialized():
+        from deepspeed.accelerator import get_accelerator
+        backend = dist_backend or ("gloo" if get_accelerator().device_name() == "cpu" else None)
+        deepspeed.init_distributed(dist_backend=backend)
+    from deepspeed.accelerator import get_accelerator
+    topology = Topology(cfg.replicas, device_type=get_accelerator().device_name())
+    holder: dict[str, HDETScheduler] = {}
+
+    def make_scheduler(opt: torch.optim.Optimizer) -> HDETScheduler:
+        holder["s"] = HDETScheduler(cfg, {topology.replica_index: opt.param_groups}, log=log)
+        return holder["s"]
+
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                             config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler, **kwargs)
+    scheduler = holder["s"]
+    backend = DeepSpeedBackend(engine)
+    scheduler.attach(DistributedSync(topology, backend, int(cfg.bucket_mb * 2**20), cfg.gradient_sharing))
+    scheduler.topology = topology
+    loader = None
+    if training_data is not None:
+        sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=topology.world_size,
+                                                      rank=topology.rank, shuffle=True, seed=cfg.seed)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                                             sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    return engine, opt, loader, scheduler
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+# Layout: <dir>/latest, <dir>/hdet_layout.json, <dir>/replica_<r>/<tag>/... (DeepSpeed's
+# files of replica r) and <dir>/replica_<r>/<tag>/hdet_shard_<s>.pt (the HDET state of
+# rank (r, s)). DeepSpeed names its files by shard rank only, so each replica gets its
+# own folder: no two ranks write one file, and every replica's (diverged) weights and
+# optimizer state survive.
+
+def save_checkpoint(engine: Any, scheduler: HDETScheduler, save_dir: str, tag: str | None = None,
+                    client_state: dict | None = None) -> str:
+    """Save every replica's DeepSpeed state and every rank's HDET state. Collective: all
+    ranks call it at the same step. Returns the tag."""
+    t = scheduler.topology
+    tag = tag or f"global_step{scheduler.step_count}"
+    rdir = os.path.join(save_dir, f"replica_{t.replica_index}")
+    os.makedirs(rdir, exist_ok=True)  # DeepSpeed creates save_dir on global rank 0 only
+    engine.save_checkpoint(rdir, tag=tag, client_state=client_state or {}, save_latest=False)
+    torch.save({"scheduler": scheduler.state_dict()},
+               os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"))
+    dist.barrier(group=t.world_group)
+    if t.rank == 0:
+        with open(os.path.join(save_dir, "hdet_layout.json"), "w") as f:
+            json.dump({"world_size": t.world_size, "replicas": t.replicas, "shard_size": t.shard_size}, f)
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write(tag)
+    dist.barrier(group=t.world_group)
+    return tag
+
+
+def check_resumable(load_dir: str, world_size: int, replicas: int) -> str:
+    """Read the checkpoint's layout and tag without communication.
+
+    Raises:
+        HDETStateError: missing checkpoint, or written by another ``R x S`` layout. Every
+            replica's diverged weights are tied to its shard layout, so a different layout
+            is refused rather than silently remapped; to change it, converge first and
+            start a new run from the averaged model.
+    """
+    path = os.path.join(load_dir, "hdet_layout.json")
+    if not os.path.exists(path):
+        raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no hdet_layout.json)")
+    with open(path) as f:
+        saved = json.load(f)
+    shard = world_size // replicas
+    if saved["replicas"] != replicas or saved["shard_size"] != shard:
+        raise HDETStateError(
+            f"checkpoint {load_dir} was written by {saved['replicas']} replicas x {saved['shard_size']} shards; "
+            f"this run has {replicas} x {shard}. Resume with the same world size and hdet.replicas")
+    with open(os.path.join(load_dir, "latest")) as f:
+        return f.read().strip()
+
+
+def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: str | None = None) -> dict:
+    """Restore what :func:`save_checkpoint` wrote; returns DeepSpeed's client state."""
+    t = scheduler.topology
+    latest = check_resumable(load_dir, t.world_size, t.replicas)
+    tag = tag or latest
+    rdir = os.path.join(load_dir, f"replica_{t.replica_index}")
+    _, client = engine.load_checkpoint(rdir, tag=tag, load_lr_scheduler_states=False)
+    state = torch.load(os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"), weights_only=False)
+    scheduler.load_state_dict(state["scheduler"])
+    return client or {}

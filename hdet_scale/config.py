@@ -1,0 +1,268 @@
+"""Typed configuration of the DeepSpeed ``"hdet"`` block, validated before any collective.
+
+Every key is documented in docs/config.md. Parsing is pure (no ``torch.distributed``), so
+all ranks reach the same verdict from the same JSON and a bad value fails fast on every
+rank. All problems found in one block are reported together in one
+:class:`~hdet_scale.errors.HDETConfigError`, each naming its dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from hdet_scale.errors import HDETConfigError
+
+AXIS_NAMES = ("lr", "weight_decay")
+GRADIENT_SHARING = ("global", "replica")
+SCHEDULES = ("onecycle", "cosine", "constant")
+
+
+@dataclass
+class AxisConfig:
+    """One explored hyperparameter (HDET.md "Fan-out"; paper Sec. 3.1).
+
+    ``spread_ratio`` is alpha: replica multipliers lie in ``[1 - alpha, 1 + alpha]``
+    (multiplicative) or offsets in ``[-alpha, +alpha]`` (additive). ``groups`` lists the
+    optimizer parameter-group indices explored (``None``: all). ``auto`` lets the auto-LR
+    controller move this axis' base value.
+    """
+
+    spread_ratio: float = 0.0
+    kind: str = "multiplicative"
+    groups: list[int] | None = None
+    auto: bool | None = None  # None: True for "lr", False for other axes
+
+
+@dataclass
+class ScheduleConfig:
+    """The base schedule ``eta(t)`` of the LR axis, in optimizer steps.
+
+    ``max_lr`` is the peak LR, a float for all groups or a list per group; ``None``
+    takes each parameter group's own ``lr`` (the DeepSpeed ``optimizer.params.lr``).
+    The OneCycle keys mean what they mean for ``torch.optim.lr_scheduler.OneCycleLR``.
+    """
+
+    name: str = "onecycle"
+    total_steps: int | None = None
+    max_lr: float | list[float] | None = None
+    pct_start: float = 0.3
+    anneal_strategy: str = "cos"
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+    three_phase: bool = False
+    cycle_momentum: bool = False
+    base_momentum: float = 0.85
+    max_momentum: float = 0.95
+    warmup_steps: int = 0
+    min_ratio: float = 0.1
+
+
+@dataclass
+class AutoConfig:
+    """The auto-LR controller (zero-order hypergradient; paper Sec. 3.3, Alg. 1).
+
+    ``warmup_steps``: optimizer steps before the first meta-update. ``temperature``:
+    sigma of the softmax over loss scores. ``momentum``: beta of the velocity.
+    ``step_size``: lambda, the velocity's weight in the new base value. ``decay``:
+    gamma per sync, or ``"auto"`` to derive it so that the base value reaches the
+    schedule's floor at the last sync.
+    """
+
+    enabled: bool = False
+    warmup_steps: int = 0
+    temperature: float = 0.1
+    momentum: float = 0.9
+    step_size: float = 0.5
+    decay: float | str = "auto"
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases sink (global rank 0 only). ``mode`` ``None``: online when an API
+    key is configured (``WANDB_API_KEY`` or ``wandb login``), else offline."""
+
+    enabled: bool = False
+    project: str = "hdet"
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
+    mode: str | None = None
+    dir: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    """Metric sinks on global rank 0. ``jsonl``: path of the JSONL metrics file
+    (``None``: none). ``every``: per-step records every this many optimizer steps."""
+
+    jsonl: str | None = None
+    every: int = 1
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class HDETConfig:
+    """The ``"hdet"`` block of a DeepSpeed config.
+
+    ``replicas``: R, the number of model replicas (the size of each replica group); the
+    shard group size is ``world_size / R``. ``sync_interval``: T, optimizer steps between
+    converges. ``gradient_sharing``: ``"global"`` (paper: every replica applies the
+    gradient averaged over all ranks) or ``"replica"`` (gradients stay inside a replica
+    between syncs). ``seed`` seeds the dedicated permutation generator.
+    """
+
+    enabled: bool = True
+    replicas: int = 1
+    sync_interval: int = 1000
+    gradient_sharing: str = "global"
+    seed: int = 0
+    bucket_mb: float = 25.0
+    axes: dict[str, AxisConfig] = field(default_factory=lambda: {"lr": AxisConfig()})
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    auto: AutoConfig = field(default_factory=AutoConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], prefix: str = "hdet") -> "HDETConfig":
+        """Parse and validate a block. Raises HDETConfigError listing every problem."""
+        errors: list[str] = []
+        cfg = _parse(cls, data, prefix, errors)
+        _validate(cfg, prefix, errors)
+        if errors:
+            raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def axis_auto(self, name: str) -> bool:
+        axis = self.axes[name]
+        return (name == "lr") if axis.auto is None else axis.auto
+
+
+def _type_ok(value: Any, annotation: str) -> bool:
+    """Checks a JSON value against the (string) annotation of a field."""
+    opts = [a.strip() for a in annotation.split("|")]
+    for opt in opts:
+        if opt == "None" and value is None:
+            return True
+        if opt == "bool" and isinstance(value, bool):
+            return True
+        if opt == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if opt == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if opt == "str" and isinstance(value, str):
+            return True
+        if opt.startswith("list[") and isinstance(value, (list, tuple)):
+            inner = opt[5:-1]
+            if all(_type_ok(v, inner) for v in value):
+                return True
+    return False
+
+
+def _parse(cls: type, data: Any, prefix: str, errors: list[str]) -> Any:
+    if not isinstance(data, Mapping):
+        errors.append(f"{prefix}: expected an object, got {type(data).__name__}")
+        return cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            errors.append(f"{prefix}.{key}: unknown key; valid keys: {', '.join(fields)}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        value, key = data[name], f"{prefix}.{name}"
+        sub = {"schedule": ScheduleConfig, "auto": AutoConfig, "logging": LoggingConfig,
+               "wandb": WandbConfig}.get(name)
+        if sub is not None and f.type in (sub.__name__, sub):
+            kwargs[name] = _parse(sub, value, key, errors)
+        elif name == "axes" and cls is HDETConfig:
+            kwargs[name] = _parse_axes(value, key, errors)
+        elif not _type_ok(value, str(f.type)):
+            errors.append(f"{key}: expected {f.type}, got {value!r}")
+        else:
+            kwargs[name] = float(value) if str(f.type) == "float" else value
+    return cls(**kwargs)
+
+
+def _parse_axes(data: Any, prefix: str, errors: list[str]) -> dict[str, AxisConfig]:
+    if not isinstance(data, Mapping):
+        errors.append(f"{prefix}: expected an object mapping axis name to settings")
+        return {}
+    axes = {}
+    for name, value in data.items():
+        if name not in AXIS_NAMES:
+            errors.append(f"{prefix}.{name}: unknown axis; valid axes: {', '.join(AXIS_NAMES)}")
+            continue
+        axes[name] = _parse(AxisConfig, value, f"{prefix}.{name}", errors)
+    return axes
+
+
+def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
+    if not ok:
+        errors.append(f"{key}: {message}")
+
+
+def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
+    _check(errors, cfg.replicas >= 1, f"{p}.replicas", f"must be an integer >= 1, got {cfg.replicas}")
+    _check(errors, cfg.sync_interval >= 1, f"{p}.sync_interval",
+           f"must be an integer >= 1 (optimizer steps), got {cfg.sync_interval}")
+    _check(errors, cfg.gradient_sharing in GRADIENT_SHARING, f"{p}.gradient_sharing",
+           f"must be one of {', '.join(GRADIENT_SHARING)}, got {cfg.gradient_sharing!r}")
+    _check(errors, cfg.bucket_mb > 0, f"{p}.bucket_mb", f"must be > 0 (MiB), got {cfg.bucket_mb}")
+    for name, axis in cfg.axes.items():
+        k = f"{p}.axes.{name}"
+        _check(errors, axis.kind in ("multiplicative", "additive"), f"{k}.kind",
+               f"must be 'multiplicative' or 'additive', got {axis.kind!r}")
+        _check(errors, math.isfinite(axis.spread_ratio) and axis.spread_ratio >= 0, f"{k}.spread_ratio",
+               f"must be finite and >= 0, got {axis.spread_ratio}")
+        if axis.kind == "multiplicative":
+            _check(errors, axis.spread_ratio < 1, f"{k}.spread_ratio",
+                   f"must be in [0, 1) for a multiplicative axis (a multiplier 1 - spread_ratio "
+                   f"must stay > 0), got {axis.spread_ratio}")
+        if name == "lr":
+            _check(errors, axis.kind == "multiplicative", f"{k}.kind", "the lr axis must be multiplicative")
+        if axis.groups is not None:
+            _check(errors, len(axis.groups) > 0 and all(g >= 0 for g in axis.groups), f"{k}.groups",
+                   f"must be a non-empty list of parameter-group indices >= 0 or null, got {axis.groups}")
+    s, k = cfg.schedule, f"{p}.schedule"
+    _check(errors, s.name in SCHEDULES, f"{k}.name", f"must be one of {', '.join(SCHEDULES)}, got {s.name!r}")
+    _check(errors, s.total_steps is not None and s.total_steps >= 1, f"{k}.total_steps",
+           f"must be an integer >= 1 (optimizer steps in the run), got {s.total_steps}")
+    if s.max_lr is not None:
+        peaks = s.max_lr if isinstance(s.max_lr, list) else [s.max_lr]
+        _check(errors, all(v > 0 and math.isfinite(v) for v in peaks), f"{k}.max_lr",
+               f"must be > 0 (a float, a list per parameter group, or null), got {s.max_lr}")
+    _check(errors, 0 <= s.pct_start <= 1, f"{k}.pct_start", f"must be in [0, 1], got {s.pct_start}")
+    _check(errors, s.anneal_strategy in ("cos", "linear"), f"{k}.anneal_strategy",
+           f"must be 'cos' or 'linear', got {s.anneal_strategy!r}")
+    _check(errors, s.div_factor > 0, f"{k}.div_factor", f"must be > 0, got {s.div_factor}")
+    _check(errors, s.final_div_factor > 0, f"{k}.final_div_factor", f"must be > 0, got {s.final_div_factor}")
+    _check(errors, 0 <= s.min_ratio <= 1, f"{k}.min_ratio", f"must be in [0, 1], got {s.min_ratio}")
+    _check(errors, s.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0, got {s.warmup_steps}")
+    _check(errors, not (s.cycle_momentum and s.name != "onecycle"), f"{k}.cycle_momentum",
+           "needs schedule.name = 'onecycle'")
+    a, k = cfg.auto, f"{p}.auto"
+    _check(errors, a.temperature > 0, f"{k}.temperature", f"must be > 0, got {a.temperature}")
+    _check(errors, 0 <= a.momentum < 1, f"{k}.momentum", f"must be in [0, 1), got {a.momentum}")
+    _check(errors, a.step_size >= 0, f"{k}.step_size", f"must be >= 0, got {a.step_size}")
+    _check(errors, a.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0 (optimizer steps), got {a.warmup_steps}")
+    if isinstance(a.decay, str):
+        _check(errors, a.decay == "auto", f"{k}.decay", f"must be a float in [0, 1) or 'auto', got {a.decay!r}")
+    else:
+        _check(errors, 0 <= a.decay < 1, f"{k}.decay", f"must be in [0, 1) (gamma per sync), got {a.decay}")
+    if a.enabled and s.total_steps is not None:
+        _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
+               f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}")
+        _check(errors, cfg.sync_interval < 1 or a.warmup_steps + cfg.sync_interval <= s.total_steps,
+               f"{k}.warmup_steps", f"leaves no sync after warm-up: warmup_steps ({a.warmup_steps}) + "
+               f"sync_interval ({cfg.sync_interval}) > schedule.total_steps ({s.total_steps})")
+    lg = cfg.logging
+    _check(errors, lg.every >= 1, f"{p}.logging.every", f"must be >= 1, got {lg.every}")
+    _check(errors, lg.wandb.mode in (None, "online", "offline", "disabled"), f"{p}.logging.wandb.mode",
+           f"must be null, 'online', 'offline' or 'disabled', got {lg.wandb.mode!r}")

@@ -1,0 +1,98 @@
+"""Auto-LR: the zero-order hypergradient meta-update (paper Sec. 3.3, Alg. 1).
+
+Pure functions on Python floats / CPU float64 tensors, no collectives: every rank feeds
+them the same all-reduced losses and so computes the same new base values. At sync k::
+
+    L_r   = mean training loss of replica r over the interval
+    s_r   = (mean(L) - L_r) / sigma            (better replica -> larger score)
+    w     = softmax(s)
+    Delta = sum_r w_r h_r - mean_r h_r          (zero-order estimate of -dL/dh)
+    v     <- beta v + (1 - beta) Delta
+    h     <- h (1 - gamma) + lambda v
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hdet_scale.errors import HDETConfigError
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Softmax weights over replicas (length R, sum 1 over the finite replicas) and
+    which replicas had a finite interval loss."""
+
+    weights: list[float]
+    finite: list[bool]
+
+
+def softmax_weights(losses: list[float], temperature: float) -> Weights:
+    """``w = softmax((mean(L) - L) / sigma)`` over the replicas with a finite loss.
+
+    A replica whose loss is NaN or +-inf gets weight 0 and never enters the mean, so it
+    cannot turn the others' weights into NaN. If no replica is finite, all weights are 0.
+
+    Args:
+        losses: interval loss per replica (length R), nats.
+        temperature: sigma > 0, in loss units.
+    """
+    finite = [math.isfinite(x) for x in losses]
+    if not any(finite):
+        return Weights([0.0] * len(losses), finite)
+    kept = torch.tensor([x for x, ok in zip(losses, finite) if ok], dtype=torch.float64)
+    scores = (kept.mean() - kept) / temperature
+    w = torch.softmax(scores, dim=0).tolist()
+    it = iter(w)
+    return Weights([next(it) if ok else 0.0 for ok in finite], finite)
+
+
+def hypergradient(weights: Weights, values: list[float]) -> float:
+    """``Delta = sum_r w_r h_r - mean_r h_r`` (mean over all R replicas).
+
+    Positive when the replicas with larger values did better. A non-finite replica keeps
+    its place in the mean: if the high-LR replica diverged, Delta points down. With no
+    finite replica, Delta is 0 (the base value is left to the decay alone).
+    """
+    if not any(weights.finite):
+        return 0.0
+    return sum(w * h for w, h in zip(weights.weights, values)) - sum(values) / len(values)
+
+
+def meta_update(base: float, velocity: float, delta: float, momentum: float, step_size: float,
+                decay: float) -> tuple[float, float]:
+    """One meta-step: returns ``(new_base, new_velocity)``.
+
+    ``v' = beta v + (1 - beta) Delta``; ``h' = h (1 - gamma) + lambda v'``.
+    """
+    velocity = momentum * velocity + (1.0 - momentum) * delta
+    return base * (1.0 - decay) + step_size * velocity, velocity
+
+
+def derive_decay(start: float, floor: float, num_syncs: int, key: str = "hdet.auto.decay") -> float:
+    """gamma with ``(1 - gamma) ** K == floor / start``: the decay alone brings the base
+    value from ``start`` (at the first meta-update) to the schedule's ``floor`` after the
+    ``K`` remaining syncs.
+
+    The paper's published ``gamma = 1 - exp(-ln(f_div / f_final) / K)`` is negative for
+    torch's OneCycle defaults (div 25, final_div 1e4) and would grow the LR; this is the
+    intended decay (HDET.md, auto-LR step 5).
+
+    Raises:
+        HDETConfigError: gamma outside [0, 1) (floor <= 0, floor > start, K < 1).
+    """
+    if num_syncs < 1:
+        raise HDETConfigError(f"{key}: no sync is left after auto-LR warm-up (K = {num_syncs}); "
+                              "shorten hdet.auto.warmup_steps or hdet.sync_interval")
+    if not (floor > 0 and start > 0):
+        raise HDETConfigError(f"{key}: derived gamma = 1 - (floor/start)^(1/K) is outside [0, 1) because the "
+                              f"schedule floor is {floor} and the start value {start}; give a schedule with "
+                              "a floor > 0 (e.g. schedule.min_ratio > 0) or set hdet.auto.decay in [0, 1)")
+    gamma = 1.0 - (floor / start) ** (1.0 / num_syncs)
+    if not 0 <= gamma < 1:
+        raise HDETConfigError(f"{key}: derived gamma = {gamma:.6g} is outside [0, 1) (floor {floor:.6g} above "
+                              f"start {start:.6g}); set hdet.auto.decay in [0, 1) explicitly")
+    return gamma

@@ -1,0 +1,95 @@
+"""Communication of HDET across real ranks: interval losses and converge.
+
+Everything here runs on an explicit group: the interval-loss vector on the world group,
+converge and gradient sharing on the replica group. Nothing else in the package issues a
+collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.averaging import mean_all_reduce_
+from hdet_scale.topology import Topology
+
+
+class Backend(Protocol):
+    """What HDET needs from a training engine (one file per engine in ``backends/``)."""
+
+    device: torch.device
+
+    def master_tensors(self) -> Sequence[torch.Tensor]: ...  # local tensors the optimizer updates
+    def buffers(self) -> Sequence[torch.Tensor]: ...  # floating buffers to average
+    def refresh(self) -> None: ...  # after converge: working copies <- masters
+    def install_grad_hook(self, hook) -> None: ...  # hook(list[Tensor]) before each optimizer step
+
+
+class DistributedSync:
+    """Interval-loss reduction and converge for one rank of an ``R x S`` world.
+
+    Args:
+        topology: the process groups.
+        backend: the engine adapter.
+        bucket_bytes: converge / gradient bucket size in bytes.
+        gradient_sharing: ``"global"`` installs the gradient hook that averages the local
+            gradient partitions over the replica group before every optimizer step (so
+            every replica applies the mean gradient of all W ranks, paper Sec. 3.1);
+            ``"replica"`` installs nothing.
+    """
+
+    def __init__(self, topology: Topology, backend: Backend, bucket_bytes: int, gradient_sharing: str) -> None:
+        self.topology = topology
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.replicas = topology.replicas
+        self.local_replicas = [topology.replica_index]
+        self._sum: torch.Tensor | float = 0.0
+        self._count = 0
+        if gradient_sharing == "global" and topology.replicas > 1:
+            backend.install_grad_hook(self.share_gradients)
+
+    def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:
+        mean_all_reduce_(grads, self.topology.replica_group, self.bucket_bytes)
+
+    def add_loss(self, loss: Any) -> None:
+        # Kept on the loss' device: no host sync per step.
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().reshape(()).to(torch.float64)
+        self._sum = self._sum + loss
+        self._count += 1
+
+    def interval_losses(self) -> tuple[list[float], list[int]]:
+        """Mean loss of every replica over the interval (mean over its S ranks and
+        steps); NaN for a replica that recorded none. Collective on the world group.
+        Resets the accumulators."""
+        t = torch.zeros(self.replicas, 2, dtype=torch.float64, device=self.backend.device)
+        t[self.topology.replica_index, 0] = self._sum if isinstance(self._sum, torch.Tensor) else float(self._sum)
+        t[self.topology.replica_index, 1] = self._count
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
+        t = t.cpu()
+        self._sum, self._count = 0.0, 0
+        counts = [int(c) for c in t[:, 1].tolist()]
+        losses = [s / c if c > 0 else float("nan") for s, c in zip(t[:, 0].tolist(), counts)]
+        return losses, counts
+
+    def converge(self, finite: list[bool]) -> None:
+        """Average the local masters and buffers over the replica group, leaving out the
+        replicas with a non-finite interval loss (all, if none is finite), then refresh
+        the working copies so the next forward pass sees the averaged weights."""
+        n = sum(finite)
+        keep = finite[self.topology.replica_index] if n else True
+        n = n or self.replicas
+        tensors = list(self.backend.master_tensors()) + list(self.backend.buffers())
+        mean_all_reduce_(tensors, self.topology.replica_group, self.bucket_bytes, contribute=keep, contributors=n)
+        self.backend.refresh()
+
+    def state_dict(self) -> dict:
+        s = self._sum.item() if isinstance(self._sum, torch.Tensor) else float(self._sum)
+        return {"loss_sum": s, "loss_count": self._count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sum = float(state["loss_sum"])
+        self._count = int(state["loss_count"])

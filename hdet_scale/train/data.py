@@ -1,0 +1,485 @@
+"""Byte-level language-modelling data for the reference trainer.
+
+The vocabulary is the 256 byte values, so no tokenizer (and no download) is needed.
+By default the corpus is the ``.py`` source of the Python standard library installed
+on the machine, which every rank of a job can read locally.
+
+Determinism contract
+--------------------
+* :func:`load_corpus` reads files in sorted order and splits them into train and
+  validation by a stable hash of their relative path and ``seed``; the result depends
+  only on the file contents, the arguments, and (for the default corpus) the Python
+  version, never on the rank, the world size or the process RNG state.
+* :class:`ByteBatches` draws window starts from a private :class:`torch.Generator`
+  seeded from ``(seed, step)``. It never touches the global RNG. A step draws the
+  whole *global* batch (``micro_batch_size * world_size`` windows) and each rank takes
+  its own slice, so the global batch of a step is the same for any rank layout.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+import sysconfig
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from hdet_scale.errors import HDETConfigError
+
+__all__ = [
+    "Corpus",
+    "ByteBatches",
+    "default_corpus_files",
+    "load_corpus",
+    "unigram_entropy",
+]
+
+#: Directory names never descended into when collecting the default corpus.
+_STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+)
+
+#: How many leading bytes of a file are checked for NUL when walking a folder.
+_BINARY_SNIFF_BYTES = 8192
+
+#: Separator written between concatenated files.
+_SEPARATOR = b"\n"
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+@dataclass
+class Corpus:
+    """A byte corpus split into train and validation.
+
+    Attributes:
+        train: 1-D ``torch.uint8`` tensor of training bytes (on CPU).
+        val: 1-D ``torch.uint8`` tensor of validation bytes (on CPU).
+        train_files: number of files (or file parts) that contributed to ``train``.
+        val_files: number of files (or file parts) that contributed to ``val``.
+        source: human-readable description of where the bytes came from.
+    """
+
+    train: torch.Tensor
+    val: torch.Tensor
+    train_files: int
+    val_files: int
+    source: str
+
+
+def _stdlib_root() -> pathlib.Path:
+    return pathlib.Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_corpus_files() -> list[pathlib.Path]:
+    """Return the ``.py`` files of this interpreter's standard library.
+
+    The root is ``sysconfig.get_paths()["stdlib"]``. Directories named
+    ``site-packages``, ``dist-packages``, ``test``, ``tests``, ``idlelib``,
+    ``lib2to3`` and ``__pycache__`` (and hidden directories) are skipped.
+
+    Returns:
+        Absolute paths, sorted by their POSIX path relative to the stdlib root, so the
+        order is identical on every rank and machine with the same Python version.
+    """
+    root = _stdlib_root()
+    rels: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [
+            d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith(".")
+        ]
+        rel_dir = pathlib.PurePath(dirpath).relative_to(root)
+        for name in filenames:
+            if name.endswith(".py") and not name.startswith("."):
+                rels.append((rel_dir / name).as_posix())
+    rels.sort()
+    return [root / rel for rel in rels]
+
+
+def _is_binary(path: pathlib.Path) -> bool:
+    with open(path, "rb") as fh:
+        return b"\x00" in fh.read(_BINARY_SNIFF_BYTES)
+
+
+def _folder_files(folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
+    """Regular, non-hidden, non-binary files under ``folder``, sorted by relative path."""
+    found: list[tuple[str, pathlib.Path]] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        rel_dir = pathlib.PurePath(dirpath).relative_to(folder)
+        for name in filenames:
+            if name.startswith("."):
+                continue
+            full = pathlib.Path(dirpath) / name
+            try:
+                if not stat.S_ISREG(os.stat(full).st_mode) or _is_binary(full):
+                    continue
+            except OSError:
+                continue
+            found.append(((rel_dir / name).as_posix(), full))
+    found.sort(key=lambda item: item[0])
+    return found
+
+
+def _collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
+    """Resolve ``data.path`` into ``[(key, file)]`` in concatenation order."""
+    parts = [p.strip() for p in path.split(",") if p.strip()]
+    if not parts:
+        raise HDETConfigError(f"data.path={path!r} names no path")
+    files: list[tuple[str, pathlib.Path]] = []
+    seen: set[pathlib.Path] = set()
+    for index, part in enumerate(parts):
+        p = pathlib.Path(part).expanduser()
+        # Prefix keys with the argument index when several paths are given, so that
+        # equal relative paths under different folders hash differently.
+        prefix = f"{index}:" if len(parts) > 1 else ""
+        if p.is_dir():
+            members = _folder_files(p)
+            if not members:
+                raise HDETConfigError(
+                    f"data.path: folder {part!r} contains no readable non-binary, "
+                    "non-hidden files"
+                )
+            entries = [(prefix + rel, full) for rel, full in members]
+        elif p.is_file():
+            if not os.access(p, os.R_OK):
+                raise HDETConfigError(f"data.path: file {part!r} is not readable")
+            entries = [(prefix + p.name, p)]
+        else:
+            raise HDETConfigError(f"data.path: {part!r} does not exist")
+        for key, full in entries:
+            real = full.resolve()
+            if real not in seen:
+                seen.add(real)
+                files.append((key, full))
+    return files, ",".join(parts)
+
+
+def _hash_unit(key: str, seed: int) -> float:
+    """Stable hash of ``(seed, key)`` mapped to [0, 1)."""
+    return zlib.crc32(f"{seed}\x1f{key}".encode("utf-8", "surrogateescape")) / 2**32
+
+
+def _to_tensor(chunks: list[bytes]) -> torch.Tensor:
+    buf = bytearray(_SEPARATOR.join(chunks))
+    if not buf:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def _fill(files: list[pathlib.Path], budget: int) -> tuple[list[bytes], int]:
+    """Read files in order until ``budget`` bytes (separators included) are reached."""
+    chunks: list[bytes] = []
+    used = 0
+    for full in files:
+        if used >= budget:
+            break
+        try:
+            with open(full, "rb") as fh:
+                raw = fh.read(budget - used + 1)
+        except OSError:
+            continue
+        if not raw:
+            continue
+        sep = len(_SEPARATOR) if chunks else 0
+        room = budget - used - sep
+        if room <= 0:
+            break
+        raw = raw[:room]
+        chunks.append(raw)
+        used += sep + len(raw)
+    return chunks, used
+
+
+def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int) -> Corpus:
+    """Load a byte corpus and split it into train and validation.
+
+    Args:
+        path: ``None`` for the default corpus (:func:`default_corpus_files`);
+            otherwise a text file, a folder (all regular files recursively, sorted by
+            relative path, skipping hidden files/dirs and files with a NUL byte in their
+            first 8 KiB), or several such paths separated by ``,``.
+        val_fraction: fraction in (0, 1) of files (and of the byte budget) that go to
+            validation.
+        max_bytes: total byte budget, > 0. Train gets
+            ``int(max_bytes * (1 - val_fraction))`` bytes at most, validation the rest.
+            Files are read in order only until their split's budget is full (the last
+            one is truncated), so loading a large corpus stays fast.
+        seed: seed of the file split; the same seed gives the same split everywhere.
+
+    With two or more files the split is by file: a file goes to validation when
+    ``crc32(f"{seed}\\x1f{relative_path}") / 2**32 < val_fraction``; if a split would be
+    empty, the file with the smallest (for val) or largest (for train) hash is moved.
+    With a single file, its first ``max_bytes`` bytes are split by position: the last
+    ``val_fraction`` part is validation. Files of one split are concatenated in sorted
+    order with a ``b"\\n"`` separator.
+
+    Returns:
+        A :class:`Corpus` with 1-D ``torch.uint8`` CPU tensors.
+
+    Raises:
+        HDETConfigError: ``data.val_fraction`` not in (0, 1); ``data.max_bytes`` not
+            positive; ``data.path`` missing, unreadable, yielding no files, or yielding
+            an empty train or validation split.
+    """
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not (
+        0.0 < float(val_fraction) < 1.0
+    ):
+        raise HDETConfigError(
+            f"data.val_fraction must be a number in (0, 1) (exclusive); got {val_fraction!r}"
+        )
+    val_fraction = float(val_fraction)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2:
+        raise HDETConfigError(f"data.max_bytes must be an integer >= 2; got {max_bytes!r}")
+
+    if path is None:
+        root = _stdlib_root()
+        listed = default_corpus_files()
+        files = [(f.relative_to(root).as_posix(), f) for f in listed]
+        source = f"python-stdlib:{root}"
+        if not files:
+            raise HDETConfigError(
+                f"data.path is unset and the default corpus (standard library at {root}) "
+                "has no .py files; set data.path to a text file or folder"
+            )
+    else:
+        files, source = _collect(str(path))
+
+    train_budget = max(1, int(max_bytes * (1.0 - val_fraction)))
+    val_budget = max(1, max_bytes - train_budget)
+
+    if len(files) == 1:
+        key, full = files[0]
+        try:
+            with open(full, "rb") as fh:
+                raw = fh.read(max_bytes)
+        except OSError as exc:
+            raise HDETConfigError(f"data.path: cannot read {str(full)!r}: {exc}") from exc
+        if len(raw) < 2:
+            raise HDETConfigError(
+                f"data.path: {source!r} yields {len(raw)} byte(s); need at least 2 to form "
+                "a train and a validation split"
+            )
+        n_val = min(len(raw) - 1, max(1, round(len(raw) * val_fraction)))
+        cut = len(raw) - n_val
+        return Corpus(
+            train=_to_tensor([raw[:cut]]),
+            val=_to_tensor([raw[cut:]]),
+            train_files=1,
+            val_files=1,
+            source=source,
+        )
+
+    hashes = [_hash_unit(key, seed) for key, _ in files]
+    is_val = [h < val_fraction for h in hashes]
+    if not any(is_val):
+        is_val[min(range(len(files)), key=lambda i: (hashes[i], files[i][0]))] = True
+    if all(is_val):
+        is_val[max(range(len(files)), key=lambda i: (hashes[i], files[i][0]))] = False
+
+    train_chunks, _ = _fill([f for (_, f), v in zip(files, is_val) if not v], train_budget)
+    val_chunks, _ = _fill([f for (_, f), v in zip(files, is_val) if v], val_budget)
+    for name, chunks in (("train", train_chunks), ("validation", val_chunks)):
+        if not chunks:
+            raise HDETConfigError(
+                f"data.path: {source!r} yields no readable, non-empty files for the "
+                f"{name} split"
+            )
+    return Corpus(
+        train=_to_tensor(train_chunks),
+        val=_to_tensor(val_chunks),
+        train_files=len(train_chunks),
+        val_files=len(val_chunks),
+        source=source,
+    )
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def unigram_entropy(data: torch.Tensor) -> float:
+    """Entropy, in nats, of the byte histogram (256 bins) of ``data``.
+
+    This is the loss of the best context-free byte predictor, a useful reference for
+    the trainer's loss curve (``ln 256 ~= 5.545`` is the loss of a uniform predictor).
+
+    Args:
+        data: ``torch.uint8`` tensor of any shape (flattened), non-empty.
+
+    Returns:
+        ``-sum_b p_b ln p_b`` over byte values with ``p_b > 0``, as a Python float.
+
+    Raises:
+        ValueError: ``data`` is empty or not ``torch.uint8``.
+    """
+    if data.dtype != torch.uint8:
+        raise ValueError(f"unigram_entropy expects a torch.uint8 tensor; got {data.dtype}")
+    if data.numel() == 0:
+        raise ValueError("unigram_entropy of an empty tensor is undefined")
+    counts = torch.bincount(data.reshape(-1).to(torch.int64), minlength=256).to(torch.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """splitmix64 of ``(seed, step)`` -> non-negative 63-bit generator seed."""
+    mask = (1 << 64) - 1
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) + 0x632BE59BD9B4E019) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+class ByteBatches:
+    """Random fixed-length windows over a byte tensor, sharded deterministically.
+
+    A *window* is ``seq_len + 1`` consecutive bytes starting at ``s`` with
+    ``0 <= s <= len(data) - seq_len - 1``; there are ``len(data) - seq_len`` windows.
+
+    Args:
+        data: 1-D ``torch.uint8`` tensor (CPU), e.g. ``Corpus.train``.
+        seq_len: tokens (bytes) per sequence, > 0 (config key ``data.seq_len``).
+        micro_batch_size: sequences per rank per step, > 0 (``train.micro_batch_size``).
+        seed: data seed; with ``step`` it fully determines the windows.
+        rank: this process's data-parallel rank, ``0 <= rank < world_size``.
+        world_size: number of data-parallel ranks, > 0.
+        key: name of the data set used in error messages (e.g. ``"data.train"``).
+
+    Raises:
+        HDETConfigError: invalid arguments, or the data set is too small for one global
+            batch: ``len(data)`` must be at least
+            ``seq_len + micro_batch_size * world_size`` bytes (``seq_len + 1`` bytes per
+            window and ``micro_batch_size * world_size`` distinct windows). The message
+            names ``data.seq_len`` and ``train.micro_batch_size`` and gives both the
+            needed and the available byte counts.
+    """
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        key: str = "data",
+    ) -> None:
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+            raise HDETConfigError(f"{key}: expected a 1-D torch.uint8 tensor of bytes")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise HDETConfigError(f"data.seq_len must be an integer >= 1; got {seq_len!r}")
+        if (
+            isinstance(micro_batch_size, bool)
+            or not isinstance(micro_batch_size, int)
+            or micro_batch_size < 1
+        ):
+            raise HDETConfigError(
+                f"train.micro_batch_size must be an integer >= 1; got {micro_batch_size!r}"
+            )
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise HDETConfigError(
+                f"{key}: rank={rank} / world_size={world_size} is not a valid layout"
+            )
+        self.data = data.cpu()
+        self.seq_len = seq_len
+        self.micro_batch_size = micro_batch_size
+        self.seed = int(seed)
+        self.rank = rank
+        self.world_size = world_size
+        self.key = key
+
+        n = self.data.numel()
+        global_batch = micro_batch_size * world_size
+        needed = seq_len + global_batch
+        if n < seq_len + 1 or n - seq_len < global_batch:
+            raise HDETConfigError(
+                f"{key}: data set too small for one batch: it has {n} bytes but needs at "
+                f"least {needed} bytes (data.seq_len={seq_len} -> {seq_len + 1} bytes per "
+                f"window, and train.micro_batch_size={micro_batch_size} x "
+                f"world_size={world_size} = {global_batch} distinct windows). Use more "
+                "data (data.path / data.max_bytes) or lower data.seq_len or "
+                "train.micro_batch_size"
+            )
+        self.num_windows = n - seq_len
+        self._offsets = torch.arange(seq_len + 1, dtype=torch.int64)
+
+    def _gather(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[starts.to(torch.int64)[:, None] + self._offsets].to(torch.int64)
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def global_starts(self, step: int) -> torch.Tensor:
+        """Window starts of the whole global batch of ``step``.
+
+        Returns:
+            int64 tensor of shape ``(micro_batch_size * world_size,)``; rank ``r`` uses
+            ``[r * micro_batch_size : (r + 1) * micro_batch_size]``.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0; got {step}")
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(_mix_seed(self.seed, step))
+        return torch.randint(
+            0,
+            self.num_windows,
+            (self.micro_batch_size * self.world_size,),
+            generator=gen,
+            dtype=torch.int64,
+        )
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batch of ``step``.
+
+        Windows are drawn with replacement from a private generator seeded from
+        ``(seed, step)``; the global RNG is neither read nor changed.
+
+        Returns:
+            ``(inputs, targets)``: CPU ``torch.int64`` tensors of shape
+            ``(micro_batch_size, seq_len)`` with byte values in [0, 255];
+            ``targets[:, t] == inputs[:, t + 1]`` for ``t < seq_len - 1`` (targets are
+            the inputs shifted left by one byte). Move them to the device yourself.
+        """
+        starts = self.global_starts(step)
+        mb = self.micro_batch_size
+        return self._gather(starts[self.rank * mb : (self.rank + 1) * mb])
+
+    def eval_batches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Deterministic validation batches over evenly spaced windows.
+
+        ``num_batches * micro_batch_size`` window starts are spread evenly from the
+        first to the last window (``round(i * (num_windows - 1) / (n - 1))``), so the
+        batches cover the whole data set. The list is **identical on every rank** (it
+        ignores ``rank``): either every rank evaluates all of it (each gets the same
+        mean loss, no collective needed), or the caller shards it, e.g.
+        ``batches[rank::world_size]``, and all-reduces the losses.
+
+        Args:
+            num_batches: number of batches, >= 1.
+
+        Returns:
+            List of ``num_batches`` ``(inputs, targets)`` pairs, CPU ``torch.int64``,
+            each of shape ``(micro_batch_size, seq_len)``, targets shifted by one byte.
+        """
+        if num_batches < 1:
+            raise HDETConfigError(
+                f"{self.key}: number of eval batches must be >= 1; got {num_batches}"
+            )
+        n = num_batches * self.micro_batch_size
+        if n == 1:
+            starts = torch.zeros(1, dtype=torch.int64)
+        else:
+            idx = torch.arange(n, dtype=torch.float64)
+            starts = torch.round(idx * (self.num_windows - 1) / (n - 1)).to(torch.int64)
+        inputs, targets = self._gather(starts)
+        mb = self.micro_batch_size
+        return [
+            (inputs[i * mb : (i + 1) * mb], targets[i * mb : (i + 1) * mb])
+            for i in range(num_batches)
+        ]

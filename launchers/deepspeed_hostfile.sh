@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Launch the HDET reference trainer with the `deepspeed` launcher and a hostfile
+# (passwordless ssh + pdsh to every host by default; see DeepSpeed's launcher docs).
+#
+# Usage (from the repository root, with hdet_scale importable on every host):
+#   HOSTFILE=launchers/hostfile launchers/deepspeed_hostfile.sh [CONFIG.yaml] [key=value ...]
+#   NNODES=2 GPUS=8 MASTER_ADDR=worker-1 launchers/deepspeed_hostfile.sh configs/x.yaml
+#
+# Environment:
+#   HOSTFILE     hostfile with lines `<host> slots=<gpus>` (default: launchers/hostfile
+#                next to this script).
+#   NNODES       use the first NNODES hosts (default: all hosts in HOSTFILE).
+#   GPUS         GPUs per node (default: the slots of the first host in HOSTFILE).
+#   MASTER_ADDR  address of the first node (default: inferred by deepspeed).
+#   MASTER_PORT  port (default 29500).
+# Env vars needed on remote hosts (NCCL_*, PYTHONPATH, ...) go in ~/.deepspeed_env or
+# ./.deepspeed_env as KEY=VALUE lines (DeepSpeed exports them via pdsh).
+#
+# `--no_local_rank` stops the launcher from appending `--local_rank=N` to the
+# trainer's arguments (it reads LOCAL_RANK/RANK/WORLD_SIZE from the environment), so
+# the arguments are exactly: [CONFIG.yaml] [key=value ...].
+set -euo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+HOSTFILE="${HOSTFILE:-${SCRIPT_DIR}/hostfile}"
+[[ -f "${HOSTFILE}" ]] || { echo "hostfile not found: ${HOSTFILE}" >&2; exit 2; }
+
+if [[ -z "${NNODES:-}" ]]; then
+  NNODES=$(grep -cEv '^[[:space:]]*(#|$)' "${HOSTFILE}" || true)
+fi
+if [[ -z "${GPUS:-}" ]]; then
+  GPUS=$(awk '!/^[[:space:]]*(#|$)/ { for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) { sub(/^slots=/, "", $i); print $i; exit } }' "${HOSTFILE}")
+fi
+MASTER_PORT="${MASTER_PORT:-29500}"
+
+args=(--hostfile="${HOSTFILE}" --num_nodes "${NNODES}" --num_gpus "${GPUS}"
+      --master_port "${MASTER_PORT}")
+if [[ -n "${MASTER_ADDR:-}" ]]; then
+  args+=(--master_addr "${MASTER_ADDR}")
+fi
+
+exec deepspeed "${args[@]}" --no_local_rank --module hdet_scale.train.cli "$@"

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Launch the HDET reference trainer on SEVERAL nodes with torchrun + c10d rendezvous.
+# Run this same command on every node (e.g. via your scheduler / pdsh / ssh).
+#
+# Usage (from the repository root, or with hdet_scale installed), on each node:
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=node-0 MASTER_PORT=29500 GPUS=8 \
+#     launchers/torchrun_multi_node.sh [CONFIG.yaml] [key=value ...]
+#
+# Environment:
+#   NNODES       number of nodes (required).
+#   NODE_RANK    this node's index in [0, NNODES) (required; with c10d rendezvous the
+#                global ranks are assigned by the rendezvous, NODE_RANK is passed for
+#                logging/consistency).
+#   MASTER_ADDR  hostname/IP of the node that hosts the rendezvous store (required;
+#                must be reachable from all nodes; normally node 0).
+#   MASTER_PORT  free TCP port on MASTER_ADDR (default 29500).
+#   GPUS         processes per node (default: GPUs listed by `nvidia-smi -L`, else 1).
+#   RDZV_ID      rendezvous/job id shared by all nodes (default: hdet-$MASTER_ADDR-$MASTER_PORT).
+#
+# All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`
+# (console script `hdet-train`): an optional YAML config, then key=value overrides.
+set -euo pipefail
+
+: "${NNODES:?set NNODES (number of nodes)}"
+: "${NODE_RANK:?set NODE_RANK (this node index, 0..NNODES-1)}"
+: "${MASTER_ADDR:?set MASTER_ADDR (rendezvous host, usually node 0)}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+RDZV_ID="${RDZV_ID:-hdet-${MASTER_ADDR}-${MASTER_PORT}}"
+
+if [[ -z "${GPUS:-}" ]]; then
+  GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+exec torchrun \
+  --nnodes="${NNODES}" \
+  --node_rank="${NODE_RANK}" \
+  --nproc_per_node="${GPUS}" \
+  --rdzv_backend=c10d \
+  --rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
+  --rdzv_id="${RDZV_ID}" \
+  -m hdet_scale.train.cli "$@"

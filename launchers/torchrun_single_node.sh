@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Launch the HDET reference trainer on ONE node with torchrun (one process per GPU).
+#
+# Usage (from the repository root, or with hdet_scale installed):
+#   GPUS=8 launchers/torchrun_single_node.sh [CONFIG.yaml] [key=value ...]
+#   launchers/torchrun_single_node.sh configs/tiny.yaml train.steps=200
+#
+# Environment:
+#   GPUS   processes (GPUs) on this node; default: number of GPUs `nvidia-smi -L`
+#          lists, or 1 if none are found.
+#   Any other env (NCCL_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) is passed through.
+#
+# All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`
+# (console script `hdet-train`): an optional YAML config, then key=value overrides.
+# torchrun --standalone runs its own local rendezvous, so no MASTER_ADDR/PORT is needed.
+set -euo pipefail
+
+if [[ -z "${GPUS:-}" ]]; then
+  GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+exec torchrun --standalone --nnodes=1 --nproc_per_node="${GPUS}" \
+  -m hdet_scale.train.cli "$@"

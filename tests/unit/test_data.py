@@ -1,0 +1,282 @@
+"""Unit tests for hdet_scale.train.data (byte-level LM data)."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import pytest
+import torch
+
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.data import (
+    ByteBatches,
+    Corpus,
+    default_corpus_files,
+    load_corpus,
+    unigram_entropy,
+)
+
+
+def _u8(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8)
+
+
+def _make_tree(root: pathlib.Path, n: int = 12) -> list[str]:
+    names = []
+    for i in range(n):
+        sub = root / ("a" if i % 2 else "b")
+        sub.mkdir(exist_ok=True)
+        p = sub / f"f{i:02d}.txt"
+        p.write_bytes(f"file {i:02d} ".encode() * 20)
+        names.append(p.relative_to(root).as_posix())
+    (root / ".hidden").write_bytes(b"HIDDEN" * 50)
+    (root / "blob.bin").write_bytes(b"BIN\x00" * 50)
+    return names
+
+
+# ----------------------------------------------------------------- unigram entropy
+
+
+def test_unigram_entropy_uniform_over_four_symbols_is_ln4():
+    data = _u8([0, 1, 2, 3] * 25)
+    assert unigram_entropy(data) == pytest.approx(math.log(4), abs=1e-12)
+
+
+def test_unigram_entropy_single_symbol_is_zero():
+    assert unigram_entropy(_u8([7] * 100)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_unigram_entropy_hand_computed_skewed():
+    # p = (1/2, 1/4, 1/4): H = 0.5 ln 2 + 2 * 0.25 ln 4 = 1.5 ln 2
+    data = _u8([10, 10, 200, 255])
+    assert unigram_entropy(data) == pytest.approx(1.5 * math.log(2), abs=1e-12)
+
+
+def test_unigram_entropy_all_256_values_is_ln256():
+    data = torch.arange(256, dtype=torch.int64).to(torch.uint8).repeat(3)
+    assert unigram_entropy(data) == pytest.approx(math.log(256), abs=1e-12)
+
+
+def test_unigram_entropy_rejects_empty_and_wrong_dtype():
+    with pytest.raises(ValueError):
+        unigram_entropy(torch.empty(0, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        unigram_entropy(torch.zeros(4, dtype=torch.int64))
+
+
+# ----------------------------------------------------------------- corpus
+
+
+def test_default_corpus_files_sorted_and_filtered():
+    files = default_corpus_files()
+    assert len(files) > 50
+    import sysconfig
+
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    rels = [f.relative_to(root).as_posix() for f in files]
+    assert rels == sorted(rels)
+    assert all(r.endswith(".py") for r in rels)
+    banned = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    assert not any(banned & set(r.split("/")[:-1]) for r in rels)
+    assert "os.py" in rels
+
+
+def test_load_default_corpus_budget_and_types():
+    c = load_corpus(None, 0.1, 200_000, seed=0)
+    assert isinstance(c, Corpus)
+    assert c.train.dtype == torch.uint8 and c.train.dim() == 1
+    assert c.val.dtype == torch.uint8 and c.val.dim() == 1
+    assert c.train.numel() == 180_000
+    assert c.val.numel() == 20_000
+    assert c.train_files >= 1 and c.val_files >= 1
+    assert "stdlib" in c.source
+
+
+def test_folder_split_by_file_is_deterministic_and_disjoint(tmp_path):
+    names = _make_tree(tmp_path, n=12)
+    a = load_corpus(str(tmp_path), 0.3, 10**9, seed=5)
+    b = load_corpus(str(tmp_path), 0.3, 10**9, seed=5)
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.train_files + a.val_files == len(names)  # hidden + binary skipped
+    assert a.train_files >= 1 and a.val_files >= 1
+
+    train_text, val_text = bytes(a.train.tolist()), bytes(a.val.tolist())
+    assert b"HIDDEN" not in train_text + val_text
+    assert b"BIN" not in train_text + val_text
+    for i in range(12):
+        tag = f"file {i:02d} ".encode()
+        # every file is in exactly one split
+        assert (tag in train_text) != (tag in val_text)
+    # total = file bytes + one separator between consecutive files of a split
+    file_bytes = 12 * len(b"file 00 ") * 20
+    assert a.train.numel() + a.val.numel() == file_bytes + (a.train_files - 1) + (a.val_files - 1)
+
+
+def test_folder_split_files_concatenated_in_sorted_order(tmp_path):
+    _make_tree(tmp_path, n=12)
+    c = load_corpus(str(tmp_path), 0.3, 10**9, seed=1)
+    text = bytes(c.train.tolist())
+    present = [i for i in range(12) if f"file {i:02d} ".encode() in text]
+    by_position = sorted(present, key=lambda i: text.index(f"file {i:02d} ".encode()))
+    # sorted relative paths: a/f01, a/f03, ..., a/f11, b/f00, b/f02, ..., b/f10
+    sorted_order = list(range(1, 12, 2)) + list(range(0, 12, 2))
+    assert by_position == [i for i in sorted_order if i in present]
+    assert len(present) >= 2
+
+
+def test_split_depends_on_seed(tmp_path):
+    _make_tree(tmp_path, n=12)
+    splits = {
+        bytes(load_corpus(str(tmp_path), 0.5, 10**9, seed=s).val.tolist()) for s in range(6)
+    }
+    assert len(splits) > 1
+
+
+def test_each_split_gets_a_file_even_with_extreme_fraction(tmp_path):
+    (tmp_path / "x.txt").write_bytes(b"x" * 100)
+    (tmp_path / "y.txt").write_bytes(b"y" * 100)
+    for frac in (0.001, 0.999):
+        c = load_corpus(str(tmp_path), frac, 10**9, seed=0)
+        assert c.train_files == 1 and c.val_files == 1
+        assert c.train.numel() == 100 and c.val.numel() == 100
+
+
+def test_single_file_split_by_position(tmp_path):
+    p = tmp_path / "one.txt"
+    p.write_bytes(bytes(range(100)))
+    c = load_corpus(str(p), 0.2, 10**9, seed=0)
+    assert c.train.tolist() == list(range(80))
+    assert c.val.tolist() == list(range(80, 100))
+    c = load_corpus(str(p), 0.2, 50, seed=0)  # max_bytes truncates first
+    assert c.train.tolist() == list(range(40))
+    assert c.val.tolist() == list(range(40, 50))
+
+
+def test_comma_separated_paths(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "p.txt").write_bytes(b"P" * 10)
+    (tmp_path / "q.txt").write_bytes(b"Q" * 10)
+    c = load_corpus(f"{tmp_path / 'd'},{tmp_path / 'q.txt'}", 0.5, 10**9, seed=0)
+    assert c.train_files == 1 and c.val_files == 1
+    assert sorted([c.train.tolist()[0], c.val.tolist()[0]]) == [ord("P"), ord("Q")]
+
+
+def test_budget_stops_adding_files(tmp_path):
+    _make_tree(tmp_path, n=12)
+    c = load_corpus(str(tmp_path), 0.25, 400, seed=0)
+    assert c.train.numel() == 300
+    assert c.val.numel() == 100
+    assert c.train_files == 2 and c.val_files == 1  # 160-byte files + separators
+
+
+def test_missing_path_error_names_key(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(HDETConfigError, match="data.path") as err:
+        load_corpus(str(missing), 0.1, 1000, seed=0)
+    assert str(missing) in str(err.value)
+
+
+def test_folder_without_readable_files_error_names_key(tmp_path):
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01" * 10)
+    (tmp_path / ".hidden").write_text("hi")
+    with pytest.raises(HDETConfigError, match="data.path"):
+        load_corpus(str(tmp_path), 0.1, 1000, seed=0)
+
+
+@pytest.mark.parametrize("frac", [0.0, 1.0, -0.1, 1.5])
+def test_bad_val_fraction_error_names_key(tmp_path, frac):
+    (tmp_path / "x.txt").write_text("hello world")
+    with pytest.raises(HDETConfigError, match="data.val_fraction"):
+        load_corpus(str(tmp_path / "x.txt"), frac, 1000, seed=0)
+
+
+# ----------------------------------------------------------------- batches
+
+
+def _data(n: int = 5000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.int64).to(torch.uint8)
+
+
+def test_batch_shapes_dtypes_and_shift():
+    data = _data()
+    bb = ByteBatches(data, seq_len=16, micro_batch_size=3, seed=0, rank=0, world_size=1)
+    x, y = bb.batch(0)
+    assert x.shape == (3, 16) and y.shape == (3, 16)
+    assert x.dtype == torch.int64 and y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # each row is a contiguous window of the data
+    full = data.to(torch.int64)
+    for row_x, row_y in zip(x, y):
+        window = torch.cat([row_x, row_y[-1:]])
+        starts = [s for s in range(len(full) - 16) if torch.equal(full[s : s + 17], window)]
+        assert starts
+
+
+def test_same_global_batch_regardless_of_world_layout():
+    data = _data()
+    ref = ByteBatches(data, 32, 8, seed=7, rank=0, world_size=1)
+    for step in (0, 1, 17):
+        xr, yr = ref.batch(step)
+        parts = [
+            ByteBatches(data, 32, 2, seed=7, rank=r, world_size=4).batch(step) for r in range(4)
+        ]
+        assert torch.equal(torch.cat([p[0] for p in parts]), xr)
+        assert torch.equal(torch.cat([p[1] for p in parts]), yr)
+        # different ranks get different windows
+        assert not torch.equal(parts[0][0], parts[1][0])
+
+
+def test_batches_deterministic_and_vary_by_step_and_seed():
+    data = _data()
+    a = ByteBatches(data, 16, 4, seed=1, rank=0, world_size=1)
+    b = ByteBatches(data, 16, 4, seed=1, rank=0, world_size=1)
+    c = ByteBatches(data, 16, 4, seed=2, rank=0, world_size=1)
+    assert torch.equal(a.batch(3)[0], b.batch(3)[0])
+    assert torch.equal(a.batch(3)[0], a.batch(3)[0])
+    assert not torch.equal(a.batch(3)[0], a.batch(4)[0])
+    assert not torch.equal(a.batch(3)[0], c.batch(3)[0])
+
+
+def test_batches_do_not_touch_global_rng():
+    data = _data()
+    before = torch.random.get_rng_state()
+    bb = ByteBatches(data, 16, 4, seed=1, rank=1, world_size=2)
+    bb.batch(0)
+    bb.batch(5)
+    bb.eval_batches(3)
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
+def test_eval_batches_cover_data_evenly_and_ignore_rank():
+    data = torch.arange(1000, dtype=torch.int64).remainder(256).to(torch.uint8)
+    bb0 = ByteBatches(data, 10, 2, seed=0, rank=0, world_size=2)
+    bb1 = ByteBatches(data, 10, 2, seed=9, rank=1, world_size=2)
+    e0, e1 = bb0.eval_batches(3), bb1.eval_batches(3)
+    assert len(e0) == 3
+    for (x0, y0), (x1, y1) in zip(e0, e1):
+        assert x0.shape == (2, 10) and x0.dtype == torch.int64
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+        assert torch.equal(x0[:, 1:], y0[:, :-1])
+    starts = [int(x[i, 0]) for x, _ in e0 for i in range(2)]
+    # 6 windows evenly spread over the 990 window starts [0, 989]: 0, 198, ..., 989 (mod 256)
+    expected = [round(i * 989 / 5) % 256 for i in range(6)]
+    assert starts == expected
+
+
+def test_too_small_data_error_names_keys_and_sizes():
+    data = _data(100)
+    with pytest.raises(HDETConfigError) as err:
+        ByteBatches(data, 128, 2, seed=0, rank=0, world_size=1, key="data.train")
+    msg = str(err.value)
+    assert "data.seq_len" in msg and "data.train" in msg
+    assert "100 bytes" in msg and "130" in msg
+    # long enough for one window, not enough distinct windows for the global batch
+    with pytest.raises(HDETConfigError) as err:
+        ByteBatches(_data(40), 32, 4, seed=0, rank=0, world_size=4, key="data.val")
+    msg = str(err.value)
+    assert "train.micro_batch_size" in msg and "data.val" in msg
+    assert "40 bytes" in msg and "48" in msg
+    # exactly enough works
+    ByteBatches(_data(48), 32, 4, seed=0, rank=3, world_size=4).batch(0)
