@@ -49,6 +49,39 @@ def build_schedule(cfg: HDETConfig) -> Schedule:
     return Constant(s.total_steps, s.warmup_steps)
 
 
+def decay_for(cfg: HDETConfig, schedule: Schedule, axis: str, peak: float) -> float:
+    """gamma of one explored (axis, group): ``hdet.auto.decay`` if given, else derived
+    (``controller.derive_decay``) so that the LR base reaches the schedule's floor at the
+    last sync. Axes without a schedule keep their level (gamma 0).
+
+    The first meta-update runs at the first sync at or after ``auto.warmup_steps``
+    (step ``first``), and K counts the syncs from there to ``total_steps`` inclusive.
+
+    Raises:
+        HDETConfigError: a derived gamma outside [0, 1).
+    """
+    auto = cfg.auto
+    if not (auto.enabled and cfg.axis_auto(axis)):
+        return 0.0
+    if not isinstance(auto.decay, str):
+        return float(auto.decay)
+    if axis != "lr":
+        return 0.0
+    T, total = cfg.sync_interval, cfg.schedule.total_steps
+    first = max(math.ceil(auto.warmup_steps / T), 1) * T
+    k_syncs = (total - first) // T + 1 if first <= total else 0
+    return ctl.derive_decay(schedule.value(min(first, total), peak), schedule.floor(peak), k_syncs)
+
+
+def check_config(cfg: HDETConfig) -> None:
+    """Checks that need the schedule (the derived decay) without an optimizer: the
+    ratio floor/start does not depend on the peak, so peak 1.0 stands for every group.
+    Pure; raises HDETConfigError."""
+    schedule = build_schedule(cfg)
+    for axis in cfg.axes:
+        decay_for(cfg, schedule, axis, 1.0)
+
+
 class HDETScheduler:
     """Sets every replica's hyperparameters each optimizer step and runs the sync.
 
@@ -58,7 +91,10 @@ class HDETScheduler:
             process drives (one entry on a real rank; R in the simulator). Groups must
             have ``"lr"`` (and ``"weight_decay"`` when that axis is explored).
         sync: communication object; may be attached later with :meth:`attach`.
-        log: optional callable receiving metric records (dicts) on the logging rank.
+        logger: optional :class:`~hdet_scale.logging.MetricsLogger` (enabled on global
+            rank 0 only): a record at every sync, and every ``logging.every`` steps the
+            step's loss (this rank's) and every replica's values, merged with
+            ``self.extra`` (e.g. the trainer's tokens/s).
 
     Units: ``step`` counts optimizer steps (never micro-batches); ``sync_interval`` and
     ``auto.warmup_steps`` likewise. Raises HDETConfigError for a parameter-group index
@@ -66,14 +102,15 @@ class HDETScheduler:
     """
 
     def __init__(self, config: HDETConfig, param_groups: dict[int, list[dict]], sync: Sync | None = None,
-                 log: Callable[[dict], None] | None = None) -> None:
+                 logger: Any = None) -> None:
         self.config = config
         self.replicas = config.replicas
         self.param_groups = param_groups
         self.schedule = build_schedule(config)
         self.total_steps = config.schedule.total_steps
         self.sync_obj = sync
-        self.log = log
+        self.logger = logger
+        self.extra: dict[str, Any] = {}
         groups = next(iter(param_groups.values()))
         self.num_groups = len(groups)
         self.peaks = self._peaks(groups)
@@ -113,20 +150,7 @@ class HDETScheduler:
         return out
 
     def _decays(self) -> dict[tuple[str, int], float]:
-        auto = self.config.auto
-        if not isinstance(auto.decay, str):
-            return {k: float(auto.decay) for k in self.explored}
-        T = self.config.sync_interval
-        first = max(math.ceil(auto.warmup_steps / T), 1) * T  # step of the first meta-update
-        k_syncs = (self.total_steps - first) // T + 1 if first <= self.total_steps else 0
-        out = {}
-        for a, g in self.explored:
-            if a == "lr" and auto.enabled and self.config.axis_auto(a):
-                start = self.schedule.value(min(first, self.total_steps), self.peaks[g])
-                out[(a, g)] = ctl.derive_decay(start, self.schedule.floor(self.peaks[g]), k_syncs)
-            else:
-                out[(a, g)] = 0.0  # an axis without a schedule keeps its level
-        return out
+        return {(a, g): decay_for(self.config, self.schedule, a, self.peaks[g]) for a, g in self.explored}
 
     def attach(self, sync: Sync) -> None:
         self.sync_obj = sync
@@ -186,6 +210,10 @@ class HDETScheduler:
         if loss is not None:
             self.sync_obj.add_loss(loss)
         self.step_count += 1
+        if self.logger is not None and self.logger.enabled and self.step_count % self.config.logging.every == 0:
+            record = {"hdet/loss": float(loss) if loss is not None else None, **self.replica_record(), **self.extra}
+            self.logger.log(record, step=self.step_count)
+        self.extra = {}
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
         self._apply()
@@ -203,6 +231,7 @@ class HDETScheduler:
                                   "hdet/converge_s": converge_s}
         for r, x in enumerate(losses):
             record[f"hdet/loss/replica_{r}"] = x
+        record.update(self.replica_record())  # the values the interval ran with
         if not all(finite):
             record["hdet/nonfinite_replicas"] = [r for r, ok in enumerate(finite) if not ok]
         auto = self.config.auto
@@ -231,9 +260,15 @@ class HDETScheduler:
             for g in range(self.num_groups):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
         self.last_sync = record
-        if self.log is not None:
-            self.log(record)
+        if self.logger is not None:
+            self.logger.log(record, step=self.step_count)
         return record
+
+    def converge(self) -> None:
+        """Average the replicas now (every rank must call it), without a meta-update,
+        a new permutation or touching the interval's losses: e.g. to end a run with
+        one model. The next forward pass uses the averaged weights."""
+        self.sync_obj.converge([True] * self.replicas)
 
     def _start_value(self, axis: str, group: int) -> float:
         if axis == "lr":

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.config import HDETConfig
-from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.ensemble import HDETScheduler, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
@@ -156,13 +156,18 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
             ds["train_batch_size"] = tbs // cfg.replicas
     if errors:
         raise HDETConfigError("invalid DeepSpeed config for hdet:\n  " + "\n  ".join(errors))
+    if cfg.enabled:
+        check_config(cfg)
     return cfg, ds
 
 
 def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None, model_parameters: Any = None,
-               training_data: Any = None, collate_fn: Any = None, log: Callable[[dict], None] | None = None,
+               training_data: Any = None, collate_fn: Any = None, logger: Any = None,
                dist_backend: str | None = None, **kwargs: Any):
     """``deepspeed.initialize`` with HDET set up from the config's ``"hdet"`` block.
+
+    ``logger``: a :class:`~hdet_scale.logging.MetricsLogger`; by default one is built
+    from ``hdet.logging`` (global rank 0 writes).
 
     Returns ``(engine, optimizer, dataloader, scheduler)`` like DeepSpeed; the scheduler is
     an :class:`~hdet_scale.ensemble.HDETScheduler` (also ``engine.lr_scheduler``), driven
@@ -189,10 +194,14 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
         deepspeed.init_distributed(dist_backend=backend)
     from deepspeed.accelerator import get_accelerator
     topology = Topology(cfg.replicas, device_type=get_accelerator().device_name())
+    if logger is None and (cfg.logging.jsonl or cfg.logging.wandb.enabled):
+        from hdet_scale.logging import MetricsLogger
+        logger = MetricsLogger(cfg.logging.jsonl, cfg.logging.wandb, {"hdet": cfg.to_dict(), "deepspeed": ds},
+                               enabled=topology.rank == 0)
     holder: dict[str, HDETScheduler] = {}
 
     def make_scheduler(opt: torch.optim.Optimizer) -> HDETScheduler:
-        holder["s"] = HDETScheduler(cfg, {topology.replica_index: opt.param_groups}, log=log)
+        holder["s"] = HDETScheduler(cfg, {topology.replica_index: opt.param_groups}, logger=logger)
         return holder["s"]
 
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,

@@ -1,0 +1,123 @@
+"""The trainer's run config: packaged YAML defaults, a user YAML, ``key=value`` overrides.
+
+Merged with OmegaConf against a structured schema, so an unknown or mistyped key is an
+error naming it. The ``deepspeed`` section is the DeepSpeed JSON (``deepspeed_config``)
+with overrides merged on top; its ``hdet`` block is validated by ``HDETConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.model import ModelConfig
+
+BACKENDS = ("deepspeed",)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None
+    val_fraction: float = 0.1
+    max_bytes: int = 4_000_000
+    seq_len: int = 128
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    eval_batches: int = 16
+    checkpoint: bool = True
+    resume: bool = False
+    progress: bool = True
+
+
+@dataclass
+class WandbRunConfig:
+    enabled: bool = True
+    project: str = "hdet-scale"
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
+    mode: str | None = None
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/default"
+    seed: int = 0
+    backend: str = "deepspeed"
+    nproc: int = 4
+    deepspeed_config: str | None = None
+    deepspeed: Any = field(default_factory=dict)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbRunConfig = field(default_factory=WandbRunConfig)
+
+
+def packaged(name: str) -> str:
+    return str(resources.files("hdet_scale.train") / "configs" / name)
+
+
+def load_run_config(path: str | None, overrides: list[str]) -> dict:
+    """Resolve the run config to a plain dict (``deepspeed`` fully merged).
+
+    Raises:
+        HDETConfigError: unknown key, wrong type, unreadable file, or invalid value.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(packaged("default.yaml")))
+        if path is not None:
+            if not os.path.exists(path):
+                raise HDETConfigError(f"config file {path!r} does not exist")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise HDETConfigError(f"overrides must be key=value, got {bad}")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise HDETConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e}" if key else str(e)) from None
+    run = OmegaConf.to_container(cfg, resolve=True)
+    ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
+    if not os.path.exists(ds_path):
+        raise HDETConfigError(f"deepspeed_config: file {ds_path!r} does not exist")
+    with open(ds_path) as f:
+        ds = json.load(f)
+    run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, run["deepspeed"] or {}), resolve=True)
+    _validate(run)
+    return run
+
+
+def _validate(run: dict) -> None:
+    errors = []
+    if run["backend"] not in BACKENDS:
+        errors.append(f"backend: must be one of {', '.join(BACKENDS)}, got {run['backend']!r}")
+    if run["nproc"] < 1:
+        errors.append(f"nproc: must be >= 1, got {run['nproc']}")
+    t, d = run["train"], run["data"]
+    if t["steps"] < 1:
+        errors.append(f"train.steps: must be >= 1 (optimizer steps), got {t['steps']}")
+    if t["eval_batches"] < 1:
+        errors.append(f"train.eval_batches: must be >= 1, got {t['eval_batches']}")
+    if d["seq_len"] < 1 or d["seq_len"] > run["model"]["max_seq_len"]:
+        errors.append(f"data.seq_len: must be in [1, model.max_seq_len={run['model']['max_seq_len']}], "
+                      f"got {d['seq_len']}")
+    if errors:
+        raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
+    ModelConfig(**run["model"]).validate()
+    hdet = run["deepspeed"].setdefault("hdet", {})
+    sched = hdet.setdefault("schedule", {})
+    if sched.get("total_steps") is None:
+        sched["total_steps"] = t["steps"]
+    elif sched["total_steps"] < t["steps"]:
+        raise HDETConfigError(f"deepspeed.hdet.schedule.total_steps: {sched['total_steps']} is shorter than "
+                              f"train.steps={t['steps']}")

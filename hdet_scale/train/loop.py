@@ -1,0 +1,140 @@
+"""The reference training loop, one rank: a user of the public API like any other.
+
+Flow: validate everything (no communication) -> ``hdet_scale.initialize`` -> train with
+``engine.step(lr_kwargs={"loss": loss})`` -> final converge -> validation loss ->
+checkpoint and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.backends.deepspeed import initialize, load_checkpoint, prepare_config, save_checkpoint
+from hdet_scale.config import WandbConfig
+from hdet_scale.logging import MetricsLogger
+from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
+from hdet_scale.train.model import ModelConfig, build_model, loss_fn, param_count
+
+
+def validate(run: dict, world_size: int):
+    """All checks that can fail on bad input, before any collective; identical on every
+    rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError."""
+    hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+    d = run["data"]
+    corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
+    micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
+    ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], 0, world_size)
+    ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1)
+    return hcfg, corpus
+
+
+def _quiet_deepspeed() -> None:
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@torch.no_grad()
+def evaluate(engine: Any, batches: list, rank: int, world: int) -> float:
+    """Mean validation loss (nats per byte) over ``batches``; ``len(batches)`` must be a
+    multiple of ``world``: every rank runs the same number of forwards (ZeRO-3 gathers
+    weights collectively inside each forward)."""
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    per_rank = len(batches) // world
+    for inputs, targets in batches[rank * per_rank:(rank + 1) * per_rank]:
+        total[0] += loss_fn(engine, inputs, targets).double() * inputs.numel()
+        total[1] += inputs.numel()
+    dist.all_reduce(total, group=dist.group.WORLD)
+    engine.train()
+    return (total[0] / total[1]).item()
+
+
+def train(run: dict) -> dict:
+    """Train one rank of the run described by ``run`` (see ``load_run_config``).
+    Returns the summary (on every rank); rank 0 writes it to ``run_dir/summary.json``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    hcfg, corpus = validate(run, world)
+    _quiet_deepspeed()
+    run_dir = run["run_dir"]
+    os.makedirs(run_dir, exist_ok=True)
+    w = run["wandb"]
+    wandb_cfg = WandbConfig(enabled=w["enabled"], project=w["project"], entity=w["entity"],
+                            group=w["group"] or os.path.basename(os.path.abspath(run_dir)),
+                            name=w["name"] or os.path.basename(os.path.abspath(run_dir)), mode=w["mode"],
+                            dir=run_dir)
+    logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0)
+    model = build_model(ModelConfig(**run["model"]))
+    engine, _, _, sched = initialize(model, run["deepspeed"], logger=logger)
+    topo = sched.topology
+    d = run["data"]
+    micro = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
+    batches = ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], rank, world)
+    ckpt = os.path.join(run_dir, "checkpoint")
+    if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
+        load_checkpoint(engine, sched, ckpt)
+    steps = run["train"]["steps"]
+    tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks
+    bar = None
+    if rank == 0 and run["train"]["progress"]:
+        from tqdm import tqdm
+        bar = tqdm(total=steps, initial=sched.step_count, desc="hdet-train", unit="step", dynamic_ncols=True)
+    t_start = time.perf_counter()
+    start_step = sched.step_count
+    t_last = t_start
+    loss = torch.tensor(float("nan"))
+    while sched.step_count < steps:
+        step = sched.step_count
+        for micro_step in range(gas):
+            inputs, targets = batches.batch(step * gas + micro_step)
+            loss = loss_fn(engine, inputs, targets)
+            engine.backward(loss)
+        now = time.perf_counter()
+        sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9)}
+        t_last = now
+        engine.step(lr_kwargs={"loss": loss.detach()})
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t_start
+    if sched.step_count % hcfg.sync_interval != 0:
+        sched.converge()  # end with one model: the replicas' average
+    per_rank = max(1, run["train"]["eval_batches"] // world)
+    val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
+    val_loss = evaluate(engine, val_batches, rank, world)
+    if run["train"]["checkpoint"]:
+        save_checkpoint(engine, sched, ckpt)
+    summary = {
+        "val_loss": val_loss,
+        "val_ppl": math.exp(val_loss),
+        "unigram_entropy": unigram_entropy(corpus.val),
+        "steps": sched.step_count,
+        "world_size": world,
+        "replicas": topo.replicas,
+        "shard_size": topo.shard_size,
+        "tokens_per_s": tokens_per_step * (sched.step_count - start_step) / wall,
+        "wall_s": wall,
+        "params": param_count(engine.module),
+        "final_train_loss": float(loss.item()),
+        "train_bytes": int(corpus.train.numel()),
+        "val_bytes": int(corpus.val.numel()),
+        "data_source": corpus.source,
+    }
+    if rank == 0:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        logger.summary(summary)
+    logger.close()
+    dist.barrier(group=dist.group.WORLD)
+    return summary

@@ -1,0 +1,275 @@
+"""Unit tests for hdet_scale.config (HDETConfig.from_dict validation) and the pure
+layout arithmetic of hdet_scale.topology.Layout."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from hdet_scale.config import AxisConfig, HDETConfig
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.topology import Layout
+
+VALID = {
+    "enabled": True,
+    "replicas": 4,
+    "sync_interval": 100,
+    "gradient_sharing": "replica",
+    "seed": 1234,
+    "bucket_mb": 50,
+    "axes": {
+        "lr": {"spread_ratio": 1 / 9},
+        "weight_decay": {"spread_ratio": 0.05, "kind": "additive", "groups": [0]},
+    },
+    "schedule": {"name": "onecycle", "total_steps": 5000, "max_lr": [3e-4, 1e-4], "pct_start": 0.25,
+                 "anneal_strategy": "linear", "div_factor": 10, "final_div_factor": 1000.0,
+                 "three_phase": True, "cycle_momentum": True},
+    "auto": {"enabled": True, "warmup_steps": 1000, "temperature": 0.002, "momentum": 0.9,
+             "step_size": 0.5, "decay": "auto"},
+    "logging": {"jsonl": "/tmp/m.jsonl", "every": 10, "wandb": {"enabled": False, "mode": "offline"}},
+}
+
+
+def _bad(**patch) -> dict:
+    """VALID with nested keys replaced: _bad(**{"auto.decay": 1.0})."""
+    d = copy.deepcopy(VALID)
+    for dotted, value in patch.items():
+        node = d
+        *path, last = dotted.split(".")
+        for k in path:
+            node = node[k]
+        node[last] = value
+    return d
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(HDETConfigError) as e:
+        HDETConfig.from_dict(data)
+    return str(e.value)
+
+
+def test_valid_block_parses():
+    cfg = HDETConfig.from_dict(VALID)
+    assert cfg.replicas == 4 and cfg.sync_interval == 100 and cfg.gradient_sharing == "replica"
+    assert cfg.seed == 1234
+    assert cfg.bucket_mb == 50.0 and isinstance(cfg.bucket_mb, float)
+    assert set(cfg.axes) == {"lr", "weight_decay"}
+    assert isinstance(cfg.axes["lr"], AxisConfig)
+    assert cfg.axes["lr"].spread_ratio == 1 / 9 and cfg.axes["lr"].kind == "multiplicative"
+    assert cfg.axes["weight_decay"].kind == "additive" and cfg.axes["weight_decay"].groups == [0]
+    assert cfg.axis_auto("lr") is True and cfg.axis_auto("weight_decay") is False
+    s = cfg.schedule
+    assert (s.name, s.total_steps, s.max_lr, s.pct_start) == ("onecycle", 5000, [3e-4, 1e-4], 0.25)
+    assert s.div_factor == 10.0 and isinstance(s.div_factor, float)
+    assert s.three_phase is True and s.cycle_momentum is True and s.anneal_strategy == "linear"
+    a = cfg.auto
+    assert (a.enabled, a.warmup_steps, a.temperature, a.momentum, a.step_size, a.decay) == \
+        (True, 1000, 0.002, 0.9, 0.5, "auto")
+    assert cfg.logging.every == 10 and cfg.logging.wandb.mode == "offline"
+    # round trip
+    assert HDETConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_minimal_block_defaults():
+    cfg = HDETConfig.from_dict({"schedule": {"total_steps": 10}})
+    assert cfg.replicas == 1 and cfg.sync_interval == 1000 and cfg.gradient_sharing == "global"
+    assert set(cfg.axes) == {"lr"} and cfg.axes["lr"].spread_ratio == 0.0
+    assert cfg.auto.enabled is False and cfg.auto.decay == "auto"
+
+
+def test_missing_total_steps_is_reported():
+    msg = _error({})
+    assert "hdet.schedule.total_steps" in msg and ">= 1" in msg
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.5, 9.0])
+def test_spread_ratio_at_least_one_on_multiplicative_axis(ratio):
+    msg = _error(_bad(**{"axes.lr.spread_ratio": ratio}))
+    assert "hdet.axes.lr.spread_ratio" in msg
+    assert "[0, 1)" in msg
+
+
+def test_spread_ratio_on_additive_axis_may_exceed_one_but_not_be_negative():
+    HDETConfig.from_dict(_bad(**{"axes.weight_decay.spread_ratio": 1.5}))
+    msg = _error(_bad(**{"axes.weight_decay.spread_ratio": -0.1}))
+    assert "hdet.axes.weight_decay.spread_ratio" in msg and ">= 0" in msg
+
+
+def test_multiplicative_weight_decay_spread_ratio_above_one_rejected():
+    msg = _error(_bad(**{"axes.weight_decay": {"spread_ratio": 1.0}}))
+    assert "hdet.axes.weight_decay.spread_ratio" in msg
+
+
+@pytest.mark.parametrize("t", [0, -5])
+def test_sync_interval_not_positive(t):
+    msg = _error(_bad(sync_interval=t))
+    assert "hdet.sync_interval" in msg and ">= 1" in msg and str(t) in msg
+
+
+def test_unknown_top_level_key_lists_valid_keys():
+    msg = _error(_bad(sync_every=10))
+    assert "hdet.sync_every" in msg and "unknown key" in msg
+    for k in ("enabled", "replicas", "sync_interval", "gradient_sharing", "seed", "bucket_mb", "axes",
+              "schedule", "auto", "logging"):
+        assert k in msg.split("valid keys:")[1]
+
+
+def test_unknown_nested_key():
+    msg = _error(_bad(**{"schedule.warmup": 3}))
+    assert "hdet.schedule.warmup" in msg and "valid keys" in msg and "warmup_steps" in msg
+
+
+def test_unknown_axis_name():
+    msg = _error(_bad(**{"axes.dropout": {"spread_ratio": 0.1}}))
+    assert "hdet.axes.dropout" in msg and "unknown axis" in msg
+    assert "lr" in msg and "weight_decay" in msg
+
+
+def test_unknown_key_inside_axis():
+    msg = _error(_bad(**{"axes.lr.spread": 0.1}))
+    assert "hdet.axes.lr.spread" in msg and "spread_ratio" in msg
+
+
+@pytest.mark.parametrize("warm", [5000, 6000])
+def test_auto_warmup_not_shorter_than_run(warm):
+    msg = _error(_bad(**{"auto.warmup_steps": warm}))
+    assert "hdet.auto.warmup_steps" in msg and "total_steps" in msg and "5000" in msg
+
+
+def test_auto_warmup_leaving_no_sync():
+    msg = _error(_bad(**{"auto.warmup_steps": 4950}))  # 4950 + 100 > 5000
+    assert "hdet.auto.warmup_steps" in msg and "no sync" in msg
+
+
+def test_auto_warmup_ignored_when_auto_disabled():
+    HDETConfig.from_dict(_bad(**{"auto.warmup_steps": 9000, "auto.enabled": False}))
+
+
+@pytest.mark.parametrize("decay", [1.0, 1.5, -0.01])
+def test_auto_decay_outside_unit_interval(decay):
+    msg = _error(_bad(**{"auto.decay": decay}))
+    assert "hdet.auto.decay" in msg and "[0, 1)" in msg
+
+
+def test_auto_decay_bad_string():
+    msg = _error(_bad(**{"auto.decay": "fast"}))
+    assert "hdet.auto.decay" in msg and "'auto'" in msg
+
+
+def test_auto_decay_explicit_float_ok():
+    assert HDETConfig.from_dict(_bad(**{"auto.decay": 0.0})).auto.decay == 0.0
+    assert HDETConfig.from_dict(_bad(**{"auto.decay": 0.05})).auto.decay == 0.05
+
+
+@pytest.mark.parametrize("key,value", [("replicas", "4"), ("sync_interval", "100"), ("replicas", 2.0),
+                                       ("replicas", True), ("schedule.total_steps", "5000"),
+                                       ("auto.warmup_steps", 10.5)])
+def test_wrong_type(key, value):
+    msg = _error(_bad(**{key: value}))
+    assert f"hdet.{key}: expected" in msg and "int" in msg and repr(value) in msg
+
+
+def test_wrong_type_for_float_and_bool():
+    msg = _error(_bad(**{"auto.temperature": "0.1", "schedule.three_phase": 1}))
+    assert "hdet.auto.temperature: expected float" in msg
+    assert "hdet.schedule.three_phase: expected bool" in msg
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("gradient_sharing", "all", ["global", "replica"]),
+    ("schedule.name", "step", ["onecycle", "cosine", "constant"]),
+    ("schedule.anneal_strategy", "exp", ["cos", "linear"]),
+    ("axes.lr.kind", "additive", ["multiplicative"]),
+    ("axes.weight_decay.kind", "log", ["multiplicative", "additive"]),
+    ("logging.wandb.mode", "cloud", ["online", "offline", "disabled"]),
+])
+def test_enumerated_values_name_key_and_allowed_values(key, value, allowed):
+    msg = _error(_bad(**{key: value}))
+    assert f"hdet.{key}" in msg
+    for a in allowed:
+        assert a in msg
+
+
+@pytest.mark.parametrize("key,value", [("auto.temperature", 0.0), ("auto.momentum", 1.0),
+                                       ("auto.step_size", -1.0), ("schedule.pct_start", 1.5),
+                                       ("schedule.max_lr", [3e-4, -1.0]), ("schedule.max_lr", 0.0),
+                                       ("bucket_mb", 0), ("logging.every", 0), ("replicas", 0),
+                                       ("axes.weight_decay.groups", []), ("axes.weight_decay.groups", [-1])])
+def test_out_of_range_values(key, value):
+    msg = _error(_bad(**{key: value}))
+    assert f"hdet.{key}" in msg
+
+
+def test_cycle_momentum_needs_onecycle():
+    msg = _error(_bad(**{"schedule.name": "cosine"}))
+    assert "hdet.schedule.cycle_momentum" in msg and "onecycle" in msg
+
+
+def test_several_errors_reported_in_one_message():
+    data = _bad(**{"sync_interval": 0, "axes.lr.spread_ratio": 1.2, "auto.decay": 2.0, "replicas": "x",
+                   "bogus": 1, "axes.dropout": {}})
+    msg = _error(data)
+    for key in ("hdet.sync_interval", "hdet.axes.lr.spread_ratio", "hdet.auto.decay", "hdet.replicas",
+                "hdet.bogus", "hdet.axes.dropout"):
+        assert key in msg, key
+    assert msg.count("\n") >= 6
+
+
+def test_not_a_mapping():
+    assert "hdet: expected an object" in _error([1, 2])
+    assert "hdet.axes" in _error(_bad(axes=[1]))
+
+
+# ---- Layout ------------------------------------------------------------------------------
+
+def test_layout_not_dividing_world_names_key_and_divisors():
+    with pytest.raises(HDETConfigError) as e:
+        Layout(world_size=6, replicas=4)
+    msg = str(e.value)
+    assert "hdet.replicas" in msg
+    assert "[1, 2, 3, 6]" in msg
+
+
+def test_layout_zero_replicas_rejected():
+    with pytest.raises(HDETConfigError, match="hdet.replicas"):
+        Layout(world_size=8, replicas=0)
+
+
+def test_layout_rank_out_of_world():
+    with pytest.raises(ValueError):
+        Layout(8, 2, rank=8)
+
+
+def test_layout_8_by_2_rank_5():
+    lay = Layout(8, 2, rank=5)
+    assert lay.shard_size == 4
+    assert lay.replica_index == 1
+    assert lay.shard_index == 1
+    assert lay.replica_group_ranks() == [1, 5]
+    assert lay.shard_group_ranks() == [4, 5, 6, 7]
+    assert lay.shard_group_ranks(0) == [0, 1, 2, 3]
+    assert lay.replica_group_ranks(3) == [3, 7]
+
+
+@pytest.mark.parametrize("W,R", [(8, 1), (8, 2), (8, 4), (8, 8), (6, 3), (12, 4)])
+def test_layout_groups_partition_the_world(W, R):
+    S = W // R
+    replica_groups, shard_groups = set(), set()
+    for rank in range(W):
+        lay = Layout(W, R, rank)
+        assert lay.shard_size == S
+        assert rank == lay.replica_index * S + lay.shard_index
+        assert rank in lay.replica_group_ranks() and rank in lay.shard_group_ranks()
+        assert len(lay.replica_group_ranks()) == R and len(lay.shard_group_ranks()) == S
+        replica_groups.add(tuple(lay.replica_group_ranks()))
+        shard_groups.add(tuple(lay.shard_group_ranks()))
+    assert sorted(r for g in replica_groups for r in g) == list(range(W))
+    assert sorted(r for g in shard_groups for r in g) == list(range(W))
+    assert len(replica_groups) == S and len(shard_groups) == R
+
+
+def test_layout_describe():
+    text = Layout(4, 2).describe()
+    assert "4 = 2 replicas x 2 shards" in text
+    assert "[0, 1]" in text and "[2, 3]" in text and "[0, 2]" in text and "[1, 3]" in text
