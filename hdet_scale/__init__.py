@@ -1,4 +1,38 @@
 """hdet_scale: Hyperparameter-Divergent Ensemble Training (HDET, arXiv 2604.24708) for
-DeepSpeed ZeRO-3 and PyTorch FSDP2."""
+DeepSpeed ZeRO-3.
+
+Public API: :func:`initialize` (``deepspeed.initialize`` with HDET),
+:func:`save_checkpoint` / :func:`load_checkpoint`, :class:`HDETScheduler`,
+:class:`HDETConfig`. DeepSpeed is imported only when ``initialize`` is called.
+"""
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETConfigError, HDETStateError
 
 __version__ = "0.1.0"
+
+
+def initialize(*args, **kwargs):
+    """See :func:`hdet_scale.backends.deepspeed.initialize`."""
+    from hdet_scale.backends.deepspeed import initialize as _initialize
+
+    return _initialize(*args, **kwargs)
+
+
+def save_checkpoint(*args, **kwargs):
+    """See :func:`hdet_scale.backends.deepspeed.save_checkpoint`."""
+    from hdet_scale.backends.deepspeed import save_checkpoint as _save
+
+    return _save(*args, **kwargs)
+
+
+def load_checkpoint(*args, **kwargs):
+    """See :func:`hdet_scale.backends.deepspeed.load_checkpoint`."""
+    from hdet_scale.backends.deepspeed import load_checkpoint as _load
+
+    return _load(*args, **kwargs)
+
+
+__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "initialize",
+           "load_checkpoint", "save_checkpoint"]

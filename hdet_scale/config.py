@@ -130,6 +130,8 @@ class HDETConfig:
         """Parse and validate a block. Raises HDETConfigError listing every problem."""
         errors: list[str] = []
         cfg = _parse(cls, data, prefix, errors)
+        # The LR follows the base schedule even when only another axis is explored.
+        cfg.axes.setdefault("lr", AxisConfig())
         _validate(cfg, prefix, errors)
         if errors:
             raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))
@@ -239,6 +241,14 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         _check(errors, all(v > 0 and math.isfinite(v) for v in peaks), f"{k}.max_lr",
                f"must be > 0 (a float, a list per parameter group, or null), got {s.max_lr}")
     _check(errors, 0 <= s.pct_start <= 1, f"{k}.pct_start", f"must be in [0, 1], got {s.pct_start}")
+    if s.name == "onecycle" and s.total_steps is not None and s.total_steps >= 1:
+        # Same phase ends as OneCycleLR; a zero-length phase divides by zero there too.
+        n, pc = s.total_steps, s.pct_start
+        ends = [0.0, float(pc * n) - 1] + ([float(2 * pc * n) - 2] if s.three_phase else []) + [n - 1]
+        _check(errors, all(b > a for a, b in zip(ends, ends[1:])), f"{k}.pct_start",
+               f"gives a OneCycle phase of zero or negative length with total_steps={n} "
+               f"(phase ends {ends[1:]}); need 1 < pct_start * total_steps"
+               + (" and 2 * pct_start * total_steps - 1 < total_steps" if s.three_phase else " < total_steps"))
     _check(errors, s.anneal_strategy in ("cos", "linear"), f"{k}.anneal_strategy",
            f"must be 'cos' or 'linear', got {s.anneal_strategy!r}")
     _check(errors, s.div_factor > 0, f"{k}.div_factor", f"must be > 0, got {s.div_factor}")

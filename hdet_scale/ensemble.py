@@ -115,7 +115,13 @@ class HDETScheduler:
         self.num_groups = len(groups)
         self.peaks = self._peaks(groups)
         self.explored = self._explored()  # (axis, group) pairs with a spread
+        for a in config.axes:
+            for g, grp in enumerate(groups):
+                if a not in grp:
+                    raise HDETConfigError(f"hdet.axes.{a}: parameter group {g} has no '{a}' "
+                                          f"(keys: {sorted(k for k in grp if k != 'params')})")
         self.initial = {(a, g): float(groups[g][a]) for a in config.axes for g in range(self.num_groups)}
+        self.applied: dict[tuple[str, int], list[float]] = {}  # values of the current step
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0
         self.sync_count = 0
@@ -183,6 +189,7 @@ class HDETScheduler:
         for axis in self.config.axes:
             for g in range(self.num_groups):
                 values = self.replica_values(axis, g)
+                self.applied[(axis, g)] = values
                 for r, groups in self.param_groups.items():
                     groups[g][axis] = values[r]
         if beta1 is not None:
@@ -248,7 +255,7 @@ class HDETScheduler:
                 a, g = key
                 if not self.config.axis_auto(a):
                     continue
-                values = self.replica_values(a, g)  # values used in the interval's last step
+                values = self.applied[key]  # what the interval's last step ran with
                 base = self.base_value(a, g) if key in self.base else self._start_value(a, g)
                 delta = ctl.hypergradient(weights, values)
                 self.base[key], self.velocity[key] = ctl.meta_update(
@@ -276,12 +283,12 @@ class HDETScheduler:
         return self.initial[(axis, group)]
 
     def replica_record(self) -> dict[str, float]:
-        """Every replica's current value per axis and group, under
+        """Every replica's value per axis and group at the last applied step, under
         ``hdet/<axis>/replica_<r>/group_<g>`` (for logging)."""
         out = {}
         for a in sorted(self.config.axes):
             for g in range(self.num_groups):
-                for r, v in enumerate(self.replica_values(a, g)):
+                for r, v in enumerate(self.applied[(a, g)]):
                     out[f"hdet/{a}/replica_{r}/group_{g}"] = v
         return out
 

@@ -86,7 +86,7 @@ class OneCycle:
 
 @dataclass(frozen=True)
 class Cosine:
-    """Linear warm-up for ``warmup_steps`` from 0 to ``peak``, then half-cosine down to
+    """Linear warm-up over ``warmup_steps`` (``peak * (t + 1) / warmup_steps``), then half-cosine down to
     ``peak * min_ratio`` at ``total_steps`` (the nanoGPT / torchtitan schedule)."""
 
     total_steps: int

@@ -30,7 +30,7 @@ from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
 
 _FLAT_ATTRS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_partitions_flat_buffer",
-               "_reassign_or_swap_out_partitioned_parameters")
+               "_reassign_or_swap_out_partitioned_parameters", "_partition_all_parameters")
 
 
 def _check_zero3(optimizer: Any) -> None:
@@ -70,6 +70,10 @@ class DeepSpeedBackend:
     @torch.no_grad()
     def refresh(self) -> None:
         opt = self.optimizer
+        # As DeepSpeed's own step does: release every gathered parameter first. Persistent
+        # parameters stay gathered (AVAILABLE) between steps, and all_gather skips
+        # AVAILABLE ones, so without this their working copy keeps the pre-converge values.
+        opt._partition_all_parameters()
         for i in range(len(opt.fp16_groups)):
             opt._reassign_or_swap_out_partitioned_parameters(i)
         if opt.persistent_parameters:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ def validate(run: dict, world_size: int):
 def _quiet_deepspeed() -> None:
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # DeepSpeed 0.19 calls torch's deprecated *_tensor collectives once per step.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
 
 
 @torch.no_grad()
@@ -47,9 +50,10 @@ def evaluate(engine: Any, batches: list, rank: int, world: int) -> float:
     multiple of ``world``: every rank runs the same number of forwards (ZeRO-3 gathers
     weights collectively inside each forward)."""
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    total = torch.zeros(2, dtype=torch.float64, device=engine.device)
     per_rank = len(batches) // world
     for inputs, targets in batches[rank * per_rank:(rank + 1) * per_rank]:
+        inputs, targets = inputs.to(engine.device), targets.to(engine.device)
         total[0] += loss_fn(engine, inputs, targets).double() * inputs.numel()
         total[1] += inputs.numel()
     dist.all_reduce(total, group=dist.group.WORLD)
@@ -96,6 +100,7 @@ def train(run: dict) -> dict:
         step = sched.step_count
         for micro_step in range(gas):
             inputs, targets = batches.batch(step * gas + micro_step)
+            inputs, targets = inputs.to(engine.device), targets.to(engine.device)
             loss = loss_fn(engine, inputs, targets)
             engine.backward(loss)
         now = time.perf_counter()

@@ -273,3 +273,11 @@ def test_layout_describe():
     text = Layout(4, 2).describe()
     assert "4 = 2 replicas x 2 shards" in text
     assert "[0, 1]" in text and "[2, 3]" in text and "[0, 2]" in text and "[1, 3]" in text
+
+
+# ---- degenerate inputs ----
+
+@pytest.mark.parametrize("total,pct", [(10, 0.1), (10, 1.0)])
+def test_degenerate_onecycle_phase_rejected_by_config(total, pct):
+    with pytest.raises(HDETConfigError, match="hdet.schedule.pct_start"):
+        HDETConfig.from_dict({"schedule": {"total_steps": total, "pct_start": pct}})

@@ -1,0 +1,62 @@
+"""``hdet-dryrun CONFIG.json --world-size W``: check an ``"hdet"`` block for a world you
+do not have, in one CPU process, and print the replica x shard groups, the fan-out
+multipliers and the derived auto-LR decay. Exit 0 when valid, 2 with the errors if not."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hdet_scale import axes as ax
+from hdet_scale.errors import HDETConfigError
+
+
+def describe(config: str | dict, world_size: int, total_steps: int | None = None) -> str:
+    """The dry-run report; ``total_steps`` fills ``hdet.schedule.total_steps`` when the
+    config leaves it to the trainer. Raises HDETConfigError on an invalid config."""
+    from hdet_scale.backends.deepspeed import _load_ds_config, prepare_config
+
+    config = _load_ds_config(config)
+    sched = config.setdefault("hdet", {}).setdefault("schedule", {})
+    if total_steps is not None and sched.get("total_steps") is None:
+        sched["total_steps"] = total_steps
+    from hdet_scale.ensemble import build_schedule, decay_for
+    from hdet_scale.topology import Layout
+
+    cfg, ds = prepare_config(config, world_size=world_size)
+    if not cfg.enabled:
+        return "hdet.enabled is false: plain DeepSpeed"
+    lines = [Layout(world_size, cfg.replicas).describe()]
+    lines.append(f"ZeRO-3 data-parallel size (shard group): {world_size // cfg.replicas}; "
+                 f"DeepSpeed train_batch_size per replica: {ds.get('train_batch_size', 'from micro x accumulation')}")
+    schedule = build_schedule(cfg)
+    for name, axis in sorted(cfg.axes.items()):
+        if axis.kind == "multiplicative":
+            mult = ax.multipliers(cfg.replicas, axis.spread_ratio)
+            lines.append(f"axis {name}: multipliers {[round(m, 6) for m in mult]}")
+        else:
+            off = [axis.spread_ratio * o for o in ax.spread_offsets(cfg.replicas)]
+            lines.append(f"axis {name}: offsets {[round(o, 6) for o in off]}")
+        if cfg.auto.enabled and cfg.axis_auto(name):
+            lines.append(f"  auto-LR decay gamma per sync: {decay_for(cfg, schedule, name, 1.0):.6g}")
+    lines.append(f"sync every {cfg.sync_interval} optimizer steps; gradient sharing: {cfg.gradient_sharing}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hdet-dryrun", description=__doc__)
+    p.add_argument("config", help="DeepSpeed JSON with an 'hdet' block")
+    p.add_argument("--world-size", type=int, required=True, help="total number of ranks W")
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="optimizer steps of the run, when hdet.schedule.total_steps is not in the file")
+    args = p.parse_args(argv)
+    try:
+        print(describe(args.config, args.world_size, args.total_steps))
+    except HDETConfigError as e:
+        print(f"hdet-dryrun: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

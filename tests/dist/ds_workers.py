@@ -1,0 +1,442 @@
+"""Rank worker functions for tests/dist/test_deepspeed.py (HDET on DeepSpeed ZeRO-3).
+
+Spawned rank processes import this module by name (``ds_workers``), so it must stay
+importable from tests/dist (conftest.py puts the folder on ``sys.path``). Each worker
+runs on one of 4 gloo ranks (2 replica groups x 2 shards), drives one or more DeepSpeed
+engines and returns plain Python / numpy data (no torch tensors: they would travel
+through shared memory that dies with the rank process); the test process compares
+ranks and asserts.
+
+Determinism: the model is initialised from a dedicated ``torch.Generator`` (seeded),
+every rank's batch for step ``t`` comes from a generator seeded with ``(rank, t)``, and
+no worker reads the global RNG for data, so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 4, 2
+LR = 1e-2
+REPLICAS, WORLD = 2, 4
+
+
+# ---- model, data, config -------------------------------------------------------------
+
+class TinyNet(torch.nn.Module):
+    """3 Linear layers and a LayerNorm (small tensors: ZeRO-3 persistent parameters under
+    the default threshold), plus a persistent float buffer: a running mean of the inputs
+    seen in training (like BatchNorm statistics; DeepSpeed never syncs it, so it differs
+    between ranks and converge must average it). The buffer does not enter the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, D_HIDDEN)
+        self.norm = torch.nn.LayerNorm(D_HIDDEN)
+        self.fc2 = torch.nn.Linear(D_HIDDEN, D_HIDDEN)
+        self.head = torch.nn.Linear(D_HIDDEN, D_OUT)
+        self.register_buffer("input_mean", torch.zeros(D_IN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.input_mean.mul_(0.9).add_(x.mean(0).to(self.input_mean.dtype), alpha=0.1)
+        h = F.gelu(self.norm(self.fc1(x)))
+        h = torch.tanh(self.fc2(h))
+        return self.head(h)
+
+
+def build_model(seed: int = 0) -> TinyNet:
+    """Same weights on every rank for a given seed, without touching the global RNG."""
+    with torch.random.fork_rng():
+        model = TinyNet()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch for optimizer step ``step`` (1-based), from its own generator."""
+    g = torch.Generator().manual_seed(10_000 + 1_000 * rank + step)
+    return torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, D_OUT, generator=g)
+
+
+def probe_input() -> torch.Tensor:
+    return torch.randn(3, D_IN, generator=torch.Generator().manual_seed(999))
+
+
+def ds_config(hdet: dict | None = None, *, bf16: bool = False, threshold: int | None = None,
+              lr: float = LR) -> dict:
+    """DeepSpeed ZeRO-3 config, AdamW; ``threshold`` None keeps DeepSpeed's default
+    ``stage3_param_persistence_threshold`` (1e5: every tensor of TinyNet is persistent)."""
+    zero: dict[str, Any] = {"stage": 3}
+    if threshold is not None:
+        zero["stage3_param_persistence_threshold"] = threshold
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if hdet is not None:
+        cfg["hdet"] = hdet
+    return cfg
+
+
+def hdet_block(**overrides: Any) -> dict:
+    block: dict[str, Any] = {"replicas": REPLICAS, "sync_interval": 3, "gradient_sharing": "global",
+                             "axes": {"lr": {"spread_ratio": 0.5}},
+                             "schedule": {"name": "constant", "total_steps": 100}}
+    block.update(overrides)
+    return block
+
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+# ---- reading an engine -----------------------------------------------------------------
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().reshape(-1).clone().cpu().numpy()
+
+
+def full_master(engine) -> np.ndarray:
+    """Full fp32 master parameters (flat, module order). Collective on the shard group."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    return np.concatenate([_np(safe_get_full_fp32_param(p)) for p in engine.module.parameters()])
+
+
+def full_working(engine) -> tuple[np.ndarray, str]:
+    """Full working-copy parameters (what forward reads: bf16 or fp32) as float32, and
+    their dtype. Collective on the shard group."""
+    import deepspeed
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        return np.concatenate([_np(p) for p in params]), str(params[0].dtype)
+
+
+def buffers(engine) -> dict[str, tuple[np.ndarray, str]]:
+    return {n: (_np(b), str(b.dtype)) for n, b in engine.module.named_buffers()}
+
+
+def probe(engine, dtype: torch.dtype) -> np.ndarray:
+    """Output of the next forward pass on a fixed input (eval mode: buffers untouched)."""
+    engine.eval()
+    with torch.no_grad():
+        out = engine(probe_input().to(dtype))
+    engine.train()
+    return _np(out)
+
+
+def train_step(engine, step: int, dtype: torch.dtype = torch.float32, report_loss: Any = "real") -> float:
+    """Forward, backward and ``engine.step`` on this rank's batch for ``step``; the loss
+    handed to the HDET scheduler is the real one unless ``report_loss`` overrides it."""
+    x, y = batch(rank(), step)
+    loss = F.mse_loss(engine(x.to(dtype)).float(), y)
+    engine.backward(loss)
+    engine.step(lr_kwargs={"loss": loss if isinstance(report_loss, str) else report_loss})
+    return float(loss.detach())
+
+
+def capture_converge(engine, sched, store: list) -> None:
+    """Wrap the sync object's converge: record the fp32 masters and buffers that converge
+    is about to average (after the sync step's own optimizer update), then converge."""
+    sync = sched.sync_obj
+    original = sync.converge
+
+    def converge(finite: list[bool]) -> None:
+        store.append({"step": sched.step_count, "finite": list(finite), "master": full_master(engine),
+                      "buffers": buffers(engine)})
+        return original(finite)
+
+    sync.converge = converge
+
+
+def lrs(opt) -> list[float]:
+    return [float(g["lr"]) for g in opt.param_groups]
+
+
+def clean_record(record: dict) -> dict:
+    """A sync record without its timing (``hdet/converge_s`` differs per rank)."""
+    return {k: v for k, v in record.items() if k != "hdet/converge_s"}
+
+
+def sched_state(sched) -> dict:
+    return {"step": sched.step_count, "permutations": {str(k): list(v) for k, v in sched.permutations.items()},
+            "base": {str(k): v for k, v in sched.base.items()},
+            "velocity": {str(k): v for k, v in sched.velocity.items()},
+            "last_sync": clean_record(sched.last_sync)}
+
+
+def _init_dist() -> None:
+    import deepspeed
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+# ---- 1. converge identity and mean ------------------------------------------------------
+
+def converge_worker() -> dict:
+    """Two engines: bf16 (bf16 working copy + fp32 masters, default persistence threshold,
+    gradient_sharing global) and fp32 (threshold 0, gradient_sharing replica). Spread 0.5,
+    sync at step 3 inside engine.step; the masters are captured right before converge."""
+    from hdet_scale.backends.deepspeed import initialize
+    out = {}
+    cases = {"bf16": dict(bf16=True, threshold=None, sharing="global"),
+             "fp32": dict(bf16=False, threshold=0, sharing="replica")}
+    for name, c in cases.items():
+        dtype = torch.bfloat16 if c["bf16"] else torch.float32
+        cfg = ds_config(hdet_block(gradient_sharing=c["sharing"]), bf16=c["bf16"], threshold=c["threshold"])
+        engine, opt, _, sched = initialize(build_model(), cfg)
+        captured: list = []
+        capture_converge(engine, sched, captured)
+        res: dict[str, Any] = {"dp_world_size": engine.dp_world_size, "lrs": []}
+        for step in (1, 2):
+            res["lrs"].append(lrs(opt))
+            train_step(engine, step, dtype)
+        res["pre_probe"] = probe(engine, dtype)
+        res["pre_working"], res["working_dtype"] = full_working(engine)  # just before the sync step
+        res["lrs"].append(lrs(opt))
+        train_step(engine, 3, dtype)  # sync step: optimizer update, then converge
+        res["captured"] = captured
+        # The forward first: a GatheredParameters exit re-partitions persistent parameters,
+        # which would hide a stale working copy from the next forward.
+        res["post_probe"] = probe(engine, dtype)
+        res["post_master"] = full_master(engine)
+        res["post_working"], _ = full_working(engine)
+        res["post_buffers"] = buffers(engine)
+        res["nonfinite"] = sched.last_sync.get("hdet/nonfinite_replicas")
+        res["sync_step"] = sched.last_sync.get("hdet/step")
+        out[name] = res
+    return out
+
+
+# ---- 2. spread 0 + global gradient sharing == plain ZeRO-3 data parallelism ------------
+
+def equivalence_worker(steps: int = 7) -> dict:
+    """Plain ZeRO-3 over all 4 ranks (no mpu: dp = 4) first (DeepSpeed keeps the last mpu
+    in a module global, so the plain engine must come before the HDET ones), then HDET
+    2 x 2 with spread 0 in "global" and in "replica" gradient sharing. Same initial
+    weights, same per-rank batches, same constant LR. Returns full fp32 params per step."""
+    import deepspeed
+    from hdet_scale.backends.deepspeed import initialize
+    _init_dist()
+    out: dict[str, Any] = {}
+    model = build_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+    out["plain_dp_world_size"] = engine.dp_world_size
+    out["plain"] = []
+    for step in range(1, steps + 1):
+        train_step(engine, step)
+        out["plain"].append(full_master(engine))
+    for sharing in ("global", "replica"):
+        hdet = hdet_block(gradient_sharing=sharing, axes={"lr": {"spread_ratio": 0.0}})
+        engine, opt, _, sched = initialize(build_model(), ds_config(hdet))
+        out[f"{sharing}_dp_world_size"] = engine.dp_world_size
+        params, rates, syncs = [], [], []
+        for step in range(1, steps + 1):
+            rates.append(lrs(opt))
+            train_step(engine, step)
+            params.append(full_master(engine))
+            syncs.append(sched.sync_count)
+        out[sharing], out[f"{sharing}_lrs"], out[f"{sharing}_syncs"] = params, rates, syncs
+    return out
+
+
+# ---- 3. every rank agrees on permutations and base values -------------------------------
+
+def agreement_worker(steps: int = 9) -> dict:
+    """Auto-LR on (warm-up 2, sync every 2 steps, spread 0.2) over two parameter groups,
+    plus a weight-decay axis (not auto): one permutation per (axis, group)."""
+    from hdet_scale.backends.deepspeed import initialize
+    model = build_model()
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and not n.startswith("norm")]
+    no_decay = [p for n, p in model.named_parameters() if not (n.endswith("weight") and not n.startswith("norm"))]
+    groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    hdet = hdet_block(sync_interval=2, seed=3,
+                      axes={"lr": {"spread_ratio": 0.2}, "weight_decay": {"spread_ratio": 0.5}},
+                      schedule={"name": "onecycle", "total_steps": 20},
+                      auto={"enabled": True, "warmup_steps": 2, "temperature": 0.1})
+    engine, opt, _, sched = initialize(model, ds_config(hdet), model_parameters=groups)
+    hist = []
+    for step in range(1, steps + 1):
+        used = {"lr": lrs(opt), "weight_decay": [float(g["weight_decay"]) for g in opt.param_groups]}
+        train_step(engine, step)
+        hist.append({"used": used, "next_lrs": lrs(opt),
+                     "base_lr": [sched.base_value("lr", g) for g in range(len(opt.param_groups))],
+                     "base_wd": [sched.base_value("weight_decay", g) for g in range(len(opt.param_groups))],
+                     **sched_state(sched)})
+    return {"hist": hist, "replica": sched.topology.replica_index, "num_groups": len(opt.param_groups)}
+
+
+# ---- 4. a NaN loss on one replica --------------------------------------------------------
+
+def nan_worker() -> dict:
+    """Auto-LR from the first sync; sync every 3 steps; gradient_sharing replica so the two
+    replicas' weights differ at every sync. Replica 1 reports a NaN loss for the second
+    interval (steps 4-6; the real loss still drives backward); steps 7-9 are clean."""
+    from hdet_scale.backends.deepspeed import initialize
+    hdet = hdet_block(gradient_sharing="replica", axes={"lr": {"spread_ratio": 0.2}},
+                      auto={"enabled": True, "warmup_steps": 0})
+    engine, opt, _, sched = initialize(build_model(), ds_config(hdet, threshold=0))
+    captured: list = []
+    capture_converge(engine, sched, captured)
+    replica = sched.topology.replica_index
+    records, post = {}, {}
+    for step in range(1, 10):
+        bad = replica == 1 and 4 <= step <= 6
+        train_step(engine, step, report_loss=float("nan") if bad else "real")
+        if step % 3 == 0:
+            records[step] = {**clean_record(sched.last_sync), "base": {str(k): v for k, v in sched.base.items()},
+                             "lrs": lrs(opt)}
+            post[step] = full_master(engine)
+    return {"replica": replica, "records": records, "post_master": post, "captured": captured}
+
+
+# ---- 5. exact resume ---------------------------------------------------------------------
+
+RESUME_STEPS, RESUME_AT = 8, 4
+
+
+def _resume_hdet() -> dict:
+    return hdet_block(gradient_sharing="replica", axes={"lr": {"spread_ratio": 0.3}},
+                      schedule={"name": "onecycle", "total_steps": 10},
+                      auto={"enabled": True, "warmup_steps": 3})
+
+
+@contextlib.contextmanager
+def _record_writes(root: str, written: list):
+    """Record every file this rank writes through torch.save (DeepSpeed's checkpoint
+    engine and hdet_scale) or DeepSpeed's copy of its recovery scripts."""
+    import deepspeed.runtime.engine as ds_engine
+    save, copy = torch.save, ds_engine.copyfile
+
+    def rec_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            written.append(os.path.relpath(os.fspath(f), root))
+        return save(obj, f, *args, **kwargs)
+
+    def rec_copy(src, dst, *args, **kwargs):
+        written.append(os.path.relpath(os.fspath(dst), root))
+        return copy(src, dst, *args, **kwargs)
+
+    torch.save, ds_engine.copyfile = rec_save, rec_copy
+    try:
+        yield
+    finally:
+        torch.save, ds_engine.copyfile = save, copy
+
+
+_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "gather", "scatter",
+                "reduce", "all_to_all_single", "monitored_barrier", "new_group", "send", "recv")
+
+
+@contextlib.contextmanager
+def _no_collectives():
+    """Any torch.distributed collective raises inside this block."""
+    import torch.distributed as dist
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+
+    def forbidden(name):
+        def f(*args, **kwargs):
+            raise AssertionError(f"collective torch.distributed.{name} called")
+        return f
+
+    for n in saved:
+        setattr(dist, n, forbidden(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def resume_worker(ckpt_dir: str) -> dict:
+    """A: 8 steps uninterrupted. B: fresh engine, 4 steps (between the syncs at 3 and 6),
+    save_checkpoint. C: fresh engine from *other* initial weights, load_checkpoint, steps
+    5-8. D: a 4 x 1 layout must refuse the checkpoint before any collective."""
+    from hdet_scale.backends.deepspeed import initialize, load_checkpoint, save_checkpoint
+    from hdet_scale.errors import HDETStateError
+    cfg = ds_config(_resume_hdet(), threshold=100)  # fc1/fc2 weights partitioned, the rest persistent
+    out: dict[str, Any] = {}
+
+    def run(engine, opt, sched, first: int, last: int, key: str) -> None:
+        out.setdefault(f"{key}_lrs", {})
+        out.setdefault(f"{key}_perms", {})
+        for step in range(first, last + 1):
+            out[f"{key}_lrs"][step] = lrs(opt)
+            train_step(engine, step)
+            out[f"{key}_perms"][step] = sched_state(sched)["permutations"]
+
+    engine, opt, _, sched = initialize(build_model(), cfg)
+    run(engine, opt, sched, 1, RESUME_STEPS, "A")
+    out["A_master"], out["A_buffers"], out["A_state"] = full_master(engine), buffers(engine), sched_state(sched)
+
+    engine, opt, _, sched = initialize(build_model(), cfg)
+    run(engine, opt, sched, 1, RESUME_AT, "B")
+    out["B_master_at_save"] = full_master(engine)
+    written: list = []
+    with _record_writes(ckpt_dir, written):
+        out["tag"] = save_checkpoint(engine, sched, ckpt_dir)
+    out["written"] = written
+
+    engine, opt, _, sched = initialize(build_model(seed=1), cfg)
+    out["C_master_before_load"] = full_master(engine)
+    load_checkpoint(engine, sched, ckpt_dir)
+    out["C_step_after_load"] = sched.step_count
+    out["C_master_after_load"] = full_master(engine)
+    run(engine, opt, sched, RESUME_AT + 1, RESUME_STEPS, "C")
+    out["C_master"], out["C_buffers"], out["C_state"] = full_master(engine), buffers(engine), sched_state(sched)
+
+    cfg4 = ds_config({**_resume_hdet(), "replicas": 4}, threshold=100)
+    engine, opt, _, sched = initialize(build_model(), cfg4)
+    t0 = time.monotonic()
+    try:
+        with _no_collectives():
+            load_checkpoint(engine, sched, ckpt_dir)
+        out["D_error"] = None
+    except HDETStateError as e:
+        out["D_error"] = f"HDETStateError: {e}"
+    except AssertionError as e:
+        out["D_error"] = f"AssertionError: {e}"
+    out["D_seconds"] = time.monotonic() - t0
+    return out
+
+
+# ---- 6. a bad config fails on every rank, before any collective ----------------------------
+
+BAD_CONFIGS = {
+    "spread_ratio": lambda: ds_config(hdet_block(axes={"lr": {"spread_ratio": 1.5}})),
+    "replicas": lambda: ds_config(hdet_block(replicas=3)),
+    "scheduler": lambda: {**ds_config(hdet_block()),
+                          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}},
+    "unknown_key": lambda: ds_config(hdet_block(sync_intervall=3)),
+}
+
+
+def bad_config_worker(case: str) -> None:
+    """Initialise torch.distributed first (as a launcher script would), then
+    ``hdet_scale`` initialize with a bad config: must raise on this rank by itself."""
+    from hdet_scale.backends.deepspeed import initialize
+    _init_dist()
+    initialize(build_model(), BAD_CONFIGS[case]())
+    raise AssertionError(f"initialize accepted the bad config {case!r}")
