@@ -1,0 +1,112 @@
+"""``hdet-train`` end to end, and bad input exiting fast on every rank.
+
+The end-to-end run is the real trainer (4 local ranks = 2 replica groups x 2 ZeRO-3
+shards, CPU, gloo) on the default corpus, shortened to 40 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import run_ranks
+from train_workers import cli_rank
+
+pytestmark = pytest.mark.timeout(600)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+SHORT = ["train.steps=40", "deepspeed.hdet.sync_interval=10", "deepspeed.hdet.auto.warmup_steps=20",
+         "train.eval_batches=8", "wandb.mode=offline", "train.progress=false"]
+
+
+def hdet_train(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hdet_scale.train.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+def test_default_job_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = hdet_train([f"run_dir={run_dir}", *SHORT], timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("val_loss", "val_ppl", "unigram_entropy", "steps", "world_size", "replicas", "shard_size",
+                "tokens_per_s", "wall_s"):
+        assert key in summary, key
+    assert (summary["steps"], summary["world_size"], summary["replicas"], summary["shard_size"]) == (40, 4, 2, 2)
+    assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]), rel=1e-12)
+    # 40 steps already learn more than the byte distribution: the unigram entropy of
+    # Python source is ~3.3 nats, an untrained model ~ln 256 = 5.5.
+    assert summary["val_loss"] < summary["unigram_entropy"] - 0.15, summary
+    assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "hdet/loss" in r]
+    syncs = [r for r in records if "hdet/sync" in r]
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    assert all(r["train/tokens_per_s"] > 0 for r in steps)
+    assert [r["hdet/step"] for r in syncs] == [10, 20, 30, 40]
+    for r in syncs:
+        losses = [r["hdet/loss/replica_0"], r["hdet/loss/replica_1"]]
+        assert all(0 < x < 6 for x in losses)
+        assert r["hdet/converge_s"] >= 0
+        assert "hdet/lr/group_0/base" in r
+    # auto-LR from the second sync: softmax weights sum to 1, the two replicas' LRs are
+    # the base times 1 -+ 0.111 (in the order of that interval's permutation)
+    assert "hdet/weight/replica_0" not in syncs[0]
+    for r in syncs[1:]:
+        assert r["hdet/weight/replica_0"] + r["hdet/weight/replica_1"] == pytest.approx(1.0, abs=1e-12)
+    for r in steps:
+        lrs = sorted([r["hdet/lr/replica_0/group_0"], r["hdet/lr/replica_1/group_0"]])
+        assert lrs[1] / lrs[0] == pytest.approx(1.111 / 0.889, rel=1e-9)
+
+    ckpt = run_dir / "checkpoint"
+    tag = (ckpt / "latest").read_text()
+    for r in range(2):
+        names = os.listdir(ckpt / f"replica_{r}" / tag)
+        assert {"hdet_shard_0.pt", "hdet_shard_1.pt"} <= set(names)
+    assert json.loads((ckpt / "hdet_layout.json").read_text()) == {"world_size": 4, "replicas": 2, "shard_size": 2}
+
+
+BAD = [
+    (["deepspeed.hdet.axes.lr.spread_ratio=1.5"], "hdet.axes.lr.spread_ratio"),
+    (["deepspeed.hdet.sync_interval=0"], "hdet.sync_interval"),
+    (["deepspeed.hdet.replicas=3"], "hdet.replicas"),
+    (["train.steps=50", "deepspeed.hdet.auto.warmup_steps=50"], "hdet.auto.warmup_steps"),
+    (["deepspeed.hdet.auto.decay=1.5"], "hdet.auto.decay"),
+    (["deepspeed.hdet.schedule.final_div_factor=0.01"], "hdet.auto.decay"),  # derived gamma < 0
+    (["deepspeed.hdet.sync_intervall=10"], "hdet.sync_intervall"),
+    (["train.stepz=10"], "stepz"),
+    (["data.path=/nonexistent/corpus"], "data.path"),
+    (["data.path={tiny}"], "data.seq_len"),
+    (["deepspeed.scheduler.type=WarmupLR"], "scheduler"),
+]
+
+
+@pytest.mark.parametrize("args,key", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_exits_fast_with_the_key(tmp_path, args, key):
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("print('hi')\n" * 3)
+    args = [a.format(tiny=tiny) for a in args]
+    t0 = time.monotonic()
+    proc = hdet_train([f"run_dir={tmp_path / 'run'}", *args], timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert key in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path):
+    """As under torchrun: 4 ranks each run the CLI; all must exit 2 before any collective
+    (the harness kills everything and fails after 90 s if one hangs)."""
+    argv = [f"run_dir={tmp_path / 'run'}", "deepspeed.hdet.axes.lr.spread_ratio=1.5"]
+    t0 = time.monotonic()
+    results = run_ranks(cli_rank, 4, args=(argv,), timeout=90)
+    assert [r["code"] for r in results] == [2, 2, 2, 2]
+    assert all("hdet.axes.lr.spread_ratio" in r["stderr"] for r in results)
+    assert time.monotonic() - t0 < 90
