@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,28 @@ class DeepSpeedBackend:
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
+
+
+class _LiveParamGroups(Mapping):
+    """``{replica_index: optimizer.param_groups}`` read at every access.
+
+    ``optimizer.load_state_dict`` (inside DeepSpeed's ``engine.load_checkpoint``) rebinds
+    ``param_groups`` to new dicts: a list stored at start-up would go stale and the
+    scheduler would set the LR of dicts the optimizer no longer reads."""
+
+    def __init__(self, replica_index: int, optimizer: Any) -> None:
+        self._replica, self._optimizer = replica_index, optimizer
+
+    def __getitem__(self, key: int) -> list[dict]:
+        if key != self._replica:
+            raise KeyError(key)
+        return self._optimizer.param_groups
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self._replica,))
+
+    def __len__(self) -> int:
+        return 1
 
 
 def _load_ds_config(config: str | dict) -> dict:
@@ -205,7 +227,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     holder: dict[str, HDETScheduler] = {}
 
     def make_scheduler(opt: torch.optim.Optimizer) -> HDETScheduler:
-        holder["s"] = HDETScheduler(cfg, {topology.replica_index: opt.param_groups}, logger=logger)
+        holder["s"] = HDETScheduler(cfg, _LiveParamGroups(topology.replica_index, opt), logger=logger)
         return holder["s"]
 
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,

@@ -1,4 +1,4 @@
-"""Rank workers for tests/dist/test_train.py: the trainer's CLI run as one rank of a
+"""Rank workers for tests/distributed/test_train.py: the trainer's CLI run as one rank of a
 world started by the test (as torchrun would), returning its exit code."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Rank worker functions for tests/dist/test_deepspeed.py (HDET on DeepSpeed ZeRO-3).
+"""Rank worker functions for tests/distributed/test_deepspeed.py (HDET on DeepSpeed ZeRO-3).
 
 Spawned rank processes import this module by name (``ds_workers``), so it must stay
-importable from tests/dist (conftest.py puts the folder on ``sys.path``). Each worker
+importable from tests/distributed (conftest.py puts the folder on ``sys.path``). Each worker
 runs on one of 4 gloo ranks (2 replica groups x 2 shards), drives one or more DeepSpeed
 engines and returns plain Python / numpy data (no torch tensors: they would travel
 through shared memory that dies with the rank process); the test process compares
@@ -370,13 +370,14 @@ def _no_collectives():
             setattr(dist, n, f)
 
 
-def resume_worker(ckpt_dir: str) -> dict:
+def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
     """A: 8 steps uninterrupted. B: fresh engine, 4 steps (between the syncs at 3 and 6),
     save_checkpoint. C: fresh engine from *other* initial weights, load_checkpoint, steps
     5-8. D: a 4 x 1 layout must refuse the checkpoint before any collective."""
     from hdet_scale.backends.deepspeed import initialize, load_checkpoint, save_checkpoint
     from hdet_scale.errors import HDETStateError
-    cfg = ds_config(_resume_hdet(), threshold=100)  # fc1/fc2 weights partitioned, the rest persistent
+    cfg = ds_config(_resume_hdet(), bf16=bf16, threshold=100)  # fc1/fc2 weights partitioned, rest persistent
+    dtype = torch.bfloat16 if bf16 else torch.float32
     out: dict[str, Any] = {}
 
     def run(engine, opt, sched, first: int, last: int, key: str) -> None:
@@ -384,12 +385,13 @@ def resume_worker(ckpt_dir: str) -> dict:
         out.setdefault(f"{key}_perms", {})
         for step in range(first, last + 1):
             out[f"{key}_lrs"][step] = lrs(opt)
-            train_step(engine, step)
+            train_step(engine, step, dtype)
             out[f"{key}_perms"][step] = sched_state(sched)["permutations"]
 
     engine, opt, _, sched = initialize(build_model(), cfg)
     run(engine, opt, sched, 1, RESUME_STEPS, "A")
     out["A_master"], out["A_buffers"], out["A_state"] = full_master(engine), buffers(engine), sched_state(sched)
+    out["A_working"], _ = full_working(engine)
 
     engine, opt, _, sched = initialize(build_model(), cfg)
     run(engine, opt, sched, 1, RESUME_AT, "B")
@@ -406,8 +408,9 @@ def resume_worker(ckpt_dir: str) -> dict:
     out["C_master_after_load"] = full_master(engine)
     run(engine, opt, sched, RESUME_AT + 1, RESUME_STEPS, "C")
     out["C_master"], out["C_buffers"], out["C_state"] = full_master(engine), buffers(engine), sched_state(sched)
+    out["C_working"], _ = full_working(engine)
 
-    cfg4 = ds_config({**_resume_hdet(), "replicas": 4}, threshold=100)
+    cfg4 = ds_config({**_resume_hdet(), "replicas": 4}, bf16=bf16, threshold=100)
     engine, opt, _, sched = initialize(build_model(), cfg4)
     t0 = time.monotonic()
     try:
