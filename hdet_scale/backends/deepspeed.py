@@ -219,7 +219,11 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
         backend = dist_backend or ("gloo" if get_accelerator().device_name() == "cpu" else None)
         deepspeed.init_distributed(dist_backend=backend)
     from deepspeed.accelerator import get_accelerator
-    topology = Topology(cfg.replicas, device_type=get_accelerator().device_name())
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        # The DeviceMesh below is built before DeepSpeed's engine picks the device.
+        accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    topology = Topology(cfg.replicas, device_type=accel.device_name())
     if logger is None and (cfg.logging.jsonl or cfg.logging.wandb.enabled):
         from hdet_scale.logging import MetricsLogger
         logger = MetricsLogger(cfg.logging.jsonl, cfg.logging.wandb, {"hdet": cfg.to_dict(), "deepspeed": ds},

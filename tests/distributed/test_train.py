@@ -21,7 +21,8 @@ from train_workers import cli_rank
 pytestmark = pytest.mark.timeout(600)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-SHORT = ["train.steps=40", "deepspeed.hdet.sync_interval=10", "deepspeed.hdet.auto.warmup_steps=20",
+# micro-batch 4 x 2 accumulation steps: the schedule, syncs and logs count optimizer steps.
+SHORT = ["train.steps=40", "deepspeed.train_micro_batch_size_per_gpu=4", "deepspeed.gradient_accumulation_steps=2", "deepspeed.hdet.sync_interval=10", "deepspeed.hdet.auto.warmup_steps=20",
          "train.eval_batches=8", "wandb.mode=offline", "train.progress=false"]
 
 
