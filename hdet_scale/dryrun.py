@@ -16,7 +16,10 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     config leaves it to the trainer. Raises HDETConfigError on an invalid config."""
     from hdet_scale.backends.deepspeed import _load_ds_config, prepare_config
 
-    config = _load_ds_config(config)
+    try:
+        config = _load_ds_config(config)
+    except (OSError, ValueError) as e:
+        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}") from None
     sched = config.setdefault("hdet", {}).setdefault("schedule", {})
     if total_steps is not None and sched.get("total_steps") is None:
         sched["total_steps"] = total_steps
@@ -53,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(describe(args.config, args.world_size, args.total_steps))
     except HDETConfigError as e:
-        print(f"hdet-dryrun: error: {e}", file=sys.stderr)
+        hint = ("\n  (hdet.schedule.total_steps is left to the trainer in this file: pass --total-steps)"
+                if "schedule.total_steps" in str(e) and args.total_steps is None else "")
+        print(f"hdet-dryrun: error: {e}{hint}", file=sys.stderr)
         return 2
     return 0
 

@@ -175,7 +175,12 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
             errors.append("fp16.enabled: fp16 loss scaling skips steps per replica, which would desynchronise "
                           "the sync steps under hdet.gradient_sharing='replica'; use bf16 or 'global'")
         tbs = ds.get("train_batch_size")
-        if isinstance(tbs, int) and tbs % cfg.replicas:
+        micro, gas = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps", 1)
+        if isinstance(tbs, int) and isinstance(micro, int) and isinstance(gas, int) and tbs != micro * gas * world:
+            errors.append(f"train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
+                          f"gradient_accumulation_steps ({gas}) x world size ({world}) = {micro * gas * world} "
+                          "(samples per optimizer step over all ranks)")
+        elif isinstance(tbs, int) and tbs % cfg.replicas:
             errors.append(f"train_batch_size: {tbs} (samples over all ranks) must be divisible by "
                           f"hdet.replicas={cfg.replicas}")
         elif isinstance(tbs, int):
@@ -270,11 +275,22 @@ def save_checkpoint(engine: Any, scheduler: HDETScheduler, save_dir: str, tag: s
     dist.barrier(group=t.world_group)
     if t.rank == 0:
         with open(os.path.join(save_dir, "hdet_layout.json"), "w") as f:
-            json.dump({"world_size": t.world_size, "replicas": t.replicas, "shard_size": t.shard_size}, f)
+            json.dump({"world_size": t.world_size, "replicas": t.replicas, "shard_size": t.shard_size,
+                       "step": scheduler.step_count, "total_steps": scheduler.total_steps}, f)
         with open(os.path.join(save_dir, "latest"), "w") as f:
             f.write(tag)
     dist.barrier(group=t.world_group)
     return tag
+
+
+def read_layout(load_dir: str) -> dict:
+    """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step,
+    total_steps. Raises HDETStateError when there is none."""
+    path = os.path.join(load_dir, "hdet_layout.json")
+    if not os.path.exists(path):
+        raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no hdet_layout.json)")
+    with open(path) as f:
+        return json.load(f)
 
 
 def check_resumable(load_dir: str, world_size: int, replicas: int) -> str:
@@ -286,11 +302,7 @@ def check_resumable(load_dir: str, world_size: int, replicas: int) -> str:
             is refused rather than silently remapped; to change it, converge first and
             start a new run from the averaged model.
     """
-    path = os.path.join(load_dir, "hdet_layout.json")
-    if not os.path.exists(path):
-        raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no hdet_layout.json)")
-    with open(path) as f:
-        saved = json.load(f)
+    saved = read_layout(load_dir)
     shard = world_size // replicas
     if saved["replicas"] != replicas or saved["shard_size"] != shard:
         raise HDETStateError(

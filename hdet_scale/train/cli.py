@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
 from multiprocessing import get_context
 
-from hdet_scale.errors import HDETConfigError
+from hdet_scale.errors import HDETConfigError, HDETStateError
 
 
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -42,26 +43,38 @@ def _launch_local(run: dict) -> int:
         port = s.getsockname()[1]
     ctx = get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(run, r, n, port)) for r in range(n)]
-    for p in procs:
-        p.start()
-    failed = None
-    while any(p.is_alive() for p in procs):
-        bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if bad:
-            failed = bad
-            break
-        time.sleep(0.2)
-    failed = failed or [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-    if failed:
+
+    def stop(signum, frame):  # a killed launcher takes its ranks with it
         for p in procs:
             if p.is_alive():
                 p.terminate()
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
         for p in procs:
-            p.join(timeout=10)
-        print(f"hdet-train: rank(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]})",
-              file=sys.stderr)
-        return 1
-    return 0
+            p.start()
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                # give the other ranks a moment to fail by themselves, then stop them
+                deadline = time.monotonic() + 10
+                while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                break
+            time.sleep(0.2)
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if failed:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=10)
+            print(f"hdet-train: rank(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]})",
+                  file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         from hdet_scale.train.loop import validate
 
         validate(run, run["nproc"])
-    except HDETConfigError as e:
+    except (HDETConfigError, HDETStateError) as e:
         print(f"hdet-train: error: {e}", file=sys.stderr)
         return 2
     return _launch_local(run)

@@ -7,9 +7,12 @@ with overrides merged on top; its ``hdet`` block is validated by ``HDETConfig``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+
+import yaml
 from importlib import resources
 from typing import Any
 
@@ -84,8 +87,9 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
             raise HDETConfigError(f"overrides must be key=value, got {bad}")
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None)
-        raise HDETConfigError(f"{key}: {e.msg if hasattr(e, 'msg') else e}" if key else str(e)) from None
+        raise HDETConfigError(_describe(e)) from None
+    except yaml.YAMLError as e:
+        raise HDETConfigError(f"config file {path!r} is not valid YAML: {e}") from None
     run = OmegaConf.to_container(cfg, resolve=True)
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
     if not os.path.exists(ds_path):
@@ -95,6 +99,23 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, run["deepspeed"] or {}), resolve=True)
     _validate(run)
     return run
+
+
+def _describe(e: Exception) -> str:
+    """One line naming the dotted key, and for an unknown key the valid ones."""
+    key = getattr(e, "full_key", None) or ""
+    msg = getattr(e, "msg", None) or str(e)
+    msg = msg.splitlines()[0]
+    if "not in" in msg and key:
+        node: Any = RunConfig
+        for part in key.split(".")[:-1]:
+            fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+            node = fields[part].default_factory() if part in fields and fields[part].default_factory \
+                is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(node):
+            valid = ", ".join(f.name for f in dataclasses.fields(node))
+            return f"{key}: unknown key; valid keys: {valid}"
+    return f"{key}: {msg}" if key else msg
 
 
 def _validate(run: dict) -> None:

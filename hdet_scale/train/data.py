@@ -347,7 +347,7 @@ class ByteBatches:
     Args:
         data: 1-D ``torch.uint8`` tensor (CPU), e.g. ``Corpus.train``.
         seq_len: tokens (bytes) per sequence, > 0 (config key ``data.seq_len``).
-        micro_batch_size: sequences per rank per step, > 0 (``train.micro_batch_size``).
+        micro_batch_size: sequences per rank per step, > 0 (``deepspeed.train_micro_batch_size_per_gpu``).
         seed: data seed; with ``step`` it fully determines the windows.
         rank: this process's data-parallel rank, ``0 <= rank < world_size``.
         world_size: number of data-parallel ranks, > 0.
@@ -358,7 +358,7 @@ class ByteBatches:
             batch: ``len(data)`` must be at least
             ``seq_len + micro_batch_size * world_size`` bytes (``seq_len + 1`` bytes per
             window and ``micro_batch_size * world_size`` distinct windows). The message
-            names ``data.seq_len`` and ``train.micro_batch_size`` and gives both the
+            names ``data.seq_len`` and ``deepspeed.train_micro_batch_size_per_gpu`` and gives both the
             needed and the available byte counts.
     """
 
@@ -382,7 +382,7 @@ class ByteBatches:
             or micro_batch_size < 1
         ):
             raise HDETConfigError(
-                f"train.micro_batch_size must be an integer >= 1; got {micro_batch_size!r}"
+                f"deepspeed.train_micro_batch_size_per_gpu must be an integer >= 1; got {micro_batch_size!r}"
             )
         if world_size < 1 or not 0 <= rank < world_size:
             raise HDETConfigError(
@@ -403,10 +403,10 @@ class ByteBatches:
             raise HDETConfigError(
                 f"{key}: data set too small for one batch: it has {n} bytes but needs at "
                 f"least {needed} bytes (data.seq_len={seq_len} -> {seq_len + 1} bytes per "
-                f"window, and train.micro_batch_size={micro_batch_size} x "
+                f"window, and deepspeed.train_micro_batch_size_per_gpu={micro_batch_size} x "
                 f"world_size={world_size} = {global_batch} distinct windows). Use more "
                 "data (data.path / data.max_bytes) or lower data.seq_len or "
-                "train.micro_batch_size"
+                "deepspeed.train_micro_batch_size_per_gpu"
             )
         self.num_windows = n - seq_len
         self._offsets = torch.arange(seq_len + 1, dtype=torch.int64)

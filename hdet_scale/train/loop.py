@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import warnings
 from typing import Any
@@ -18,22 +19,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_scale.backends.deepspeed import initialize, load_checkpoint, prepare_config, save_checkpoint
+from hdet_scale.backends.deepspeed import (check_resumable, initialize, load_checkpoint, prepare_config, read_layout,
+                                           save_checkpoint)
 from hdet_scale.config import WandbConfig
+from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.model import ModelConfig, build_model, loss_fn, param_count
 
 
+def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
+    # The hdet block and DeepSpeed keys live under "deepspeed." in the trainer config.
+    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:)",
+                  r"deepspeed.\1", str(e))
+    return HDETConfigError(text)
+
+
 def validate(run: dict, world_size: int):
     """All checks that can fail on bad input, before any collective; identical on every
-    rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError."""
-    hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+    rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError / HDETStateError."""
+    try:
+        hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+    except HDETConfigError as e:
+        raise _in_trainer_terms(e) from None
+    if not hcfg.enabled:
+        raise HDETConfigError("deepspeed.hdet.enabled: hdet-train trains with HDET; for plain data parallelism "
+                              "keep it true and set deepspeed.hdet.axes.lr.spread_ratio=0 "
+                              "deepspeed.hdet.auto.enabled=false (identical to plain ZeRO-3 with gradient_sharing "
+                              "'global')")
     d = run["data"]
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
     micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
-    ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], 0, world_size)
-    ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1)
+    ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], 0, world_size, key="data (training split)")
+    ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
+    ckpt = os.path.join(run["run_dir"], "checkpoint")
+    if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
+        check_resumable(ckpt, world_size, hcfg.replicas)
+        saved = read_layout(ckpt)
+        if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
+            raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "
+                                 f"this run {hcfg.schedule.total_steps} (train.steps); resume with the same "
+                                 "train.steps, or start a new run_dir")
+        if saved.get("step", 0) >= run["train"]["steps"]:
+            raise HDETStateError(f"train.resume: the checkpoint is at step {saved['step']}, nothing is left to do "
+                                 f"for train.steps={run['train']['steps']}")
     return hcfg, corpus
 
 
@@ -131,7 +160,7 @@ def train(run: dict) -> dict:
         "tokens_per_s": tokens_per_step * (sched.step_count - start_step) / wall,
         "wall_s": wall,
         "params": param_count(engine.module),
-        "final_train_loss": float(loss.item()),
+        "final_train_loss": float(loss.item()) if math.isfinite(loss.item()) else None,
         "train_bytes": int(corpus.train.numel()),
         "val_bytes": int(corpus.val.numel()),
         "data_source": corpus.source,

@@ -111,3 +111,21 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
     assert [r["code"] for r in results] == [2, 2, 2, 2]
     assert all("hdet.axes.lr.spread_ratio" in r["stderr"] for r in results)
     assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.parametrize("layout,args,needle", [
+    ({"world_size": 2, "replicas": 2, "shard_size": 1, "step": 10, "total_steps": 300}, [],
+     "2 replicas x 1 shards"),
+    ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 30}, [],
+     "total_steps=30"),
+    ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 300, "total_steps": 300}, [],
+     "nothing is left"),
+])
+def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, needle):
+    ckpt = tmp_path / "run" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    (ckpt / "hdet_layout.json").write_text(json.dumps(layout))
+    (ckpt / "latest").write_text("global_step10")
+    proc = hdet_train([f"run_dir={tmp_path / 'run'}", "train.resume=true", *args], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -276,7 +276,7 @@ def test_too_small_data_error_names_keys_and_sizes():
     with pytest.raises(HDETConfigError) as err:
         ByteBatches(_data(40), 32, 4, seed=0, rank=0, world_size=4, key="data.val")
     msg = str(err.value)
-    assert "train.micro_batch_size" in msg and "data.val" in msg
+    assert "deepspeed.train_micro_batch_size_per_gpu" in msg and "data.val" in msg
     assert "40 bytes" in msg and "48" in msg
     # exactly enough works
     ByteBatches(_data(48), 32, 4, seed=0, rank=3, world_size=4).batch(0)
