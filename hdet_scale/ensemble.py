@@ -114,7 +114,7 @@ class HDETScheduler:
         groups = next(iter(param_groups.values()))
         self.num_groups = len(groups)
         self.peaks = self._peaks(groups)
-        self.explored = self._explored()  # (axis, group) pairs with a spread
+        self.explored = self._explored()  # (axis, group) pairs in hdet.axes
         for a in config.axes:
             for g, grp in enumerate(groups):
                 if a not in grp:
@@ -256,7 +256,7 @@ class HDETScheduler:
                 if not self.config.axis_auto(a):
                     continue
                 values = self.applied[key]  # what the interval's last step ran with
-                base = self.base_value(a, g) if key in self.base else self._start_value(a, g)
+                base = self.base_value(a, g)  # before the first update: the schedule's value now
                 delta = ctl.hypergradient(weights, values)
                 self.base[key], self.velocity[key] = ctl.meta_update(
                     base, self.velocity[key], delta, auto.momentum, auto.step_size, self.decay[key])
@@ -276,11 +276,6 @@ class HDETScheduler:
         a new permutation or touching the interval's losses: e.g. to end a run with
         one model. The next forward pass uses the averaged weights."""
         self.sync_obj.converge([True] * self.replicas)
-
-    def _start_value(self, axis: str, group: int) -> float:
-        if axis == "lr":
-            return self.schedule.value(min(self.step_count, self.total_steps), self.peaks[group])
-        return self.initial[(axis, group)]
 
     def replica_record(self) -> dict[str, float]:
         """Every replica's value per axis and group at the last applied step, under
