@@ -3,12 +3,14 @@ DeepSpeed ZeRO-3.
 
 Public API: :func:`initialize` (``deepspeed.initialize`` with HDET),
 :func:`save_checkpoint` / :func:`load_checkpoint`, :class:`HDETScheduler`,
-:class:`HDETConfig`. DeepSpeed is imported only when ``initialize`` is called.
+:class:`HDETConfig`, :class:`Simulator` (R replicas in one process). DeepSpeed is
+imported only when ``initialize`` is called.
 """
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.simulate import SimulatedSync, Simulator
 
 __version__ = "0.1.0"
 
@@ -34,5 +36,5 @@ def load_checkpoint(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "initialize",
-           "load_checkpoint", "save_checkpoint"]
+__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "SimulatedSync", "Simulator",
+           "initialize", "load_checkpoint", "save_checkpoint"]

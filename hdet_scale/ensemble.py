@@ -218,6 +218,8 @@ class HDETScheduler:
             self.sync_obj.add_loss(loss)
         self.step_count += 1
         if self.logger is not None and self.logger.enabled and self.step_count % self.config.logging.every == 0:
+            if isinstance(loss, (list, tuple)):  # the simulator passes one loss per replica
+                loss = sum(float(x) for x in loss) / len(loss)
             record = {"hdet/loss": float(loss) if loss is not None else None, **self.replica_record(), **self.extra}
             self.logger.log(record, step=self.step_count)
         self.extra = {}
@@ -258,8 +260,16 @@ class HDETScheduler:
                 values = self.applied[key]  # what the interval's last step ran with
                 base = self.base_value(a, g)  # before the first update: the schedule's value now
                 delta = ctl.hypergradient(weights, values)
-                self.base[key], self.velocity[key] = ctl.meta_update(
+                new_base, self.velocity[key] = ctl.meta_update(
                     base, self.velocity[key], delta, auto.momentum, auto.step_size, self.decay[key])
+                # The velocity remembers larger, older bases; under a strong decay it can
+                # outweigh base * (1 - gamma) and send the LR below zero. Floor: the
+                # schedule's final LR (0 for other multiplicative axes).
+                floor = self.schedule.floor(self.peaks[g]) if a == "lr" else 0.0
+                if self.config.axes[a].kind == "multiplicative" and new_base < floor:
+                    new_base = floor
+                    record[f"hdet/{a}/group_{g}/floored"] = 1
+                self.base[key] = new_base
                 record[f"hdet/{a}/group_{g}/hypergradient"] = delta
                 record[f"hdet/{a}/group_{g}/velocity"] = self.velocity[key]
         self.permutations = {k: ax.draw_permutation(self.generator, self.replicas) for k in self.explored}

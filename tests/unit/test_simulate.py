@@ -1,0 +1,333 @@
+"""Unit tests for hdet_scale.simulate (R HDET replicas in one process).
+
+Expected values come from independent computations: a single model trained with torch's
+own optimizers and ``OneCycleLR``, means taken with ``torch.stack(...).mean(0)``, and the
+fan-out multipliers written out by hand. Models are tiny and all data comes from seeded
+``torch.Generator`` objects (the global RNG is never used).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hdet_scale import Simulator, SimulatedSync
+from hdet_scale.config import HDETConfig
+
+D_IN, D_OUT = 4, 3
+
+
+class Tiny(nn.Module):
+    """Linear + LayerNorm (+ optional BatchNorm for persistent buffers, and a
+    non-persistent buffer that converge must leave alone)."""
+
+    def __init__(self, seed: int = 0, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D_IN, D_OUT)
+        self.norm = nn.LayerNorm(D_OUT)
+        self.bn = nn.BatchNorm1d(D_OUT) if batchnorm else None
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.lin(x))
+        return self.bn(y) if self.bn is not None else y
+
+
+def make_data(steps: int, replicas: int, seed: int = 1, batch: int = 8):
+    """data[t][r] = (x, y) for step t and replica r."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(batch, D_IN, generator=g), torch.randn(batch, D_OUT, generator=g))
+             for _ in range(replicas)] for _ in range(steps)]
+
+
+def loss_for(data, t):
+    def fn(model, r):
+        x, y = data[t][r]
+        return nn.functional.mse_loss(model(x), y)
+    return fn
+
+
+def hdet(replicas=2, sync_interval=4, total_steps=10, spread=0.0, sharing="global", auto=None, seed=0):
+    block = {"replicas": replicas, "sync_interval": sync_interval, "gradient_sharing": sharing, "seed": seed,
+             "axes": {"lr": {"spread_ratio": spread}},
+             "schedule": {"name": "onecycle", "total_steps": total_steps}}
+    if auto is not None:
+        block["auto"] = auto
+    return block
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def capture_converge(sim):
+    """Wrap sim.sync.converge to record every replica's params/buffers just before it."""
+    seen = []
+    orig = sim.sync.converge
+
+    def wrapped(finite):
+        seen.append({"finite": list(finite),
+                     "state": [{k: v.clone() for k, v in m.state_dict().items()} for m in sim.models]})
+        orig(finite)
+
+    sim.sync.converge = wrapped
+    return seen
+
+
+# ---- (a) spread 0 + global sharing == one model on the mean loss ------------------------
+@pytest.mark.parametrize("opt_fn", [sgd, adamw], ids=["sgd", "adamw"])
+def test_spread_zero_global_equals_single_model_on_mean_loss(opt_fn):
+    steps = 10
+    data = make_data(steps, 2)
+    sim = Simulator(lambda: Tiny(seed=3), opt_fn, hdet(replicas=2, sync_interval=4, total_steps=steps))
+
+    ref = Tiny(seed=3)
+    opt = opt_fn(list(ref.parameters()))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=opt.param_groups[0]["lr"], total_steps=steps,
+                                                cycle_momentum=False)
+    for t in range(steps):
+        sim.step(loss_for(data, t))
+        opt.zero_grad()
+        loss = 0.5 * (loss_for(data, t)(ref, 0) + loss_for(data, t)(ref, 1))
+        loss.backward()
+        opt.step()
+        if t < steps - 1:  # OneCycleLR raises past total_steps; HDET clamps there
+            sched.step()
+            assert sim.optimizers[0].param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12)
+
+    # Identical gradients and LRs: the replicas stay bit-identical.
+    for a, b in zip(sim.models[0].parameters(), sim.models[1].parameters()):
+        assert torch.equal(a, b)
+    # float32: the mean of the two replicas' gradients and the gradient of the mean loss
+    # differ only by rounding (summation order inside autograd), so compare to a few ulps
+    # of accumulated drift over 10 steps.
+    for p, q in zip(sim.models[0].parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ---- (b) converge = mean of the pre-sync replicas, params and persistent buffers ------
+def test_converge_writes_mean_of_pre_sync_params_into_every_replica():
+    R, T = 3, 3
+    data = make_data(T, R)
+    sim = Simulator(lambda: Tiny(seed=5, batchnorm=True), sgd,
+                    hdet(replicas=R, sync_interval=T, total_steps=12, spread=0.3, sharing="replica"))
+    for r, m in enumerate(sim.models):
+        m.scratch.fill_(float(r))  # non-persistent: must survive converge untouched
+    seen = capture_converge(sim)
+    for t in range(T):
+        sim.step(loss_for(data, t))
+    assert len(seen) == 1 and seen[0]["finite"] == [True] * R
+    pre = seen[0]["state"]
+    # The replicas had diverged (different LRs, different data, own gradients).
+    assert not torch.equal(pre[0]["lin.weight"], pre[1]["lin.weight"])
+    assert not torch.equal(pre[0]["bn.running_mean"], pre[1]["bn.running_mean"])
+    for key in pre[0]:
+        after = [m.state_dict()[key] for m in sim.models]
+        for r in range(1, R):
+            assert torch.equal(after[r], after[0]), key
+        if pre[0][key].is_floating_point():
+            expected = torch.stack([s[key] for s in pre]).mean(0)
+            torch.testing.assert_close(after[0], expected, rtol=1e-6, atol=1e-7)
+        else:  # num_batches_tracked: integer, not averaged (equal anyway)
+            assert torch.equal(after[0], pre[0][key])
+    for r, m in enumerate(sim.models):
+        assert torch.equal(m.scratch, torch.full((2,), float(r)))
+
+
+def test_converge_passthrough_averages_without_sync():
+    sim = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=100, total_steps=100,
+                                                    spread=0.5, sharing="replica"))
+    data = make_data(2, 2)
+    for t in range(2):
+        sim.step(loss_for(data, t))
+    pre = [params_of(m) for m in sim.models]
+    sim.converge()
+    for i, p in enumerate(sim.models[1].parameters()):
+        assert torch.equal(p, list(sim.models[0].parameters())[i])
+        torch.testing.assert_close(p, (pre[0][i] + pre[1][i]) / 2, rtol=0, atol=0)
+    assert sim.scheduler.sync_count == 0
+
+
+# ---- (c) replica LRs = base x multiplier[perm[r]] ---------------------------------------
+def test_replica_lrs_are_base_times_permuted_multipliers():
+    R, T, N, a, seed = 3, 2, 8, 0.2, 7
+    sim = Simulator(lambda: Tiny(), sgd, hdet(replicas=R, sync_interval=T, total_steps=N, spread=a, seed=seed))
+    mult = [1 - a, 1.0, 1 + a]  # R = 3: delta = 1, offsets -1, 0, 1
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    onecycle = torch.optim.lr_scheduler.OneCycleLR(dummy, max_lr=0.1, total_steps=N, cycle_momentum=False)
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(R, generator=gen).tolist()
+    data = make_data(N, R)
+    seen_perms = {tuple(perm)}
+    for t in range(N):
+        base = dummy.param_groups[0]["lr"]
+        assert sim.scheduler.permutations[("lr", 0)] == perm
+        for r in range(R):
+            assert sim.optimizers[r].param_groups[0]["lr"] == pytest.approx(base * mult[perm[r]], rel=1e-12)
+        sim.step(loss_for(data, t))
+        if t < N - 1:
+            dummy.step()  # no gradient: a no-op that keeps torch's call-order check quiet
+            onecycle.step()
+        if (t + 1) % T == 0:
+            perm = torch.randperm(R, generator=gen).tolist()
+            seen_perms.add(tuple(perm))
+    assert len(seen_perms) > 1  # permutations really are redrawn at syncs
+
+
+# ---- (d) NaN on one replica for an interval ---------------------------------------------
+def test_nan_replica_is_left_out_and_receives_the_others_params():
+    R, T, N = 2, 3, 12
+    data = make_data(N, R)
+    # decay 0: with the derived decay this short run drives the base LR negative even
+    # without a NaN (see test_auto_lr_base_stays_positive_with_derived_decay).
+    cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, "decay": 0.0})
+    sim = Simulator(lambda: Tiny(seed=1), sgd, cfg)
+    seen = capture_converge(sim)
+
+    def fn_for(t):
+        base = loss_for(data, t)
+
+        def fn(model, r):
+            loss = base(model, r)
+            return loss * float("nan") if (r == 1 and T <= t < 2 * T) else loss
+        return fn
+
+    for t in range(2 * T):
+        sim.step(fn_for(t))
+    assert [s["finite"] for s in seen] == [[True, True], [True, False]]
+    assert sim.scheduler.last_sync["hdet/nonfinite_replicas"] == [1]
+    assert math.isnan(sim.scheduler.last_sync["hdet/loss/replica_1"])
+    pre = seen[1]["state"]
+    assert any(torch.isnan(v).any() for v in pre[1].values())  # replica 1 really blew up
+    for m in sim.models:
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, pre[0][k]), k  # mean over one contributor = replica 0
+    base = sim.scheduler.base_value("lr", 0)
+    assert math.isfinite(base) and base > 0
+    assert all(math.isfinite(v) and v > 0 for v in sim.scheduler.replica_values("lr", 0))
+    for t in range(2 * T, N):  # and training continues finitely on both
+        losses = sim.step(loss_for(data, t))
+        assert all(torch.isfinite(x) for x in losses)
+
+
+def test_auto_lr_base_stays_positive_with_derived_decay():
+    """A strong derived decay (gamma ~ 0.95) lets the velocity outweigh base * (1 - gamma);
+    the base is floored at the schedule's final LR instead of going negative."""
+    R, T, N = 2, 3, 12
+    data = make_data(N, R)
+    cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1})
+    sim = Simulator(lambda: Tiny(seed=1), sgd, cfg)
+    for t in range(N):
+        sim.step(loss_for(data, t))
+        assert all(v > 0 for v in sim.scheduler.replica_values("lr", 0)), sim.scheduler.last_sync
+        assert sim.scheduler.base_value("lr", 0) >= sim.scheduler.schedule.floor(sim.scheduler.peaks[0])
+
+
+# ---- (e) state_dict round trip, mid-interval, exact --------------------------------------
+def test_state_dict_round_trip_continues_identically_mid_interval():
+    R, T, N, stop = 3, 3, 12, 5  # stop after step 5: mid-interval (syncs at 3, 6, ...)
+    data = make_data(N, R)
+    cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1})
+    a = Simulator(lambda: Tiny(seed=4), adamw, cfg)
+    for t in range(stop):
+        a.step(loss_for(data, t))
+    assert a.sync.state_dict()["loss_count"] == [stop - T] * R  # accumulators are mid-interval
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = Simulator(lambda: Tiny(seed=99), adamw, cfg)  # different init: everything must come from the state
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    for t in range(stop, N):
+        la, lb = a.step(loss_for(data, t)), b.step(loss_for(data, t))
+        assert [x.item() for x in la] == [x.item() for x in lb]
+        for r in range(R):
+            assert a.optimizers[r].param_groups[0]["lr"] == b.optimizers[r].param_groups[0]["lr"]
+    assert a.scheduler.base == b.scheduler.base and a.scheduler.velocity == b.scheduler.velocity
+    assert a.scheduler.auto_active
+    for ma, mb in zip(a.models, b.models):
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            assert torch.equal(pa, pb)
+    for oa, ob in zip(a.optimizers, b.optimizers):
+        for pa, pb in zip(oa.param_groups[0]["params"], ob.param_groups[0]["params"]):
+            assert torch.equal(oa.state[pa]["exp_avg_sq"], ob.state[pb]["exp_avg_sq"])
+
+
+# ---- (f) Adam moments: shared under global sharing, divergent under replica -------------
+@pytest.mark.parametrize("sharing", ["global", "replica"])
+def test_adam_moments_shared_only_with_global_gradients(sharing):
+    R, steps = 2, 4
+    data = make_data(steps, R)
+    sim = Simulator(lambda: Tiny(seed=6), adamw, hdet(replicas=R, sync_interval=100, total_steps=20,
+                                                      spread=0.3, sharing=sharing))
+    for t in range(steps):
+        sim.step(loss_for(data, t))
+    p0, p1 = list(sim.models[0].parameters()), list(sim.models[1].parameters())
+    s0, s1 = sim.optimizers[0].state, sim.optimizers[1].state
+    same_m = all(torch.equal(s0[a]["exp_avg"], s1[b]["exp_avg"]) for a, b in zip(p0, p1))
+    same_v = all(torch.equal(s0[a]["exp_avg_sq"], s1[b]["exp_avg_sq"]) for a, b in zip(p0, p1))
+    assert not all(torch.equal(a, b) for a, b in zip(p0, p1))  # params diverge through the LRs
+    if sharing == "global":
+        assert same_m and same_v
+        for a, b in zip(p0, p1):  # and the grads are the replica mean
+            assert torch.equal(a.grad, b.grad)
+    else:
+        assert not same_m and not same_v
+
+
+# ---- SimulatedSync accumulators -----------------------------------------------------------
+def test_sync_loss_accumulation_float64_and_reset():
+    models = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    opts = [sgd(list(m.parameters())) for m in models]
+    s = SimulatedSync(models, opts, "replica")
+    assert s.replicas == 2 and s.local_replicas == [0, 1]
+    xs = [torch.tensor(0.1, dtype=torch.float32), torch.tensor(1e8, dtype=torch.float32), 3]
+    for x in xs:
+        s.add_loss([x, 2.0])
+    state = s.state_dict()
+    losses, counts = s.interval_losses()
+    exact = (float(xs[0]) + float(xs[1]) + 3.0) / 3  # float64 arithmetic, not float32
+    assert losses[0] == exact and losses[1] == 2.0 and counts == [3, 3]
+    losses, counts = s.interval_losses()
+    assert all(math.isnan(x) for x in losses) and counts == [0, 0]
+    s.load_state_dict(state)
+    assert s.interval_losses()[0][0] == exact
+    with pytest.raises(ValueError, match="2 losses"):
+        s.add_loss([1.0])
+    with pytest.raises(ValueError):
+        SimulatedSync(models, opts, "ring")
+
+
+def test_replicas_start_identical_and_config_object_accepted():
+    calls = []
+
+    def model_fn():
+        calls.append(1)
+        return Tiny(seed=len(calls))  # different init per call: replica 0's wins
+
+    sim = Simulator(model_fn, sgd, HDETConfig.from_dict(hdet(replicas=3)))
+    assert len(calls) == 3 and sim.replicas == 3
+    ref = Tiny(seed=1)
+    for m in sim.models:
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="scalar"):
+        sim.step(lambda model, r: model(torch.zeros(2, D_IN)))
