@@ -132,7 +132,8 @@ class HDETConfig:
         cfg = _parse(cls, data, prefix, errors)
         # The LR follows the base schedule even when only another axis is explored.
         cfg.axes.setdefault("lr", AxisConfig())
-        _validate(cfg, prefix, errors)
+        if cfg.enabled:  # a disabled block only has to be well-formed
+            _validate(cfg, prefix, errors)
         if errors:
             raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))
         return cfg
@@ -258,7 +259,7 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
     _check(errors, not (s.cycle_momentum and s.name != "onecycle"), f"{k}.cycle_momentum",
            "needs schedule.name = 'onecycle'")
     a, k = cfg.auto, f"{p}.auto"
-    _check(errors, a.temperature > 0, f"{k}.temperature", f"must be > 0, got {a.temperature}")
+    _check(errors, 0 < a.temperature < math.inf, f"{k}.temperature", f"must be finite and > 0, got {a.temperature}")
     _check(errors, 0 <= a.momentum < 1, f"{k}.momentum", f"must be in [0, 1), got {a.momentum}")
     _check(errors, a.step_size >= 0, f"{k}.step_size", f"must be >= 0, got {a.step_size}")
     _check(errors, a.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0 (optimizer steps), got {a.warmup_steps}")

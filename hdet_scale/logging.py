@@ -40,10 +40,12 @@ class MetricsLogger:
         wandb: W&B settings; ``mode=None`` picks online with credentials, else offline.
         config: the fully resolved run config, attached to the W&B run.
         enabled: ``False`` on every rank but global rank 0.
+        append: keep an existing JSONL file's records (a resumed run); ``False`` starts
+            it anew.
     """
 
     def __init__(self, jsonl: str | None = None, wandb: WandbConfig | None = None,
-                 config: dict | None = None, enabled: bool = True) -> None:
+                 config: dict | None = None, enabled: bool = True, append: bool = True) -> None:
         self.enabled = enabled
         self._file = None
         self._wandb_run = None
@@ -51,7 +53,7 @@ class MetricsLogger:
             return
         if jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-            self._file = open(jsonl, "a", buffering=1)
+            self._file = open(jsonl, "a" if append else "w", buffering=1)
         if wandb is not None and wandb.enabled:
             import wandb as wb
 

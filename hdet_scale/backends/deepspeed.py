@@ -149,10 +149,13 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
     the returned config divides it by R.
 
     Raises:
-        HDETConfigError: any invalid key, naming it; all problems at once.
+        HDETConfigError: any invalid key, naming it: all problems of the ``hdet`` block
+            at once, then (for a well-formed block) all DeepSpeed-key problems at once.
     """
     ds = _load_ds_config(ds_config)
-    cfg = HDETConfig.from_dict(ds.pop("hdet", {}) or {})
+    block = ds.pop("hdet", None)
+    # No block (or null): plain DeepSpeed, as if "enabled": false.
+    cfg = HDETConfig.from_dict(block) if block is not None else HDETConfig(enabled=False)
     world = _world_size() if world_size is None else world_size
     errors = []
     if cfg.enabled:
@@ -166,7 +169,8 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
                           "constant; see docs/config.md)")
         stage = ds.get("zero_optimization", {}).get("stage", 0)
         if stage != 3:
-            errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3, got {stage}")
+            errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3 (the integer), "
+                          f"got {stage!r}")
         offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
         if offload not in (None, "none"):
             errors.append(f"zero_optimization.offload_optimizer.device: optimizer offload ({offload}) is not "
@@ -175,6 +179,8 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
             errors.append("fp16.enabled: fp16 loss scaling skips steps per replica, which would desynchronise "
                           "the sync steps under hdet.gradient_sharing='replica'; use bf16 or 'global'")
         tbs = ds.get("train_batch_size")
+        if tbs is not None and (not isinstance(tbs, int) or isinstance(tbs, bool)):
+            errors.append(f"train_batch_size: must be an integer (samples over all ranks), got {tbs!r}")
         micro, gas = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps", 1)
         if isinstance(tbs, int) and isinstance(micro, int) and isinstance(gas, int) and tbs != micro * gas * world:
             errors.append(f"train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "

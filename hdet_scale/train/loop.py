@@ -104,7 +104,9 @@ def train(run: dict) -> dict:
                             group=w["group"] or os.path.basename(os.path.abspath(run_dir)),
                             name=w["name"] or os.path.basename(os.path.abspath(run_dir)), mode=w["mode"],
                             dir=run_dir)
-    logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0)
+    resuming = run["train"]["resume"] and os.path.exists(os.path.join(run_dir, "checkpoint", "latest"))
+    logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
+                           append=resuming)
     model = build_model(ModelConfig(**run["model"]))
     engine, _, _, sched = initialize(model, run["deepspeed"], logger=logger)
     topo = sched.topology
@@ -127,15 +129,18 @@ def train(run: dict) -> dict:
     loss = torch.tensor(float("nan"))
     while sched.step_count < steps:
         step = sched.step_count
+        step_loss = 0.0
         for micro_step in range(gas):
             inputs, targets = batches.batch(step * gas + micro_step)
             inputs, targets = inputs.to(engine.device), targets.to(engine.device)
             loss = loss_fn(engine, inputs, targets)
             engine.backward(loss)
+            step_loss = step_loss + loss.detach()
+        loss = step_loss / gas  # the step's loss: mean over its micro-batches
         now = time.perf_counter()
         sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9)}
         t_last = now
-        engine.step(lr_kwargs={"loss": loss.detach()})
+        engine.step(lr_kwargs={"loss": loss})
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")

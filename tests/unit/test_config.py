@@ -281,3 +281,34 @@ def test_layout_describe():
 def test_degenerate_onecycle_phase_rejected_by_config(total, pct):
     with pytest.raises(HDETConfigError, match="hdet.schedule.pct_start"):
         HDETConfig.from_dict({"schedule": {"total_steps": total, "pct_start": pct}})
+
+
+# ---- the DeepSpeed side: prepare_config (pure, no communication) --------------------------
+def _ds(**hdet):
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "hdet": hdet}
+
+
+def test_prepare_config_without_block_or_disabled_is_plain_deepspeed():
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    cfg, ds = prepare_config({"zero_optimization": {"stage": 1}}, world_size=4)
+    assert not cfg.enabled and "hdet" not in ds
+    cfg, ds = prepare_config({"hdet": {"enabled": False}}, world_size=4)  # no total_steps needed
+    assert not cfg.enabled and "hdet" not in ds
+    with pytest.raises(HDETConfigError, match="hdet.replica: unknown key"):
+        prepare_config({"hdet": {"enabled": False, "replica": 2}}, world_size=4)
+
+
+def test_prepare_config_divides_global_batch_and_checks_it():
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    _, ds = prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": 8}, world_size=4)
+    assert ds["train_batch_size"] == 4  # 8 samples over W=4 ranks -> 4 per replica of S=2 ranks
+    for tbs, needle in ((12, "must equal"), (8.0, "must be an integer")):
+        with pytest.raises(HDETConfigError, match=needle):
+            prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": tbs}, world_size=4)
+
+
+def test_infinite_temperature_rejected():
+    with pytest.raises(HDETConfigError, match="hdet.auto.temperature"):
+        HDETConfig.from_dict({"schedule": {"total_steps": 10}, "auto": {"temperature": float("inf")}})
