@@ -42,9 +42,8 @@ may use it; the scheduler's permutations come from its own seeded generator).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn

@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-from hdet_scale import controller as ctl
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError, HDETStateError
