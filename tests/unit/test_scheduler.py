@@ -234,7 +234,7 @@ def _loss_for(groups, r, g, t):
 
 
 def test_auto_lr_first_meta_update_by_hand_and_piecewise_constant():
-    T, N, W = 5, 60, 12
+    T, N = 5, 60
     cfg = make_config(replicas=2, sync_interval=T, total_steps=N, auto=AUTO)
     sch, groups, sync = make(cfg)
     peaks = [0.1, 0.02]
