@@ -36,6 +36,14 @@ def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterable[lis
             yield bucket
 
 
+def persistent_float_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers converge averages: floating and persistent (in ``state_dict``), such
+    as BatchNorm running statistics. Non-persistent ones (rotary tables) are derived
+    constants, equal on every replica; averaging them could change their bits."""
+    persistent = set(module.state_dict().keys())
+    return [b for n, b in module.named_buffers() if n in persistent and b.is_floating_point()]
+
+
 @torch.no_grad()
 def mean_all_reduce_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, bucket_bytes: int,
                      contribute: bool = True, contributors: int | None = None) -> int:

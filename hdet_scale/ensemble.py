@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +38,30 @@ class Sync(Protocol):
     def converge(self, finite: list[bool]) -> None: ...  # collective
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+
+
+class LiveParamGroups(Mapping):
+    """``{replica_index: optimizer.param_groups}`` read at every access.
+
+    ``Optimizer.load_state_dict`` (also inside DeepSpeed's ``engine.load_checkpoint``)
+    rebinds ``param_groups`` to new dicts: a list stored at start-up would go stale and
+    the scheduler would set hyperparameters the optimizer no longer reads.
+
+    Args:
+        optimizers: ``{replica_index: optimizer}`` for the replicas this process drives.
+    """
+
+    def __init__(self, optimizers: Mapping[int, Any]) -> None:
+        self._optimizers = dict(optimizers)
+
+    def __getitem__(self, key: int) -> list[dict]:
+        return self._optimizers[key].param_groups
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._optimizers)
+
+    def __len__(self) -> int:
+        return len(self._optimizers)
 
 
 def build_schedule(cfg: HDETConfig) -> Schedule:

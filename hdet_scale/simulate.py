@@ -43,26 +43,20 @@ may use it; the scheduler's permutations come from its own seeded generator).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.config import HDETConfig
-from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 
 __all__ = ["SimulatedSync", "Simulator"]
 
 
-def _persistent_float_buffers(model: nn.Module) -> list[torch.Tensor]:
-    # Same selection as DeepSpeedBackend.buffers: non-persistent buffers (rotary tables)
-    # are derived constants, equal on every replica.
-    persistent = set(model.state_dict().keys())
-    return [b for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
-
-
 def _converge_tensors(model: nn.Module) -> list[torch.Tensor]:
-    return list(model.parameters()) + _persistent_float_buffers(model)
+    return list(model.parameters()) + persistent_float_buffers(model)
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -209,25 +203,6 @@ class SimulatedSync:
         self._count = [int(c) for c in counts]
 
 
-class _LiveParamGroups(Mapping):
-    """``{r: optimizers[r].param_groups}`` read at every access: ``load_state_dict`` of a
-    torch optimizer rebinds ``param_groups`` to new dicts."""
-
-    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        self._optimizers = optimizers
-
-    def __getitem__(self, key: int) -> list[dict]:
-        if not isinstance(key, int) or not 0 <= key < len(self._optimizers):
-            raise KeyError(key)
-        return self._optimizers[key].param_groups
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(len(self._optimizers)))
-
-    def __len__(self) -> int:
-        return len(self._optimizers)
-
-
 class Simulator:
     """R HDET replicas of one model in this process (see the module docstring).
 
@@ -270,7 +245,7 @@ class Simulator:
             raise ValueError(f"optimizer_fn returned optimizers with different numbers of parameter groups: "
                              f"{[len(o.param_groups) for o in self.optimizers]}")
         self.sync = SimulatedSync(self.models, self.optimizers, self.config.gradient_sharing)
-        self.scheduler = HDETScheduler(self.config, _LiveParamGroups(self.optimizers))
+        self.scheduler = HDETScheduler(self.config, LiveParamGroups(dict(enumerate(self.optimizers))))
         self.scheduler.attach(self.sync)
 
     @property

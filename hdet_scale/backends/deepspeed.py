@@ -18,13 +18,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.config import HDETConfig
-from hdet_scale.ensemble import HDETScheduler, check_config
+from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
@@ -61,11 +62,7 @@ class DeepSpeedBackend:
         return list(self.optimizer.fp32_partitioned_groups_flat)
 
     def buffers(self) -> Sequence[torch.Tensor]:
-        # Persistent floating buffers only: non-persistent ones (rotary tables) are
-        # derived constants, equal everywhere, and averaging them could change bits.
-        module = self.engine.module
-        persistent = set(module.state_dict().keys())
-        return [b for n, b in module.named_buffers() if n in persistent and b.is_floating_point()]
+        return persistent_float_buffers(self.engine.module)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -97,28 +94,6 @@ class DeepSpeedBackend:
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups
-
-
-class _LiveParamGroups(Mapping):
-    """``{replica_index: optimizer.param_groups}`` read at every access.
-
-    ``optimizer.load_state_dict`` (inside DeepSpeed's ``engine.load_checkpoint``) rebinds
-    ``param_groups`` to new dicts: a list stored at start-up would go stale and the
-    scheduler would set the LR of dicts the optimizer no longer reads."""
-
-    def __init__(self, replica_index: int, optimizer: Any) -> None:
-        self._replica, self._optimizer = replica_index, optimizer
-
-    def __getitem__(self, key: int) -> list[dict]:
-        if key != self._replica:
-            raise KeyError(key)
-        return self._optimizer.param_groups
-
-    def __iter__(self) -> Iterator[int]:
-        return iter((self._replica,))
-
-    def __len__(self) -> int:
-        return 1
 
 
 def _load_ds_config(config: str | dict) -> dict:
@@ -242,7 +217,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     holder: dict[str, HDETScheduler] = {}
 
     def make_scheduler(opt: torch.optim.Optimizer) -> HDETScheduler:
-        holder["s"] = HDETScheduler(cfg, _LiveParamGroups(topology.replica_index, opt), logger=logger)
+        holder["s"] = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: opt}), logger=logger)
         return holder["s"]
 
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
