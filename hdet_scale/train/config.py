@@ -16,6 +16,7 @@ import yaml
 from importlib import resources
 from typing import Any
 
+from hdet_scale.config import WandbConfig
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train.model import ModelConfig
 
@@ -40,16 +41,6 @@ class TrainConfig:
 
 
 @dataclass
-class WandbRunConfig:
-    enabled: bool = True
-    project: str = "hdet-scale"
-    entity: str | None = None
-    group: str | None = None
-    name: str | None = None
-    mode: str | None = None
-
-
-@dataclass
 class RunConfig:
     run_dir: str = "runs/default"
     seed: int = 0
@@ -60,7 +51,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    wandb: WandbRunConfig = field(default_factory=WandbRunConfig)
+    # The hdet block's W&B settings, on by default here; group/name/dir default to run_dir.
+    wandb: WandbConfig = field(default_factory=lambda: WandbConfig(enabled=True, project="hdet-scale"))
 
 
 def packaged(name: str) -> str:
@@ -129,6 +121,8 @@ def _validate(run: dict) -> None:
         errors.append(f"train.steps: must be >= 1 (optimizer steps), got {t['steps']}")
     if t["eval_batches"] < 1:
         errors.append(f"train.eval_batches: must be >= 1, got {t['eval_batches']}")
+    if run["wandb"]["mode"] not in (None, "online", "offline", "disabled"):
+        errors.append(f"wandb.mode: must be null, 'online', 'offline' or 'disabled', got {run['wandb']['mode']!r}")
     if d["seq_len"] < 1 or d["seq_len"] > run["model"]["max_seq_len"]:
         errors.append(f"data.seq_len: must be in [1, model.max_seq_len={run['model']['max_seq_len']}], "
                       f"got {d['seq_len']}")

@@ -99,12 +99,12 @@ def train(run: dict) -> dict:
     _quiet_deepspeed()
     run_dir = run["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
+    name = os.path.basename(os.path.abspath(run_dir))
     w = run["wandb"]
-    wandb_cfg = WandbConfig(enabled=w["enabled"], project=w["project"], entity=w["entity"],
-                            group=w["group"] or os.path.basename(os.path.abspath(run_dir)),
-                            name=w["name"] or os.path.basename(os.path.abspath(run_dir)), mode=w["mode"],
-                            dir=run_dir)
-    resuming = run["train"]["resume"] and os.path.exists(os.path.join(run_dir, "checkpoint", "latest"))
+    wandb_cfg = WandbConfig(**{**w, "group": w["group"] or name, "name": w["name"] or name,
+                               "dir": w["dir"] or run_dir})
+    ckpt = os.path.join(run_dir, "checkpoint")
+    resuming = run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest"))
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
                            append=resuming)
     model = build_model(ModelConfig(**run["model"]))
@@ -114,8 +114,7 @@ def train(run: dict) -> dict:
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     batches = ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], rank, world)
-    ckpt = os.path.join(run_dir, "checkpoint")
-    if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
+    if resuming:
         load_checkpoint(engine, sched, ckpt)
     steps = run["train"]["steps"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks
