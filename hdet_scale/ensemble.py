@@ -186,6 +186,12 @@ class HDETScheduler:
     def attach(self, sync: Sync) -> None:
         self.sync_obj = sync
 
+    @property
+    def topology(self) -> Any:
+        """The attached sync's :class:`~hdet_scale.topology.Topology` (``None`` in the
+        simulator)."""
+        return getattr(self.sync_obj, "topology", None)
+
     # ---- values -------------------------------------------------------------------------
     @property
     def auto_active(self) -> bool:

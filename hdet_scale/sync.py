@@ -25,6 +25,8 @@ class Backend(Protocol):
     def buffers(self) -> Sequence[torch.Tensor]: ...  # floating buffers to average
     def refresh(self) -> None: ...  # after converge: working copies <- masters
     def install_grad_hook(self, hook) -> None: ...  # hook(list[Tensor]) before each optimizer step
+    # Backends whose engine already averages gradients over all W ranks in "global" mode
+    # (DDP over the world, FSDP2 HSDP) set ``shares_gradients = True``: no hook then.
 
 
 class DistributedSync:
@@ -37,7 +39,8 @@ class DistributedSync:
         gradient_sharing: ``"global"`` installs the gradient hook that averages the local
             gradient partitions over the replica group before every optimizer step (so
             every replica applies the mean gradient of all W ranks, paper Sec. 3.1);
-            ``"replica"`` installs nothing.
+            ``"replica"`` installs nothing. A backend with ``shares_gradients = True``
+            does the global average itself (its engine's own all-reduce).
     """
 
     def __init__(self, topology: Topology, backend: Backend, bucket_bytes: int, gradient_sharing: str) -> None:
@@ -48,7 +51,7 @@ class DistributedSync:
         self.local_replicas = [topology.replica_index]
         self._sum: torch.Tensor | float = 0.0
         self._count = 0
-        if gradient_sharing == "global" and topology.replicas > 1:
+        if gradient_sharing == "global" and topology.replicas > 1 and not getattr(backend, "shares_gradients", False):
             backend.install_grad_hook(self.share_gradients)
 
     def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.backends.common import (check_resumable, finish_checkpoint, load_hdet_state, save_hdet_state)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
-from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.errors import HDETConfigError
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
 
@@ -225,7 +226,6 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     scheduler = holder["s"]
     backend = DeepSpeedBackend(engine)
     scheduler.attach(DistributedSync(topology, backend, int(cfg.bucket_mb * 2**20), cfg.gradient_sharing))
-    scheduler.topology = topology
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=topology.world_size,
@@ -251,55 +251,17 @@ def save_checkpoint(engine: Any, scheduler: HDETScheduler, save_dir: str, tag: s
     rdir = os.path.join(save_dir, f"replica_{t.replica_index}")
     os.makedirs(rdir, exist_ok=True)  # DeepSpeed creates save_dir on global rank 0 only
     engine.save_checkpoint(rdir, tag=tag, client_state=client_state or {}, save_latest=False)
-    torch.save({"scheduler": scheduler.state_dict()},
-               os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"))
-    dist.barrier(group=t.world_group)
-    if t.rank == 0:
-        with open(os.path.join(save_dir, "hdet_layout.json"), "w") as f:
-            json.dump({"world_size": t.world_size, "replicas": t.replicas, "shard_size": t.shard_size,
-                       "step": scheduler.step_count, "total_steps": scheduler.total_steps}, f)
-        with open(os.path.join(save_dir, "latest"), "w") as f:
-            f.write(tag)
-    dist.barrier(group=t.world_group)
+    save_hdet_state(os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    finish_checkpoint(save_dir, t, scheduler, tag, "deepspeed")
     return tag
-
-
-def read_layout(load_dir: str) -> dict:
-    """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step,
-    total_steps. Raises HDETStateError when there is none."""
-    path = os.path.join(load_dir, "hdet_layout.json")
-    if not os.path.exists(path):
-        raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no hdet_layout.json)")
-    with open(path) as f:
-        return json.load(f)
-
-
-def check_resumable(load_dir: str, world_size: int, replicas: int) -> str:
-    """Read the checkpoint's layout and tag without communication.
-
-    Raises:
-        HDETStateError: missing checkpoint, or written by another ``R x S`` layout. Every
-            replica's diverged weights are tied to its shard layout, so a different layout
-            is refused rather than silently remapped; to change it, converge first and
-            start a new run from the averaged model.
-    """
-    saved = read_layout(load_dir)
-    shard = world_size // replicas
-    if saved["replicas"] != replicas or saved["shard_size"] != shard:
-        raise HDETStateError(
-            f"checkpoint {load_dir} was written by {saved['replicas']} replicas x {saved['shard_size']} shards; "
-            f"this run has {replicas} x {shard}. Resume with the same world size and hdet.replicas")
-    with open(os.path.join(load_dir, "latest")) as f:
-        return f.read().strip()
 
 
 def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: str | None = None) -> dict:
     """Restore what :func:`save_checkpoint` wrote; returns DeepSpeed's client state."""
     t = scheduler.topology
-    latest = check_resumable(load_dir, t.world_size, t.replicas)
+    latest = check_resumable(load_dir, t.world_size, t.replicas, "deepspeed")
     tag = tag or latest
     rdir = os.path.join(load_dir, f"replica_{t.replica_index}")
     _, client = engine.load_checkpoint(rdir, tag=tag, load_lr_scheduler_states=False)
-    state = torch.load(os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"), weights_only=False)
-    scheduler.load_state_dict(state["scheduler"])
+    load_hdet_state(os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"), scheduler)
     return client or {}

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_scale.backends.deepspeed import (check_resumable, initialize, load_checkpoint, prepare_config, read_layout,
-                                           save_checkpoint)
+from hdet_scale.backends.common import check_resumable, read_layout
+from hdet_scale.backends.deepspeed import initialize, load_checkpoint, prepare_config, save_checkpoint
 from hdet_scale.config import WandbConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger

@@ -1,0 +1,195 @@
+"""What every backend shares: config resolution before any collective, the scheduler and
+sync wiring, the adapter for engines that hold full parameters (DDP, fairscale OSS), and
+the checkpoint layout file.
+
+Each engine file (``ddp.py``, ``fsdp2.py``, ``fairscale.py``, ``deepspeed.py``) only says
+where its local tensors live and how it shares gradients; the HDET arithmetic is
+:class:`~hdet_scale.ensemble.HDETScheduler` for all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
+from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.sync import DistributedSync
+from hdet_scale.topology import Layout, Topology
+
+LAYOUT_FILE = "hdet_layout.json"
+
+
+def world_size() -> int:
+    """``torch.distributed`` world size, else ``$WORLD_SIZE``, else 1 (no communication)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, world: int | None = None
+                   ) -> HDETConfig:
+    """Parse and check an HDET config for a world of ``world`` ranks, without communication
+    (so every rank reaches the same verdict before the first collective).
+
+    Args:
+        config: an :class:`HDETConfig`; a mapping that is either the ``"hdet"`` block or a
+            whole DeepSpeed-style config holding one under ``"hdet"``; or a path to such a
+            JSON file.
+        world: W (default: :func:`world_size`).
+
+    Raises:
+        HDETConfigError: an invalid block, ``hdet.enabled`` false (these backends have no
+            plain mode of their own: spread 0 with auto-LR off is plain data
+            parallelism), ``replicas`` not dividing W, or a derived decay outside [0, 1).
+    """
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if isinstance(config, Mapping):
+        config = HDETConfig.from_dict(config["hdet"] if "hdet" in config else config)
+    if not isinstance(config, HDETConfig):
+        raise HDETConfigError(f"hdet config: expected an HDETConfig, a dict or a JSON path, got {type(config)}")
+    if not config.enabled:
+        raise HDETConfigError("hdet.enabled: false; this backend runs HDET only (for plain data parallelism "
+                              "set axes.lr.spread_ratio=0 and auto.enabled=false, or do not use hdet_scale)")
+    Layout(world_size() if world is None else world, config.replicas)
+    check_config(config)
+    return config
+
+
+def make_logger(cfg: HDETConfig, topology: Topology, run_config: dict | None = None) -> Any:
+    """The :class:`~hdet_scale.logging.MetricsLogger` of ``hdet.logging`` (writing on
+    global rank 0), or ``None`` when no sink is configured."""
+    if not (cfg.logging.jsonl or cfg.logging.wandb.enabled):
+        return None
+    from hdet_scale.logging import MetricsLogger
+
+    return MetricsLogger(cfg.logging.jsonl, cfg.logging.wandb, run_config or {"hdet": cfg.to_dict()},
+                         enabled=topology.rank == 0)
+
+
+def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend: Any,
+                    logger: Any = None) -> HDETScheduler:
+    """The scheduler of this rank (its replica's param groups, read live) with its
+    :class:`~hdet_scale.sync.DistributedSync` attached."""
+    scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
+    scheduler.attach(DistributedSync(topology, backend, int(cfg.bucket_mb * 2**20), cfg.gradient_sharing))
+    return scheduler
+
+
+def default_device() -> torch.device:
+    """``cuda:$LOCAL_RANK`` when CUDA is there, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_process_group(device: torch.device) -> None:
+    """``init_process_group`` from the launcher's environment if nobody did (nccl on CUDA,
+    gloo on CPU), and bind this process to its CUDA device first."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+class FullParamsBackend:
+    """Adapter for engines whose every rank holds the full parameters (DDP; fairscale OSS,
+    which shards only optimizer state): the master tensors are the module's floating
+    parameters themselves, so converge writes straight into what the next forward reads
+    and ``refresh`` has nothing to do.
+
+    Gradient sharing is the engine's own all-reduce (``shares_gradients``): DDP over the
+    whole world averages the gradients of all W ranks, which is HDET's "global" mode.
+    """
+
+    shares_gradients = True
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+
+    def master_tensors(self) -> Sequence[torch.Tensor]:
+        return [p.data for p in self.module.parameters() if p.is_floating_point()]
+
+    def buffers(self) -> Sequence[torch.Tensor]:
+        return persistent_float_buffers(self.module)
+
+    def refresh(self) -> None:
+        pass
+
+
+# ---- checkpoint layout ----------------------------------------------------------------
+# Every backend writes <dir>/replica_<r>/<tag>/... (replica r's files), an
+# hdet_layout.json and a "latest" file; replicas differ between syncs, so each has its own
+# folder and no two ranks write one file.
+
+def replica_dir(save_dir: str, topology: Topology, tag: str) -> str:
+    return os.path.join(save_dir, f"replica_{topology.replica_index}", tag)
+
+
+def finish_checkpoint(save_dir: str, topology: Topology, scheduler: HDETScheduler, tag: str,
+                      backend: str) -> None:
+    """After every rank has written its files: rank 0 writes ``hdet_layout.json`` and
+    ``latest``. Collective (two barriers on the world group)."""
+    dist.barrier(group=topology.world_group)
+    if topology.rank == 0:
+        with open(os.path.join(save_dir, LAYOUT_FILE), "w") as f:
+            json.dump({"world_size": topology.world_size, "replicas": topology.replicas,
+                       "shard_size": topology.shard_size, "step": scheduler.step_count,
+                       "total_steps": scheduler.total_steps, "backend": backend}, f)
+        with open(os.path.join(save_dir, "latest"), "w") as f:
+            f.write(tag)
+    dist.barrier(group=topology.world_group)
+
+
+def read_layout(load_dir: str) -> dict:
+    """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step,
+    total_steps, backend (absent in checkpoints of hdet_scale 0.1: DeepSpeed). Raises
+    HDETStateError when there is none."""
+    path = os.path.join(load_dir, LAYOUT_FILE)
+    if not os.path.exists(path):
+        raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no {LAYOUT_FILE})")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str | None = None) -> str:
+    """Read the checkpoint's layout and tag without communication; returns the tag.
+
+    Raises:
+        HDETStateError: missing checkpoint, written by another ``R x S`` layout, or by
+            another backend (each engine has its own file format). Every replica's
+            diverged weights are tied to its shard layout, so a different layout is
+            refused rather than silently remapped; to change it, converge first and
+            start a new run from the averaged model.
+    """
+    saved = read_layout(load_dir)
+    shard = world_size // replicas
+    if saved["replicas"] != replicas or saved["shard_size"] != shard:
+        raise HDETStateError(
+            f"checkpoint {load_dir} was written by {saved['replicas']} replicas x {saved['shard_size']} shards; "
+            f"this run has {replicas} x {shard}. Resume with the same world size and hdet.replicas")
+    saved_backend = saved.get("backend", "deepspeed")
+    if backend is not None and saved_backend != backend:
+        raise HDETStateError(f"checkpoint {load_dir} was written by the {saved_backend} backend; this run uses "
+                             f"{backend}. Resume with the same backend")
+    with open(os.path.join(load_dir, "latest")) as f:
+        return f.read().strip()
+
+
+def save_hdet_state(path: str, scheduler: HDETScheduler) -> None:
+    torch.save({"scheduler": scheduler.state_dict()}, path)
+
+
+def load_hdet_state(path: str, scheduler: HDETScheduler) -> None:
+    scheduler.load_state_dict(torch.load(path, weights_only=False)["scheduler"])
