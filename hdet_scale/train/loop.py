@@ -1,7 +1,8 @@
 """The reference training loop, one rank: a user of the public API like any other.
 
-Flow: validate everything (no communication) -> ``hdet_scale.initialize`` -> train with
-``engine.step(lr_kwargs={"loss": loss})`` -> final converge -> validation loss ->
+Flow: validate everything (no communication) -> the backend's engine (``engines.py``:
+DeepSpeed ZeRO-3, FSDP2, DDP or fairscale OSS, chosen by the ``backend`` key) -> train,
+handing every step's loss to the HDET scheduler -> final converge -> validation loss ->
 checkpoint and ``summary.json``.
 """
 
@@ -19,13 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_scale.backends.common import check_resumable, read_layout
-from hdet_scale.backends.deepspeed import initialize, load_checkpoint, prepare_config, save_checkpoint
-from hdet_scale.config import WandbConfig
+from hdet_scale.backends.common import check_resumable, read_layout, resolve_config
+from hdet_scale.backends.deepspeed import prepare_config
+from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
-from hdet_scale.train.model import ModelConfig, build_model, loss_fn, param_count
+from hdet_scale.train.engines import build_engine, check_engine_config
+from hdet_scale.train.model import ModelConfig, build_model, loss_fn
 
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
@@ -38,14 +40,22 @@ def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
 def validate(run: dict, world_size: int):
     """All checks that can fail on bad input, before any collective; identical on every
     rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError / HDETStateError."""
+    backend = run["backend"]
     try:
-        hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+        if backend == "deepspeed":
+            hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+        else:
+            hcfg = HDETConfig.from_dict(run["deepspeed"].get("hdet") or {})
+            if hcfg.enabled:
+                hcfg = resolve_config(hcfg, world_size)
     except HDETConfigError as e:
         raise _in_trainer_terms(e) from None
+    if backend != "deepspeed":
+        check_engine_config(run["deepspeed"], backend, world_size, hcfg)
     if not hcfg.enabled:
         raise HDETConfigError("deepspeed.hdet.enabled: hdet-train trains with HDET; for plain data parallelism "
                               "keep it true and set deepspeed.hdet.axes.lr.spread_ratio=0 "
-                              "deepspeed.hdet.auto.enabled=false (identical to plain ZeRO-3 with gradient_sharing "
+                              "deepspeed.hdet.auto.enabled=false (identical to plain data parallelism with gradient_sharing "
                               "'global')")
     d = run["data"]
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
@@ -54,7 +64,7 @@ def validate(run: dict, world_size: int):
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     ckpt = os.path.join(run["run_dir"], "checkpoint")
     if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
-        check_resumable(ckpt, world_size, hcfg.replicas)
+        check_resumable(ckpt, world_size, hcfg.replicas, backend)
         saved = read_layout(ckpt)
         if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
             raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "
@@ -76,14 +86,15 @@ def _quiet_deepspeed() -> None:
 @torch.no_grad()
 def evaluate(engine: Any, batches: list, rank: int, world: int) -> float:
     """Mean validation loss (nats per byte) over ``batches``; ``len(batches)`` must be a
-    multiple of ``world``: every rank runs the same number of forwards (ZeRO-3 gathers
-    weights collectively inside each forward)."""
+    multiple of ``world``: every rank runs the same number of forwards (ZeRO-3 and FSDP2
+    gather weights collectively inside each forward). ``engine``: a
+    ``hdet_scale.train.engines`` engine."""
     engine.eval()
     total = torch.zeros(2, dtype=torch.float64, device=engine.device)
     per_rank = len(batches) // world
     for inputs, targets in batches[rank * per_rank:(rank + 1) * per_rank]:
         inputs, targets = inputs.to(engine.device), targets.to(engine.device)
-        total[0] += loss_fn(engine, inputs, targets).double() * inputs.numel()
+        total[0] += loss_fn(engine.model, inputs, targets).double() * inputs.numel()
         total[1] += inputs.numel()
     dist.all_reduce(total, group=dist.group.WORLD)
     engine.train()
@@ -108,14 +119,14 @@ def train(run: dict) -> dict:
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
                            append=resuming)
     model = build_model(ModelConfig(**run["model"]))
-    engine, _, _, sched = initialize(model, run["deepspeed"], logger=logger)
+    engine = build_engine(run["backend"], model, run, hcfg, logger)
+    sched = engine.scheduler
     topo = sched.topology
     d = run["data"]
-    micro = engine.train_micro_batch_size_per_gpu()
-    gas = engine.gradient_accumulation_steps()
+    micro, gas = engine.micro_batch, engine.grad_accum
     batches = ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], rank, world)
     if resuming:
-        load_checkpoint(engine, sched, ckpt)
+        engine.load(ckpt)
     steps = run["train"]["steps"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks
     bar = None
@@ -132,14 +143,12 @@ def train(run: dict) -> dict:
         for micro_step in range(gas):
             inputs, targets = batches.batch(step * gas + micro_step)
             inputs, targets = inputs.to(engine.device), targets.to(engine.device)
-            loss = loss_fn(engine, inputs, targets)
-            engine.backward(loss)
-            step_loss = step_loss + loss.detach()
+            step_loss = step_loss + engine.micro_step(inputs, targets, last=micro_step == gas - 1)
         loss = step_loss / gas  # the step's loss: mean over its micro-batches
         now = time.perf_counter()
         sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9)}
         t_last = now
-        engine.step(lr_kwargs={"loss": loss})
+        engine.step(loss)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
@@ -152,18 +161,19 @@ def train(run: dict) -> dict:
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
     if run["train"]["checkpoint"]:
-        save_checkpoint(engine, sched, ckpt)
+        engine.save(ckpt)
     summary = {
         "val_loss": val_loss,
         "val_ppl": math.exp(val_loss),
         "unigram_entropy": unigram_entropy(corpus.val),
         "steps": sched.step_count,
+        "backend": run["backend"],
         "world_size": world,
         "replicas": topo.replicas,
         "shard_size": topo.shard_size,
         "tokens_per_s": tokens_per_step * (sched.step_count - start_step) / wall,
         "wall_s": wall,
-        "params": param_count(engine.module),
+        "params": engine.param_count(),
         "final_train_loss": float(loss.item()) if math.isfinite(loss.item()) else None,
         "train_bytes": int(corpus.train.numel()),
         "val_bytes": int(corpus.val.numel()),

@@ -71,8 +71,8 @@ def test_default_job_end_to_end(tmp_path):
     for r in range(2):
         names = os.listdir(ckpt / f"replica_{r}" / tag)
         assert {"hdet_shard_0.pt", "hdet_shard_1.pt"} <= set(names)
-    assert json.loads((ckpt / "hdet_layout.json").read_text()) == {"world_size": 4, "replicas": 2, "shard_size": 2,
-                                                                 "step": 40, "total_steps": 40}
+    assert json.loads((ckpt / "hdet_layout.json").read_text()) == {
+        "world_size": 4, "replicas": 2, "shard_size": 2, "step": 40, "total_steps": 40, "backend": "deepspeed"}
 
 
 BAD = [

@@ -1,0 +1,213 @@
+"""The trainer's engines: one per backend, behind the same few calls, so the loop in
+``loop.py`` is one code path for DeepSpeed ZeRO-3, FSDP2, DDP and fairscale OSS.
+
+Every backend reads its settings from the run's ``deepspeed`` section (the DeepSpeed
+JSON with its ``hdet`` block): DeepSpeed reads all of it; the other backends read the
+keys in :data:`ENGINE_KEYS` and ignore the rest (``zero_optimization``,
+``steps_per_print``...), so one file describes the run for every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.model import loss_fn, param_count
+
+BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
+
+#: DeepSpeed keys the non-DeepSpeed backends read (same meaning as in DeepSpeed).
+ENGINE_KEYS = ("optimizer.type", "optimizer.params", "train_micro_batch_size_per_gpu",
+               "gradient_accumulation_steps", "train_batch_size", "gradient_clipping", "bf16.enabled")
+
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_engine_config(ds: dict, backend: str, world_size: int, hcfg: HDETConfig) -> None:
+    """Checks of the ``deepspeed`` section for the fsdp2 / ddp / fairscale backends
+    (DeepSpeed's own are in ``backends.deepspeed.prepare_config``). Pure: the same
+    verdict on every rank, before any collective.
+
+    Raises:
+        HDETConfigError: every problem at once, each naming its ``deepspeed.*`` key.
+    """
+    errors = []
+    opt = ds.get("optimizer") or {}
+    kind, params = opt.get("type"), opt.get("params", {}) or {}
+    if kind not in OPTIMIZERS:
+        errors.append(f"deepspeed.optimizer.type: the {backend} backend builds a torch optimizer: one of "
+                      f"{', '.join(OPTIMIZERS)}, got {kind!r}")
+    else:
+        accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
+        unknown = sorted(set(params) - accepted)
+        if unknown:
+            errors.append(f"deepspeed.optimizer.params: {unknown} are not arguments of torch.optim.{kind} "
+                          f"(accepted: {', '.join(sorted(accepted))})")
+    if "scheduler" in ds:
+        errors.append("deepspeed.scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
+    micro, gas = ds.get("train_micro_batch_size_per_gpu", 1), ds.get("gradient_accumulation_steps", 1)
+    if not _positive_int(micro):
+        errors.append(f"deepspeed.train_micro_batch_size_per_gpu: must be an integer >= 1, got {micro!r}")
+    if not _positive_int(gas):
+        errors.append(f"deepspeed.gradient_accumulation_steps: must be an integer >= 1, got {gas!r}")
+    tbs = ds.get("train_batch_size")
+    if tbs is not None and _positive_int(micro) and _positive_int(gas) and tbs != micro * gas * world_size:
+        errors.append(f"deepspeed.train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
+                      f"gradient_accumulation_steps ({gas}) x world size ({world_size})")
+    clip = ds.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        errors.append(f"deepspeed.gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
+    if ds.get("bf16", {}).get("enabled", False) and backend != "fsdp2":
+        errors.append(f"deepspeed.bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
+                      "is available with backend deepspeed or fsdp2")
+    if ds.get("fp16", {}).get("enabled", False):
+        errors.append(f"deepspeed.fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
+                      "support it (use bf16 with fsdp2, or backend deepspeed)")
+    if errors:
+        raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
+
+
+class DeepSpeedEngine:
+    """``hdet_scale.initialize`` (DeepSpeed ZeRO-3): DeepSpeed scales the loss by the
+    accumulation steps, clips, steps the optimizer and calls the scheduler."""
+
+    backend = "deepspeed"
+
+    def __init__(self, model: torch.nn.Module, run: dict, logger: Any) -> None:
+        from hdet_scale.backends.deepspeed import initialize
+
+        self.engine, _, _, self.scheduler = initialize(model, run["deepspeed"], logger=logger)
+        self.model = self.engine
+        self.device = self.engine.device
+        self.micro_batch = self.engine.train_micro_batch_size_per_gpu()
+        self.grad_accum = self.engine.gradient_accumulation_steps()
+
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        loss = loss_fn(self.engine, inputs, targets)
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.engine.step(lr_kwargs={"loss": loss})
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def save(self, path: str) -> None:
+        from hdet_scale.backends.deepspeed import save_checkpoint
+
+        save_checkpoint(self.engine, self.scheduler, path)
+
+    def load(self, path: str) -> None:
+        from hdet_scale.backends.deepspeed import load_checkpoint
+
+        load_checkpoint(self.engine, self.scheduler, path)
+
+    def param_count(self) -> int:
+        return param_count(self.engine.module)
+
+
+class TorchEngine:
+    """FSDP2, DDP or fairscale OSS: the loss of each micro-batch is divided by the
+    accumulation steps before ``backward`` (the step's gradient is the mean over its
+    micro-batches, as DeepSpeed's), gradient synchronisation runs on the last micro-batch
+    only, then clipping (``gradient_clipping`` > 0; after the gradient all-reduce, so in
+    "global" mode it clips the gradient every replica applies), the optimizer step and
+    ``scheduler.step(loss)``."""
+
+    def __init__(self, backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any) -> None:
+        ds = run["deepspeed"]
+        self.backend = backend
+        opt = ds["optimizer"]
+        cls, kwargs = OPTIMIZERS[opt["type"]], dict(opt.get("params", {}) or {})
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        self.micro_batch = ds.get("train_micro_batch_size_per_gpu", 1)
+        self.grad_accum = ds.get("gradient_accumulation_steps", 1)
+        self.clip = float(ds.get("gradient_clipping", 0.0))
+        from hdet_scale.backends.common import default_device
+
+        device = default_device()
+        if backend == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            from hdet_scale.backends import fsdp2
+
+            mp = None
+            if ds.get("bf16", {}).get("enabled", False):
+                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            self.model, self.optimizer, self.scheduler = fsdp2.initialize(
+                model.to(device), hcfg, lambda p: cls(p, **kwargs), shard_modules=lambda m: m.model.layers,
+                mp_policy=mp, device=device, logger=logger)
+            self._module = self.model
+            self._lib = fsdp2
+        elif backend == "ddp":
+            from hdet_scale.backends import ddp
+
+            self.model, self.optimizer, self.scheduler = ddp.initialize(
+                model.to(device), hcfg, lambda p: cls(p, **kwargs), device=device, logger=logger)
+            self._module = self.model.module
+            self._lib = ddp
+        else:
+            from hdet_scale.backends import fairscale
+
+            self.model, self.optimizer, self.scheduler = fairscale.initialize(
+                model.to(device), hcfg, cls, kwargs, device=device, logger=logger)
+            self._module = self.model.module
+            self._lib = fairscale
+        self.device = device
+
+    def _sync_context(self, last: bool):
+        if self.backend == "fsdp2":
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if last else self.model.no_sync()
+
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
+        with self._sync_context(last):
+            loss = loss_fn(self.model, inputs, targets)
+            (loss / self.grad_accum).backward()
+        return loss.detach()
+
+    def step(self, loss: torch.Tensor) -> None:
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step(loss)
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def save(self, path: str) -> None:
+        self._lib.save_checkpoint(self.model, self.optimizer, self.scheduler, path)
+
+    def load(self, path: str) -> None:
+        self._lib.load_checkpoint(self.model, self.optimizer, self.scheduler, path)
+
+    def param_count(self) -> int:
+        return param_count(self._module)
+
+
+def build_engine(backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any):
+    """The engine of ``backend`` (one of :data:`BACKENDS`) around ``model``."""
+    if backend == "deepspeed":
+        return DeepSpeedEngine(model, run, logger)
+    if backend not in BACKENDS:
+        raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    return TorchEngine(backend, model, run, hcfg, logger)
