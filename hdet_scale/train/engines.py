@@ -63,7 +63,7 @@ def check_engine_config(ds: dict, backend: str, world_size: int, hcfg: HDETConfi
     if tbs is not None and _positive_int(micro) and _positive_int(gas) and tbs != micro * gas * world_size:
         errors.append(f"deepspeed.train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
                       f"gradient_accumulation_steps ({gas}) x world size ({world_size})")
-    clip = ds.get("gradient_clipping", 0.0)
+    clip = ds.get("gradient_clipping", 1.0)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
         errors.append(f"deepspeed.gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
     if ds.get("bf16", {}).get("enabled", False) and backend != "fsdp2":
@@ -136,7 +136,9 @@ class TorchEngine:
             kwargs["betas"] = tuple(kwargs["betas"])
         self.micro_batch = ds.get("train_micro_batch_size_per_gpu", 1)
         self.grad_accum = ds.get("gradient_accumulation_steps", 1)
-        self.clip = float(ds.get("gradient_clipping", 0.0))
+        # DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT = 1.0 in 0.19): the same key means
+        # the same clipping on every backend.
+        self.clip = float(ds.get("gradient_clipping", 1.0))
         from hdet_scale.backends.common import default_device
 
         device = default_device()
