@@ -34,24 +34,39 @@ def hdet_train(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 def test_default_job_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     proc = hdet_train([f"run_dir={run_dir}", *SHORT], timeout=400)
+    check_run(run_dir, proc, "deepspeed")
+
+
+# The same job on the other backends, shorter (20 steps, syncs at 10 and 20): the loop,
+# logging, summary and checkpoint are the same code; what differs is the engine.
+@pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
+def test_default_job_on_every_backend(tmp_path, backend):
+    run_dir = tmp_path / "run"
+    args = [a for a in SHORT if not a.startswith("train.steps")] + ["train.steps=20", f"backend={backend}"]
+    proc = hdet_train([f"run_dir={run_dir}", *args], timeout=400)
+    check_run(run_dir, proc, backend, steps=20)
+
+
+def check_run(run_dir, proc, backend: str, steps: int = 40) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("val_loss", "val_ppl", "unigram_entropy", "steps", "world_size", "replicas", "shard_size",
                 "tokens_per_s", "wall_s"):
         assert key in summary, key
-    assert (summary["steps"], summary["world_size"], summary["replicas"], summary["shard_size"]) == (40, 4, 2, 2)
+    assert (summary["steps"], summary["world_size"], summary["replicas"], summary["shard_size"]) == (steps, 4, 2, 2)
+    assert summary["backend"] == backend
     assert summary["val_ppl"] == pytest.approx(math.exp(summary["val_loss"]), rel=1e-12)
     # 40 steps already learn more than the byte distribution: the unigram entropy of
-    # Python source is ~3.3 nats, an untrained model ~ln 256 = 5.5.
-    assert summary["val_loss"] < summary["unigram_entropy"] - 0.15, summary
+    # Python source is ~3.3 nats, an untrained model ~ln 256 = 5.5; 20 steps get close.
+    assert summary["val_loss"] < summary["unigram_entropy"] - (0.15 if steps >= 40 else -0.3), summary
     assert summary["tokens_per_s"] > 0 and summary["wall_s"] > 0
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "hdet/loss" in r]
+    step_records = [r for r in records if "hdet/loss" in r]
     syncs = [r for r in records if "hdet/sync" in r]
-    assert [r["step"] for r in steps] == list(range(1, 41))
-    assert all(r["train/tokens_per_s"] > 0 for r in steps)
-    assert [r["hdet/step"] for r in syncs] == [10, 20, 30, 40]
+    assert [r["step"] for r in step_records] == list(range(1, steps + 1))
+    assert all(r["train/tokens_per_s"] > 0 for r in step_records)
+    assert [r["hdet/step"] for r in syncs] == list(range(10, steps + 1, 10))
     for r in syncs:
         losses = [r["hdet/loss/replica_0"], r["hdet/loss/replica_1"]]
         assert all(0 < x < 6 for x in losses)
@@ -62,7 +77,7 @@ def test_default_job_end_to_end(tmp_path):
     assert "hdet/weight/replica_0" not in syncs[0]
     for r in syncs[1:]:
         assert r["hdet/weight/replica_0"] + r["hdet/weight/replica_1"] == pytest.approx(1.0, abs=1e-12)
-    for r in steps:
+    for r in step_records:
         lrs = sorted([r["hdet/lr/replica_0/group_0"], r["hdet/lr/replica_1/group_0"]])
         assert lrs[1] / lrs[0] == pytest.approx(1.111 / 0.889, rel=1e-9)
 
@@ -72,7 +87,7 @@ def test_default_job_end_to_end(tmp_path):
         names = os.listdir(ckpt / f"replica_{r}" / tag)
         assert {"hdet_shard_0.pt", "hdet_shard_1.pt"} <= set(names)
     assert json.loads((ckpt / "hdet_layout.json").read_text()) == {
-        "world_size": 4, "replicas": 2, "shard_size": 2, "step": 40, "total_steps": 40, "backend": "deepspeed"}
+        "world_size": 4, "replicas": 2, "shard_size": 2, "step": steps, "total_steps": steps, "backend": backend}
 
 
 BAD = [
@@ -87,6 +102,11 @@ BAD = [
     (["data.path=/nonexistent/corpus"], "data.path"),
     (["data.path={tiny}"], "data.seq_len"),
     (["deepspeed.scheduler.type=WarmupLR"], "scheduler"),
+    (["backend=fsdp"], "backend"),
+    (["backend=ddp", "deepspeed.bf16.enabled=true"], "deepspeed.bf16.enabled"),
+    (["backend=fsdp2", "deepspeed.optimizer.type=Lamb"], "deepspeed.optimizer.type"),
+    (["backend=fairscale", "deepspeed.optimizer.params.amsgrad_typo=true"], "deepspeed.optimizer.params"),
+    (["backend=ddp", "deepspeed.hdet.replicas=3"], "hdet.replicas"),
 ]
 
 
@@ -121,6 +141,8 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
      "total_steps=30"),
     ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 300, "total_steps": 300}, [],
      "nothing is left"),
+    ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "backend": "fsdp2"}, [],
+     "written by the fsdp2 backend"),
 ])
 def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, needle):
     ckpt = tmp_path / "run" / "checkpoint"
