@@ -1,15 +1,18 @@
 """hdet_scale: Hyperparameter-Divergent Ensemble Training (HDET, arXiv 2604.24708) for
-DeepSpeed ZeRO-3.
+DeepSpeed ZeRO-3, PyTorch FSDP2, DDP and fairscale OSS.
 
 Public API: :func:`initialize` (``deepspeed.initialize`` with HDET),
-:func:`save_checkpoint` / :func:`load_checkpoint`, :class:`HDETScheduler`,
-:class:`HDETConfig`, :class:`Simulator` (R replicas in one process). DeepSpeed is
-imported only when ``initialize`` is called.
+:func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed), the other engines'
+``initialize`` / ``save_checkpoint`` / ``load_checkpoint`` in ``hdet_scale.backends.fsdp2``,
+``.ddp`` and ``.fairscale``, :class:`OneCycleAutoLR` (the paper's drop-in scheduler on
+DDP), :class:`HDETScheduler`, :class:`HDETConfig`, :class:`Simulator` (R replicas in one
+process). DeepSpeed and fairscale are imported only by their backends.
 """
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.reference import OneCycleAutoLR
 from hdet_scale.simulate import SimulatedSync, Simulator
 
 __version__ = "0.1.0"
@@ -36,5 +39,5 @@ def load_checkpoint(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "SimulatedSync", "Simulator",
+__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
            "initialize", "load_checkpoint", "save_checkpoint"]

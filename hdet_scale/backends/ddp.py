@@ -1,0 +1,192 @@
+"""Plain PyTorch DDP backend: ``initialize`` for an ``R x S`` world and per-replica
+checkpoints. The paper's drop-in scheduler on DDP is ``hdet_scale.reference.OneCycleAutoLR``.
+
+Every rank holds the full model (:class:`~hdet_scale.backends.common.FullParamsBackend`),
+so converge is a bucketed mean all-reduce of the parameters and persistent floating
+buffers over the replica group, written straight into what the next forward reads.
+
+Gradient sharing is DDP's own all-reduce, on the group ``hdet.gradient_sharing`` names:
+
+- ``"global"``: DDP over the whole world. Its all-reduce averages the gradients of all W
+  ranks, so every replica applies the same gradient with its own LR (paper Sec. 3.1).
+- ``"replica"``: DDP over the shard group; gradients stay inside the replica between
+  syncs (local-SGD style). With ``S = 1`` a comm hook keeps each gradient local, so
+  nothing is all-reduced at all.
+
+Method: Cheng, Huang, Zhu, Alonso, "Scalable Hyperparameter-Divergent Ensemble Training
+with Automatic Learning Rate Exploration for Large Models", arXiv 2604.24708.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from hdet_scale.averaging import _buckets
+from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_resumable, default_device,
+                                        finish_checkpoint, init_process_group, load_hdet_state, make_logger,
+                                        replica_dir, resolve_config, save_hdet_state)
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.topology import Layout, Topology
+
+__all__ = ["initialize", "load_checkpoint", "save_checkpoint"]
+
+MODEL_FILE = "model_optim.pt"
+
+
+# ---- initialize -----------------------------------------------------------------------
+
+def _keep_local_gradients(_state, bucket):  # no annotations: DDP checks them against its own types
+    # DDP comm hook for a shard group of one rank: the bucket already holds this rank's
+    # full gradient; returning it skips the all-reduce call entirely.
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+@torch.no_grad()
+def _broadcast_module(module: torch.nn.Module, group: Any, bucket_bytes: int) -> None:
+    """Global rank 0's parameters and buffers to every rank of ``group`` (the world)."""
+    # In "replica" mode DDP broadcasts only inside the shard group; HDET needs every
+    # replica to start from the same weights, whatever each rank's own init drew.
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    for bucket in _buckets([t for t in tensors if t.numel() > 0], bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(flat, src=0, group=group)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
+               optimizer_fn: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,
+               device: torch.device | None = None, logger: Any = None, ddp_kwargs: dict | None = None
+               ) -> tuple[DistributedDataParallel, torch.optim.Optimizer, HDETScheduler]:
+    """Wrap ``model`` in DDP for an ``R x S`` HDET world and build its scheduler.
+
+    Args:
+        model: the full model (every rank holds all of it); moved to ``device``.
+        config: anything :func:`~hdet_scale.backends.common.resolve_config` accepts: an
+            :class:`HDETConfig`, an ``"hdet"`` block, a dict holding one, or a JSON path.
+            ``replicas`` is R; ``S = W / R`` ranks form each shard group (replica).
+        optimizer_fn: ``(params) -> Optimizer``, called once with
+            ``list(model.parameters())`` (close over ``model`` to build parameter groups).
+            Its groups' ``lr`` are the peak LRs when ``hdet.schedule.max_lr`` is null.
+        device: default :func:`~hdet_scale.backends.common.default_device`
+            (``cuda:$LOCAL_RANK``, else CPU). ``torch.distributed`` is initialised from
+            the launcher's environment if nobody did (nccl on CUDA, gloo on CPU).
+        logger: a :class:`~hdet_scale.logging.MetricsLogger`; default built from
+            ``hdet.logging`` (global rank 0 writes).
+        ddp_kwargs: extra ``DistributedDataParallel`` arguments (not ``process_group``:
+            ``hdet.gradient_sharing`` chooses it).
+
+    Returns:
+        ``(ddp_model, optimizer, scheduler)``. Drive it as usual and pass the loss to the
+        scheduler: ``loss.backward(); optimizer.step(); scheduler.step(loss)``.
+
+    Every rank starts from global rank 0's parameters and buffers. Collective: every
+    rank calls it.
+
+    Raises:
+        HDETConfigError: an invalid config (before any collective), or one that does not
+            fit the optimizer (a ``max_lr`` list of the wrong length, a group without the
+            explored hyperparameter): still before the first collective, on every rank.
+    """
+    cfg = resolve_config(config)
+    ddp_kwargs = dict(ddp_kwargs or {})
+    if "process_group" in ddp_kwargs:
+        raise HDETConfigError("ddp_kwargs.process_group: chosen by hdet.gradient_sharing ('global': the world, "
+                              "'replica': the shard group); remove it")
+    device = torch.device(device) if device is not None else default_device()
+    init_process_group(device)
+    layout = Layout(dist.get_world_size(), cfg.replicas, dist.get_rank())
+    model.to(device)
+    optimizer = optimizer_fn(list(model.parameters()))
+    # The scheduler's own checks against the optimizer, run here without a sync so that a
+    # mismatch fails on every rank before the mesh below issues its first collective.
+    HDETScheduler(cfg, LiveParamGroups({layout.replica_index: optimizer}))
+
+    topology = Topology(cfg.replicas, device_type=device.type)
+    bucket_bytes = int(cfg.bucket_mb * 2**20)
+    if cfg.gradient_sharing == "replica" and cfg.replicas > 1:
+        _broadcast_module(model, topology.world_group, bucket_bytes)
+    if device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [device.index])
+    group = topology.world_group if cfg.gradient_sharing == "global" else topology.shard_group
+    ddp_model = DistributedDataParallel(model, process_group=group, **ddp_kwargs)
+    if cfg.gradient_sharing == "replica" and topology.shard_size == 1:
+        ddp_model.register_comm_hook(None, _keep_local_gradients)
+    if logger is None:
+        logger = make_logger(cfg, topology)
+    scheduler = build_scheduler(cfg, topology, optimizer, FullParamsBackend(model, device), logger)
+    return ddp_model, optimizer, scheduler
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+# <dir>/replica_<r>/<tag>/model_optim.pt (written by replica r's shard rank 0: every rank
+# of a DDP replica holds the same model and optimizer state) and hdet_shard_<s>.pt (the
+# scheduler state of rank (r, s): its own interval-loss accumulator), plus rank 0's
+# hdet_layout.json and latest.
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _topology_of(scheduler: HDETScheduler) -> Topology:
+    t = scheduler.topology
+    if t is None:
+        raise ValueError("this scheduler has no process groups (a single replica, or spread 0 with auto-LR "
+                         "off): save it with torch.save(scheduler.state_dict()) next to the model")
+    return t
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: HDETScheduler,
+                    save_dir: str, tag: str | None = None) -> str:
+    """Save every replica's model and optimizer and every rank's HDET state. Collective:
+    all ranks call it at the same step (mid-interval too: replicas' diverged weights are
+    kept). ``model`` may be the DDP wrapper; the plain module's ``state_dict`` is saved.
+    Returns the tag (default ``global_step<step>``)."""
+    t = _topology_of(scheduler)
+    tag = tag or f"global_step{scheduler.step_count}"
+    rdir = replica_dir(save_dir, t, tag)
+    os.makedirs(rdir, exist_ok=True)
+    if t.shard_index == 0:
+        torch.save({"model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict()},
+                   os.path.join(rdir, MODEL_FILE))
+    save_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    finish_checkpoint(save_dir, t, scheduler, tag, "ddp")
+    return tag
+
+
+def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: HDETScheduler,
+                    load_dir: str, tag: str | None = None) -> str:
+    """Restore what :func:`save_checkpoint` wrote into this rank's replica; returns the tag.
+    Every rank calls it; it issues no collective, and the layout is checked before
+    anything is read, so continuing is bitwise identical to not stopping.
+
+    Raises:
+        HDETStateError: no checkpoint, or one written by another ``R x S`` layout or
+            another backend.
+    """
+    t = _topology_of(scheduler)
+    latest = check_resumable(load_dir, t.world_size, t.replicas, "ddp")
+    tag = tag or latest
+    rdir = replica_dir(load_dir, t, tag)
+    module = _unwrap(model)
+    device = next(module.parameters()).device
+    state = torch.load(os.path.join(rdir, MODEL_FILE), map_location=device, weights_only=False)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    return tag
+
+
+# ---- OneCycleAutoLR ---------------------------------------------------------------------

@@ -1,0 +1,455 @@
+"""Rank worker functions for tests/distributed/test_ddp.py (HDET on plain DDP, gloo, CPU).
+
+Spawned rank processes import this module by name (``ddp_workers``; conftest.py puts the
+folder on ``sys.path``). Workers return plain Python / numpy data, never torch tensors
+(they would travel through shared memory that dies with the rank process); the test
+process computes the single-process oracles and asserts.
+
+Determinism: models are initialised from a dedicated seeded ``torch.Generator``, rank
+``rank``'s batch for step ``t`` comes from a generator seeded with ``(rank, t)``, and no
+worker reads the global RNG, so the oracles and a resumed run see the same numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+D_IN, D_HIDDEN, D_OUT, MICRO = 6, 12, 3, 4
+
+
+# ---- model and data ----------------------------------------------------------------------
+
+class TinyNet(torch.nn.Module):
+    """Two Linear layers around a LayerNorm, plus a persistent float buffer (a running mean
+    of the training inputs, like BatchNorm statistics) that does not enter the output:
+    it differs between ranks unless something averages it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, D_HIDDEN)
+        self.norm = torch.nn.LayerNorm(D_HIDDEN)
+        self.head = torch.nn.Linear(D_HIDDEN, D_OUT)
+        self.register_buffer("input_mean", torch.zeros(D_IN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.input_mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.head(torch.tanh(self.norm(self.fc1(x))))
+
+
+def build_model(seed: int = 0) -> TinyNet:
+    """The same weights for a given seed, without touching the global RNG."""
+    with torch.random.fork_rng():
+        model = TinyNet()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            scale = 1 / math.sqrt(p.shape[1]) if p.dim() == 2 else 0.1
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch (MICRO samples) for optimizer step ``step`` (1-based)."""
+    g = torch.Generator().manual_seed(50_000 + 1_000 * rank + step)
+    return torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, D_OUT, generator=g)
+
+
+def flat_params(model: torch.nn.Module) -> np.ndarray:
+    return np.concatenate([p.detach().reshape(-1).clone().numpy() for p in model.parameters()])
+
+
+def buffers(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {n: b.detach().clone().numpy() for n, b in model.named_buffers()}
+
+
+def group_values(opt: torch.optim.Optimizer) -> list[dict]:
+    """LR and momentum (beta1 or SGD momentum) of every group: what the next step uses."""
+    out = []
+    for g in opt.param_groups:
+        m = g["betas"][0] if "betas" in g else g.get("momentum")
+        out.append({"lr": float(g["lr"]), "momentum": None if m is None else float(m)})
+    return out
+
+
+def rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def init_dist() -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, data_rank: int, step: int,
+               pass_loss: bool = True) -> float:
+    x, y = batch(data_rank, step)
+    opt.zero_grad(set_to_none=True)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    sched.step(loss.detach() if pass_loss else None)
+    return float(loss.detach())
+
+
+def clean_record(record: dict) -> dict:
+    """A sync record without its timing (``hdet/converge_s`` differs per rank)."""
+    return {k: v for k, v in record.items() if k != "hdet/converge_s"}
+
+
+def capture_converge(model: torch.nn.Module, sched: Any, store: list) -> None:
+    """Wrap the sync's converge: record the parameters and buffers it is about to average
+    (after the sync step's own optimizer update), then converge."""
+    sync = sched.sync_obj
+    original = sync.converge
+
+    def converge(finite: list[bool]) -> None:
+        store.append({"step": sched.step_count, "params": flat_params(model), "buffers": buffers(model)})
+        return original(finite)
+
+    sync.converge = converge
+
+
+_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "gather", "scatter",
+                "reduce", "all_to_all_single", "monitored_barrier", "new_group", "send", "recv")
+
+
+@contextlib.contextmanager
+def no_collectives():
+    """Any torch.distributed collective, or DeviceMesh creation (whose ``new_group`` calls
+    bypass the ``torch.distributed`` attributes), raises AssertionError inside the block."""
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as dm
+    saved = {(dist, n): getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    saved[(dm, "init_device_mesh")] = dm.init_device_mesh
+
+    def forbidden(name):
+        def f(*args, **kwargs):
+            raise AssertionError(f"collective {name} called")
+        return f
+
+    for (mod, n) in saved:
+        setattr(mod, n, forbidden(n))
+    try:
+        yield
+    finally:
+        for (mod, n), f in saved.items():
+            setattr(mod, n, f)
+
+
+def expect_config_error(fn) -> str:
+    """Run ``fn`` with collectives forbidden; the error's class name and text."""
+    try:
+        with no_collectives():
+            fn()
+    except Exception as e:  # the test asserts the class: HDETConfigError, not AssertionError
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# ---- launch 1: two ranks, OneCycleAutoLR -------------------------------------------------
+
+PLAIN = dict(max_lr=0.05, total_steps=12, pct_start=0.4)  # SGD + momentum 0.9, cycled
+PLAIN_STEPS = 12
+HDET_ARGS = dict(max_lr=1e-2, total_steps=24, div_factor=5.0, final_div_factor=2.0)
+HDET_KW = dict(ensemble_lr_spread_ratio=0.2, model_sync_interval=3, auto_lr_warmup_steps=6,
+               enable_auto_lr=True, loss_scale=0.5, lr_of_lr=0.5, momentum_of_lr=0.9, seed=7)
+HDET_STEPS = 16  # syncs at 3 .. 15; auto-LR from 6; stops mid-interval
+ADAMW = dict(lr=1.0, weight_decay=0.01)
+REPLICA_CFG = {"replicas": 2, "sync_interval": 4, "gradient_sharing": "replica",
+               "axes": {"lr": {"spread_ratio": 0.0}},
+               "schedule": {"name": "constant", "total_steps": 20, "max_lr": 0.1}}
+REPLICA_STEPS = 5
+
+
+def _plain(out: dict) -> None:
+    """(a) spread 0, auto-LR off: plain DDP + OneCycleLR; no process group of its own."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hdet_scale import OneCycleAutoLR
+    ddp = DDP(build_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0, momentum=0.9)
+    sched = OneCycleAutoLR(opt, **PLAIN, model=ddp)
+    out["plain_topology"] = sched.topology is not None
+    out["plain_values"], out["plain_params"] = [], []
+    for step in range(1, PLAIN_STEPS + 1):
+        out["plain_values"].append(group_values(opt))
+        train_step(ddp, opt, sched, rank(), step)
+        out["plain_params"].append(flat_params(ddp.module))
+    out["plain_values"].append(group_values(opt))
+
+
+def _hdet(out: dict) -> None:
+    """(b) spread 0.2, auto-LR after 6 steps, sync every 3; DDP with broadcast_buffers
+    off, so each rank's buffer follows its own data and only converge averages it. Then
+    rank 0's state_dict loaded on every rank (fresh scheduler) must give each rank its own
+    LR, and a last_epoch resume (auto-LR off) must replay the same LRs."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hdet_scale import OneCycleAutoLR
+    ddp = DDP(build_model(), forward_sync_buffers=False)
+    opt = torch.optim.AdamW(ddp.parameters(), **ADAMW)
+    sched = OneCycleAutoLR(opt, **HDET_ARGS, model=ddp, **HDET_KW)
+    out["hdet_replica"] = sched.topology.replica_index
+    captured: list = []
+    capture_converge(ddp.module, sched, captured)
+    values, params, bufs, records, bases = [], [], [], {}, []
+    for step in range(1, HDET_STEPS + 1):
+        values.append(group_values(opt))
+        train_step(ddp, opt, sched, rank(), step)
+        params.append(flat_params(ddp.module))
+        bufs.append(buffers(ddp.module))
+        bases.append(sched.base_value("lr", 0))
+        if step % HDET_KW["model_sync_interval"] == 0:
+            records[step] = clean_record(sched.last_sync)
+    values.append(group_values(opt))
+    try:  # auto-LR needs the loss: refused before any state change or collective
+        sched.step()
+        out["no_loss_error"] = None
+    except ValueError as e:
+        out["no_loss_error"] = str(e)
+    out["step_after_no_loss"] = sched.step_count
+    out.update(hdet_values=values, hdet_params=params, hdet_buffers=bufs, hdet_records=records,
+               hdet_captured=captured, hdet_bases=bases)
+
+    # State of rank 0 on every rank: the state holds no rank, each keeps its own multiplier.
+    state = [sched.state_dict() if rank() == 0 else None]
+    dist.broadcast_object_list(state, src=0)
+    opt2 = torch.optim.AdamW(build_model().parameters(), **ADAMW)
+    fresh = OneCycleAutoLR(opt2, **HDET_ARGS, model=ddp, **HDET_KW)
+    fresh.load_state_dict(state[0])
+    out["state_from_rank0_lrs"] = [g["lr"] for g in opt2.param_groups]
+    out["own_lrs"] = [g["lr"] for g in opt.param_groups]
+
+    # last_epoch resume without auto-LR: LRs from step 8 on equal the uninterrupted run.
+    kw = dict(HDET_KW, enable_auto_lr=False)
+    model = build_model()
+    opt_a = torch.optim.AdamW(model.parameters(), **ADAMW)
+    a = OneCycleAutoLR(opt_a, **HDET_ARGS, model=model, **kw)
+    lrs_a = []
+    for _ in range(12):
+        a.step()
+        lrs_a.append(opt_a.param_groups[0]["lr"])
+    opt_b = torch.optim.AdamW(model.parameters(), **ADAMW)
+    b = OneCycleAutoLR(opt_b, **HDET_ARGS, model=model, last_epoch=7, **kw)
+    lrs_b = [opt_b.param_groups[0]["lr"]]
+    for _ in range(4):
+        b.step()
+        lrs_b.append(opt_b.param_groups[0]["lr"])
+    out["resume_a"], out["resume_b"] = lrs_a[7:], lrs_b
+
+
+def _replica_s1(out: dict) -> None:
+    """``initialize`` 2 x 1 in "replica" mode: each rank starts from a different init (its
+    own seed; initialize must hand it rank 0's), trains on its own data with no gradient
+    all-reduce until the step-4 converge."""
+    from hdet_scale.backends.ddp import initialize
+    ddp, opt, sched = initialize(build_model(seed=10 + rank()), REPLICA_CFG,
+                                 lambda ps: torch.optim.SGD(ps, lr=0.1))
+    out["s1_init"] = flat_params(ddp.module)
+    captured: list = []
+    capture_converge(ddp.module, sched, captured)
+    params = []
+    for step in range(1, REPLICA_STEPS + 1):
+        train_step(ddp, opt, sched, rank(), step)
+        params.append(flat_params(ddp.module))
+    out["s1_params"], out["s1_captured"] = params, captured
+
+
+def _bad_arguments(out: dict) -> None:
+    """(e) bad OneCycleAutoLR arguments with torch.distributed up: HDETConfigError on this
+    rank by itself, before any collective."""
+    from hdet_scale import OneCycleAutoLR
+    model = build_model()
+
+    def make(**kw):
+        def f():
+            OneCycleAutoLR(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9), model=model, **kw)
+        return f
+
+    cases = {
+        "sync_interval_zero": make(max_lr=0.1, total_steps=100, ensemble_lr_spread_ratio=0.1, model_sync_interval=0),
+        "no_total_steps": make(max_lr=0.1, ensemble_lr_spread_ratio=0.1),
+        "warmup_past_end": make(max_lr=0.1, total_steps=100, ensemble_lr_spread_ratio=0.1, enable_auto_lr=True,
+                                model_sync_interval=10, auto_lr_warmup_steps=95),
+        "world_size_mismatch": make(max_lr=0.1, total_steps=100, ensemble_lr_spread_ratio=0.1, world_size=4),
+        "last_epoch_with_auto": make(max_lr=0.1, total_steps=100, ensemble_lr_spread_ratio=0.1,
+                                     enable_auto_lr=True, auto_lr_warmup_steps=10, model_sync_interval=10,
+                                     last_epoch=20),
+    }
+    out["bad"] = {name: expect_config_error(fn) for name, fn in cases.items()}
+
+
+def pair_worker() -> dict:
+    """Launch 1 (2 ranks): the four parts above, in one process per rank."""
+    import torch.distributed as dist
+    init_dist()
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    _bad_arguments(out)
+    _plain(out)
+    _hdet(out)
+    _replica_s1(out)
+    dist.barrier()
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
+# ---- launch 2: four ranks, initialize 2 x 2 ---------------------------------------------
+
+S = 2
+MESH_STEPS = 4  # sync at 3
+RESUME_STEPS, RESUME_AT = 8, 4  # syncs at 3 and 6; stop between them
+
+
+def mesh_cfg(**overrides: Any) -> dict:
+    block: dict[str, Any] = {"replicas": 2, "sync_interval": 3, "gradient_sharing": "replica", "seed": 5,
+                             "axes": {"lr": {"spread_ratio": 0.3}},
+                             "schedule": {"name": "onecycle", "total_steps": 12, "max_lr": 5e-3}}
+    block.update(overrides)
+    return block
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, **ADAMW)
+
+
+def _independence(out: dict) -> None:
+    """(c) two runs of 2 x 2 "replica" mode; in the second, replica 1 trains on other data.
+    Replica 0 must not notice before the step-3 converge."""
+    from hdet_scale.backends.ddp import initialize
+    r = rank()
+    for run in ("same", "other"):
+        ddp, opt, sched = initialize(build_model(), mesh_cfg(), _adamw)
+        captured: list = []
+        capture_converge(ddp.module, sched, captured)
+        data_rank = r + 100 if (run == "other" and r >= S) else r
+        params, lrs = [], []
+        for step in range(1, MESH_STEPS + 1):
+            lrs.append([g["lr"] for g in opt.param_groups])
+            train_step(ddp, opt, sched, data_rank, step)
+            params.append(flat_params(ddp.module))
+        out[f"{run}_params"], out[f"{run}_lrs"], out[f"{run}_captured"] = params, lrs, captured
+        out[f"{run}_buffers"] = buffers(ddp.module)
+        out["replica"] = sched.topology.replica_index
+        out["base"] = [sched.schedule.value(t, 5e-3) for t in range(MESH_STEPS)]
+
+
+@contextlib.contextmanager
+def _record_writes(root: str, written: list):
+    save = torch.save
+
+    def rec_save(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)):
+            written.append(os.path.relpath(os.fspath(f), root))
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = rec_save
+    try:
+        yield
+    finally:
+        torch.save = save
+
+
+def _resume(out: dict, ckpt_dir: str) -> None:
+    """(d) A: 8 steps uninterrupted. B: 4 steps (between the syncs at 3 and 6), save.
+    C: fresh initialize from other weights, load, steps 5-8. D: a 4 x 1 layout refuses the
+    checkpoint before any collective."""
+    from hdet_scale.backends.ddp import initialize, load_checkpoint, save_checkpoint
+    from hdet_scale.errors import HDETStateError
+    cfg = mesh_cfg(auto={"enabled": True, "warmup_steps": 3, "temperature": 0.05},
+                   schedule={"name": "onecycle", "total_steps": 10, "max_lr": 5e-3, "div_factor": 5.0,
+                             "final_div_factor": 2.0})
+
+    def run(ddp, opt, sched, first, last, key):
+        lrs = out.setdefault(f"{key}_lrs", {})
+        for step in range(first, last + 1):
+            lrs[step] = [g["lr"] for g in opt.param_groups]
+            train_step(ddp, opt, sched, rank(), step)
+
+    def state(ddp, opt, sched):
+        s = sched.state_dict()
+        return {"params": flat_params(ddp.module), "buffers": buffers(ddp.module),
+                "exp_avg_sq": np.concatenate([opt.state[p]["exp_avg_sq"].reshape(-1).numpy()
+                                              for p in ddp.module.parameters()]),
+                "sched": {"step": s["step"], "base": {str(k): v for k, v in s["base"].items()},
+                          "velocity": {str(k): v for k, v in s["velocity"].items()},
+                          "permutations": {str(k): v for k, v in s["permutations"].items()},
+                          "sync": s["sync"], "last_sync": clean_record(sched.last_sync)}}
+
+    ddp, opt, sched = initialize(build_model(), cfg, _adamw)
+    run(ddp, opt, sched, 1, RESUME_STEPS, "A")
+    out["A"] = state(ddp, opt, sched)
+
+    ddp, opt, sched = initialize(build_model(), cfg, _adamw)
+    run(ddp, opt, sched, 1, RESUME_AT, "B")
+    out["B_params"] = flat_params(ddp.module)
+    written: list = []
+    with _record_writes(ckpt_dir, written):
+        out["tag"] = save_checkpoint(ddp, opt, sched, ckpt_dir)
+    out["written"] = written
+
+    ddp, opt, sched = initialize(build_model(seed=1), cfg, _adamw)
+    out["C_before_load"] = flat_params(ddp.module)
+    out["C_loaded_tag"] = load_checkpoint(ddp, opt, sched, ckpt_dir)
+    out["C_after_load"] = flat_params(ddp.module)
+    run(ddp, opt, sched, RESUME_AT + 1, RESUME_STEPS, "C")
+    out["C"] = state(ddp, opt, sched)
+
+    ddp, opt, sched = initialize(build_model(), {**cfg, "replicas": 4}, _adamw)
+    try:
+        with no_collectives():
+            load_checkpoint(ddp, opt, sched, ckpt_dir)
+        out["D_error"] = None
+    except HDETStateError as e:
+        out["D_error"] = f"HDETStateError: {e}"
+    except AssertionError as e:
+        out["D_error"] = f"AssertionError: {e}"
+
+
+BAD_CONFIGS = {
+    "replicas": lambda: mesh_cfg(replicas=3),
+    "spread_ratio": lambda: mesh_cfg(axes={"lr": {"spread_ratio": 1.5}}),
+    "unknown_key": lambda: mesh_cfg(sync_intervall=3),
+    "max_lr_list": lambda: mesh_cfg(schedule={"name": "onecycle", "total_steps": 12, "max_lr": [1e-3, 1e-3]}),
+    "process_group": lambda: mesh_cfg(),
+}
+
+
+def _bad_configs(out: dict) -> None:
+    """(e) bad configs for initialize, torch.distributed up: HDETConfigError on this rank
+    by itself, with no collective and no mesh creation attempted."""
+    import torch.distributed as dist
+
+    from hdet_scale.backends.ddp import initialize
+    res = {}
+    for name, cfg in BAD_CONFIGS.items():
+        kw = {"ddp_kwargs": {"process_group": dist.group.WORLD}} if name == "process_group" else {}
+        res[name] = expect_config_error(lambda: initialize(build_model(), cfg(), _adamw, **kw))
+    out["bad"] = res
+
+
+def mesh_worker(ckpt_dir: str) -> dict:
+    """Launch 2 (4 ranks = 2 replicas x 2 shards)."""
+    import torch.distributed as dist
+    init_dist()
+    out: dict[str, Any] = {}
+    t0 = time.monotonic()
+    _bad_configs(out)
+    _independence(out)
+    _resume(out, ckpt_dir)
+    dist.barrier()
+    out["seconds"] = time.monotonic() - t0
+    return out
