@@ -26,7 +26,8 @@ class Backend(Protocol):
     def refresh(self) -> None: ...  # after converge: working copies <- masters
     def install_grad_hook(self, hook) -> None: ...  # hook(list[Tensor]) before each optimizer step
     # Backends whose engine already averages gradients over all W ranks in "global" mode
-    # (DDP over the world, FSDP2 HSDP) set ``shares_gradients = True``: no hook then.
+    # (DDP over the world, FSDP2 HSDP) set ``shares_gradients = True``: install_grad_hook
+    # is then never called and may be absent.
 
 
 class DistributedSync:

@@ -42,7 +42,8 @@ def test_default_job_end_to_end(tmp_path):
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
 def test_default_job_on_every_backend(tmp_path, backend):
     run_dir = tmp_path / "run"
-    args = [a for a in SHORT if not a.startswith("train.steps")] + ["train.steps=20", f"backend={backend}"]
+    args = [a for a in SHORT if not a.startswith(("train.steps", "deepspeed.hdet.auto.warmup_steps"))]
+    args += ["train.steps=20", "deepspeed.hdet.auto.warmup_steps=10", f"backend={backend}"]
     proc = hdet_train([f"run_dir={run_dir}", *args], timeout=400)
     check_run(run_dir, proc, backend, steps=20)
 

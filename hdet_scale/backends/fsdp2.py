@@ -1,0 +1,297 @@
+"""PyTorch FSDP2 backend: the adapter, ``initialize`` and per-replica checkpoints.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) turns every parameter into a DTensor
+whose local shard is a dim-0 chunk of the full tensor; that local shard is what the
+optimizer updates (kept in the parameter's own dtype, fp32 under a bf16
+``MixedPrecisionPolicy``, which casts only the all-gathered copy). HDET converge
+(paper Eq. 3) averages exactly these local shards over the replica group.
+
+Mesh per gradient mode (``hdet.gradient_sharing``; HDET.md "Gradient sharing"):
+
+- ``"global"`` (paper Sec. 3.1): HSDP on the 2-D ``(replica, shard)`` mesh. FSDP2
+  reduce-scatters gradients inside the shard group and all-reduces them over the
+  replica group, dividing by ``R x S`` in total: every replica applies the mean
+  gradient of all W ranks, so the engine does the sharing (``shares_gradients``) and
+  optimizer state stays identical across replicas.
+- ``"replica"``: FSDP on the 1-D ``shard`` mesh. Between syncs no collective crosses
+  replica groups; each replica's optimizer state diverges.
+
+Optimizer state at converge: left alone, in both modes. Converge averages parameters
+and persistent floating buffers only, as the paper's Eq. 3 and the other backends and
+the simulator do. In "global" mode there is nothing to average (the moments are
+identical). In "replica" mode each replica keeps its own Adam moments, as local-SGD /
+DiLoCo inner optimizers do: the moments summarise the gradients *that replica's*
+trajectory saw at its own step size, and their average would match no trajectory
+(mean of second moments is not the second moment of the mean gradient); averaging them
+would also triple converge traffic (parameters + 2 moments). Consequence: right after a
+converge the replicas' weights are equal but their next updates differ even at spread 0.
+
+Library behaviour relied on (torch 2.13, checked by tests/distributed/test_fsdp2.py):
+``DTensor.to_local()`` (under ``no_grad``) aliases FSDP2's padded sharded storage, from
+which every all-gather reads (casting to ``param_dtype`` each time: no cached
+low-precision copy). The only copies that outlive a forward are the unsharded
+parameters FSDP2 keeps on a module that does not reshard after forward, when no backward
+follows (a no-grad forward: the root under FSDP2's default ``reshard_after_forward``,
+every module under ``False``); ``FSDPModule.reshard`` frees them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.backends.common import (build_scheduler, check_resumable, default_device, finish_checkpoint,
+                                        init_process_group, load_hdet_state, make_logger, replica_dir,
+                                        resolve_config, save_hdet_state)
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETStateError
+from hdet_scale.topology import Topology
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+__all__ = ["FSDP2Backend", "initialize", "load_checkpoint", "save_checkpoint"]
+
+BACKEND_NAME = "fsdp2"
+
+
+def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+class FSDP2Backend:
+    """Local tensors of one rank of an FSDP2 model (see the module docstring).
+
+    ``master_tensors()``: the local shards (``p.to_local()``) of the floating DTensor
+    parameters, in ``model.parameters()`` order. Shapes: dim 0 is this rank's chunk of
+    the full dim 0 (``ceil(n / S)`` rows on the first shards, fewer or none on the last:
+    a full dim 0 of 1 or 3 over S = 2 leaves rank s = 1 with 1 row or an empty
+    ``(0, ...)`` shard); other dims are full. Dtype: the parameter's own (fp32 under a
+    bf16 mixed-precision policy). They are views of FSDP2's storage, so converge writes
+    in place; they are read anew at every call because FSDP2's lazy initialisation may
+    re-allocate an empty shard's storage.
+
+    ``buffers()``: the persistent floating buffers, plain (unsharded) tensors on every
+    rank. FSDP2 never synchronises buffers, so each rank's copy follows its own data;
+    converge averages them over the replica group (like the shards): afterwards rank
+    ``(r, s)`` equals rank ``(r', s)`` for every ``r'``, so the replicas are identical,
+    and the differences inside a shard group are the ones plain FSDP2 would have.
+    Averaging them over the whole world instead would change FSDP2's own semantics
+    within a replica (and could not leave a non-finite replica out of the mean).
+
+    ``refresh()``: :meth:`FSDPModule.reshard` on every FSDP module, dropping any
+    unsharded copy left by a forward without backward, so the next forward all-gathers
+    the averaged shards (and casts them to ``param_dtype``). ``master_tensors()`` calls
+    it first too: while a module is unsharded its registered parameters are those full
+    copies, not the DTensors.
+
+    ``shares_gradients``: ``True`` for ``"global"`` mode (HSDP's all-reduce).
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device, shares_gradients: bool) -> None:
+        self.module = module
+        self.device = device
+        self.shares_gradients = shares_gradients
+
+    @torch.no_grad()
+    def master_tensors(self) -> Sequence[torch.Tensor]:
+        # While a module is unsharded (after a forward without backward), FSDP2 registers
+        # plain full-size parameters on it; the DTensors the optimizer updates come back
+        # only on reshard. Under no_grad, to_local() returns the local tensor itself (no
+        # autograd view), safe to modify in place.
+        self.refresh()
+        return [_local(p) for p in self.module.parameters() if p.is_floating_point()]
+
+    def buffers(self) -> Sequence[torch.Tensor]:
+        return persistent_float_buffers(self.module)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for m in _fsdp_modules(self.module):
+            m.reshard()
+
+    def install_grad_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
+        """Not needed: "global" mode shares gradients through HSDP (``shares_gradients``),
+        so :class:`~hdet_scale.sync.DistributedSync` never asks for a hook.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError("FSDP2 shares gradients through HSDP (the 2-D (replica, shard) mesh of "
+                                  "hdet_scale.backends.fsdp2.initialize); build the model with initialize")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return t.to_local() if hasattr(t, "to_local") else t
+
+
+def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
+               optimizer_fn: Callable[[list[nn.Parameter]], Optimizer], *,
+               shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
+               mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool | int | None = None,
+               device: torch.device | None = None, logger: Any = None
+               ) -> tuple[nn.Module, Optimizer, HDETScheduler]:
+    """Shard ``model`` with FSDP2 on HDET's ``(replica, shard)`` mesh and attach HDET.
+
+    Args:
+        model: the unsharded model (on CPU or on ``device``); sharded in place.
+        config: whatever :func:`~hdet_scale.backends.common.resolve_config` accepts: an
+            :class:`HDETConfig`, the ``"hdet"`` block, a DeepSpeed-style dict holding
+            one under ``"hdet"``, or a path to such a JSON file.
+        optimizer_fn: builds the optimizer from ``list(model.parameters())`` *after*
+            sharding (the parameters are DTensors then, so the optimizer state is sharded
+            too).
+        shard_modules: returns the submodules to ``fully_shard`` one by one (e.g. the
+            transformer blocks), inner modules before the modules holding them (as
+            FSDP2 requires); the root is sharded last in any case. ``None``: the root
+            only (one all-gather of the whole model).
+        mp_policy: FSDP2 ``MixedPrecisionPolicy`` (e.g. ``param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32``); the sharded parameters, which the optimizer
+            updates and converge averages, stay in their own dtype.
+        reshard_after_forward: passed to ``fully_shard`` for every module; ``None`` is
+            FSDP2's own default (reshard every module but the root, whose parameters
+            backward needs at once). Any value works with converge (see
+            :class:`FSDP2Backend`).
+        device: default :func:`~hdet_scale.backends.common.default_device`.
+        logger: a :class:`~hdet_scale.logging.MetricsLogger`; default: built from
+            ``hdet.logging`` (global rank 0 writes).
+
+    Returns:
+        ``(model, optimizer, scheduler)``. The loop: ``loss.backward();
+        optimizer.step(); optimizer.zero_grad(); scheduler.step(loss)`` on every rank at
+        every optimizer step, ``loss`` being this rank's local loss.
+
+    The config is checked before ``torch.distributed`` is touched (initialised from the
+    launcher's environment if needed), identically on every rank.
+
+    Raises:
+        HDETConfigError: an invalid config, ``hdet.enabled`` false, or ``hdet.replicas``
+            not dividing the world size.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    cfg = resolve_config(config)
+    device = device or default_device()
+    init_process_group(device)
+    topology = Topology(cfg.replicas, device.type)
+    share = cfg.gradient_sharing == "global"
+    # HSDP needs a replica axis to all-reduce over; with R = 1 the shard mesh is the same
+    # run without a size-1 all-reduce.
+    mesh = topology.mesh["replica", "shard"] if share and cfg.replicas > 1 else topology.mesh["shard"]
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    model.to(device)
+    if shard_modules is not None:
+        for sub in shard_modules(model):
+            if sub is not model:
+                fully_shard(sub, **kwargs)
+    fully_shard(model, **kwargs)
+    optimizer = optimizer_fn(list(model.parameters()))
+    backend = FSDP2Backend(model, device, shares_gradients=share)
+    logger = logger if logger is not None else make_logger(cfg, topology)
+    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger)
+    return model, optimizer, scheduler
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+# Layout: <dir>/latest, <dir>/hdet_layout.json, and per replica r one PyTorch Distributed
+# Checkpoint (DCP) in <dir>/replica_<r>/<tag>/ (.metadata, __<s>_0.distcp written by the
+# S ranks of its shard group) plus hdet_shard_<s>.pt (the HDET state of rank (r, s)).
+#
+# DCP de-duplicates what it sees as replicated (a DTensor's Replicate placement, plain
+# tensors, non-tensor values) across the ranks of its process group and writes it once.
+# Replicas differ between syncs (weights, and in "replica" mode optimizer state), so one
+# DCP over the world would keep one replica only: each replica saves its own DCP on its
+# shard group instead, where every DTensor local shard is distinct. Buffers are plain
+# tensors that FSDP2 does not synchronise, so they may differ on every rank: they are
+# stored under a per-rank key (``buffers_shard_<s>``) that DCP cannot merge.
+
+def _split_model_state(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(parameters, buffers)`` of the sharded model state dict (DTensors, plain
+    tensors), by fully qualified name; both alias the model's storage."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model)
+    buffer_names = {n for n, _ in model.named_buffers()}
+    params = {k: v for k, v in sd.items() if k not in buffer_names}
+    buffers = {k: v for k, v in sd.items() if k in buffer_names}
+    return params, buffers
+
+
+def _state(model: nn.Module, optimizer: Optimizer, shard_index: int, with_optimizer: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    params, buffers = _split_model_state(model)
+    state = {"model": params, f"buffers_shard_{shard_index}": buffers}
+    if with_optimizer:
+        # On an optimizer without state this takes one step with zero gradients and lr 0
+        # (torch's _init_optim_state): the parameters keep their values, the state is
+        # then overwritten by the checkpoint's.
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETScheduler, save_dir: str,
+                    tag: str | None = None) -> str:
+    """Save every replica's model shards, buffers and optimizer state, and every rank's
+    HDET state (including the loss accumulated since the last sync, so a run stopped
+    mid-interval resumes exactly). Collective: every rank calls it at the same step,
+    between optimizer steps. Returns the tag (default ``global_step<step>``)."""
+    import torch.distributed.checkpoint as dcp
+
+    t = scheduler.topology
+    tag = tag or f"global_step{scheduler.step_count}"
+    rdir = replica_dir(save_dir, t, tag)
+    os.makedirs(rdir, exist_ok=True)
+    # Before the first optimizer step there is no optimizer state, and reading it through
+    # torch's state-dict API would create some (a zero step: Adam's step counter 1),
+    # changing the run that saves. Such a checkpoint holds no optimizer entry instead.
+    with_optimizer = bool(optimizer.state)
+    dcp.save(_state(model, optimizer, t.shard_index, with_optimizer), checkpoint_id=rdir,
+             process_group=t.shard_group)
+    save_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    finish_checkpoint(save_dir, t, scheduler, tag, BACKEND_NAME)
+    return tag
+
+
+def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETScheduler, load_dir: str,
+                    tag: str | None = None) -> None:
+    """Restore what :func:`save_checkpoint` wrote into an engine built by
+    :func:`initialize` with the same config, world size and model. Collective on each
+    shard group (every rank calls it).
+
+    Raises:
+        HDETStateError: no checkpoint, another ``R x S`` layout or backend (checked before
+            any collective, identically on every rank), or a missing replica folder.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    t = scheduler.topology
+    latest = check_resumable(load_dir, t.world_size, t.replicas, BACKEND_NAME)
+    tag = tag or latest
+    rdir = replica_dir(load_dir, t, tag)
+    if not os.path.isdir(rdir):
+        raise HDETStateError(f"checkpoint {load_dir} has no folder {rdir} (tag {tag!r})")
+    saved_keys = dcp.FileSystemReader(rdir).read_metadata().state_dict_metadata
+    with_optimizer = any(k.startswith("optim.") for k in saved_keys)
+    state = _state(model, optimizer, t.shard_index, with_optimizer)
+    dcp.load(state, checkpoint_id=rdir, process_group=t.shard_group)
+    set_model_state_dict(model, {**state["model"], **state[f"buffers_shard_{t.shard_index}"]})
+    if with_optimizer:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    else:
+        optimizer.state.clear()  # saved before the first step: start the moments afresh
+    # Last: re-applies this replica's hyperparameters over the param groups just loaded.
+    load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
