@@ -85,6 +85,16 @@ def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend
     return scheduler
 
 
+def check_optimizer(cfg: HDETConfig, optimizer: Any) -> None:
+    """The scheduler's checks against the optimizer (explored parameter groups exist and
+    hold the hyperparameter, ``max_lr`` list length), without communication and without
+    touching the optimizer: a scheduler is built on copies of its param groups, since
+    building one writes the step-0 values (and the next scheduler would read them back as
+    the peak LRs). Raises HDETConfigError."""
+    copies = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    HDETScheduler(cfg, {0: copies})
+
+
 def default_device() -> torch.device:
     """``cuda:$LOCAL_RANK`` when CUDA is there, else CPU."""
     if torch.cuda.is_available():

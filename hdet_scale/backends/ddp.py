@@ -28,13 +28,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.averaging import _buckets
-from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_resumable, default_device,
+from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_optimizer, check_resumable,
+                                        default_device,
                                         finish_checkpoint, init_process_group, load_hdet_state, make_logger,
                                         replica_dir, resolve_config, save_hdet_state)
 from hdet_scale.config import HDETConfig
-from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
+from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.topology import Layout, Topology
+from hdet_scale.topology import Topology
 
 __all__ = ["initialize", "load_checkpoint", "save_checkpoint"]
 
@@ -107,12 +108,11 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
                               "'replica': the shard group); remove it")
     device = torch.device(device) if device is not None else default_device()
     init_process_group(device)
-    layout = Layout(dist.get_world_size(), cfg.replicas, dist.get_rank())
     model.to(device)
     optimizer = optimizer_fn(list(model.parameters()))
     # The scheduler's own checks against the optimizer, run here without a sync so that a
     # mismatch fails on every rank before the mesh below issues its first collective.
-    HDETScheduler(cfg, LiveParamGroups({layout.replica_index: optimizer}))
+    check_optimizer(cfg, optimizer)
 
     topology = Topology(cfg.replicas, device_type=device.type)
     bucket_bytes = int(cfg.bucket_mb * 2**20)

@@ -85,10 +85,11 @@ def hdet_block(mode: str) -> dict:
     """R = 2, spread 0.3, sync every 3 steps, auto-LR from the second sync (warm-up 5:
     meta-updates at steps 6, 9, 12), OneCycle over the 12 steps. A low temperature makes
     the softmax weights depart from 1/2 on these small loss gaps, so the base LR really
-    moves."""
+    moves. ``max_lr`` is left to each optimizer's ``lr`` (the path a backend could break by
+    touching the optimizer before the scheduler reads it)."""
     return {"replicas": REPLICAS, "sync_interval": SYNC, "gradient_sharing": mode, "seed": 7,
             "axes": {"lr": {"spread_ratio": 0.3}},
-            "schedule": {"name": "onecycle", "total_steps": STEPS, "max_lr": LR, "pct_start": 0.25,
+            "schedule": {"name": "onecycle", "total_steps": STEPS, "pct_start": 0.25,
                          "final_div_factor": 10.0},
             "auto": {"enabled": True, "warmup_steps": 5, "temperature": 0.01}}
 
