@@ -17,46 +17,29 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale import axes as ax
-from hdet_scale.backends.common import (FullParamsBackend, default_device)
+from hdet_scale.backends.common import FullParamsBackend, default_device
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.schedules import OneCycle
-from hdet_scale.sync import DistributedSync
+from hdet_scale.sync import DistributedSync, LossAccumulator
 from hdet_scale.topology import Topology
 
 __all__ = ["OneCycleAutoLR"]
 
 
-class _LocalSync:
+class _LocalSync(LossAccumulator):
     """The scheduler's ``Sync`` for a single replica: nothing to exchange or average."""
 
     replicas = 1
-
-    def __init__(self) -> None:
-        self.local_replicas = [0]
-        self._sum: torch.Tensor | float = 0.0
-        self._count = 0
-
-    def add_loss(self, loss: Any) -> None:
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach().reshape(()).to(torch.float64)
-        self._sum = self._sum + loss
-        self._count += 1
+    local_replicas = [0]
 
     def interval_losses(self) -> tuple[list[float], list[int]]:
-        s, c = float(self._sum), self._count
-        self._sum, self._count = 0.0, 0
+        s, c = self.take()
         return [s / c if c else float("nan")], [c]
 
     def converge(self, finite: list[bool]) -> None:
         pass
-
-    def state_dict(self) -> dict:
-        return {"loss_sum": float(self._sum), "loss_count": self._count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._sum, self._count = float(state["loss_sum"]), int(state["loss_count"])
 
 
 class _OptimizerParamsBackend:

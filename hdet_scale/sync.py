@@ -30,7 +30,35 @@ class Backend(Protocol):
     # is then never called and may be absent.
 
 
-class DistributedSync:
+class LossAccumulator:
+    """This rank's training-loss sum (float64) and count since the last sync, kept on the
+    loss' device (no host sync per step); exact in ``state_dict``."""
+
+    def __init__(self) -> None:
+        self._sum: torch.Tensor | float = 0.0
+        self._count = 0
+
+    def add_loss(self, loss: Any) -> None:
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().reshape(()).to(torch.float64)
+        self._sum = self._sum + loss
+        self._count += 1
+
+    def take(self) -> tuple[float, int]:
+        """``(sum, count)`` since the last call; resets."""
+        s, c = float(self._sum), self._count
+        self._sum, self._count = 0.0, 0
+        return s, c
+
+    def state_dict(self) -> dict:
+        return {"loss_sum": float(self._sum), "loss_count": self._count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sum = float(state["loss_sum"])
+        self._count = int(state["loss_count"])
+
+
+class DistributedSync(LossAccumulator):
     """Interval-loss reduction and converge for one rank of an ``R x S`` world.
 
     Args:
@@ -50,31 +78,23 @@ class DistributedSync:
         self.bucket_bytes = bucket_bytes
         self.replicas = topology.replicas
         self.local_replicas = [topology.replica_index]
-        self._sum: torch.Tensor | float = 0.0
-        self._count = 0
+        super().__init__()
         if gradient_sharing == "global" and topology.replicas > 1 and not getattr(backend, "shares_gradients", False):
             backend.install_grad_hook(self.share_gradients)
 
     def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         mean_all_reduce_(grads, self.topology.replica_group, self.bucket_bytes)
 
-    def add_loss(self, loss: Any) -> None:
-        # Kept on the loss' device: no host sync per step.
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach().reshape(()).to(torch.float64)
-        self._sum = self._sum + loss
-        self._count += 1
-
     def interval_losses(self) -> tuple[list[float], list[int]]:
         """Mean loss of every replica over the interval (mean over its S ranks and
         steps); NaN for a replica that recorded none. Collective on the world group.
         Resets the accumulators."""
         t = torch.zeros(self.replicas, 2, dtype=torch.float64, device=self.backend.device)
-        t[self.topology.replica_index, 0] = self._sum if isinstance(self._sum, torch.Tensor) else float(self._sum)
+        t[self.topology.replica_index, 0] = self._sum
         t[self.topology.replica_index, 1] = self._count
+        self._sum, self._count = 0.0, 0
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
         t = t.cpu()
-        self._sum, self._count = 0.0, 0
         counts = [int(c) for c in t[:, 1].tolist()]
         losses = [s / c if c > 0 else float("nan") for s, c in zip(t[:, 0].tolist(), counts)]
         return losses, counts
@@ -89,11 +109,3 @@ class DistributedSync:
         tensors = list(self.backend.master_tensors()) + list(self.backend.buffers())
         mean_all_reduce_(tensors, self.topology.replica_group, self.bucket_bytes, contribute=keep, contributors=n)
         self.backend.refresh()
-
-    def state_dict(self) -> dict:
-        s = self._sum.item() if isinstance(self._sum, torch.Tensor) else float(self._sum)
-        return {"loss_sum": s, "loss_count": self._count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._sum = float(state["loss_sum"])
-        self._count = int(state["loss_count"])

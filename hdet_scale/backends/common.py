@@ -1,6 +1,6 @@
 """What every backend shares: config resolution before any collective, the scheduler and
 sync wiring, the adapter for engines that hold full parameters (DDP, fairscale OSS), and
-the checkpoint layout file.
+the checkpoint layout.
 
 Each engine file (``ddp.py``, ``fsdp2.py``, ``fairscale.py``, ``deepspeed.py``) only says
 where its local tensors live and how it shares gradients; the HDET arithmetic is
@@ -113,8 +113,8 @@ def init_process_group(device: torch.device) -> None:
 
 
 class FullParamsBackend:
-    """Adapter for engines whose every rank holds the full parameters (DDP; fairscale OSS,
-    which shards only optimizer state): the master tensors are the module's floating
+    """Adapter for engines whose every rank holds the full parameters (DDP; fairscale's
+    ``OSSBackend`` builds on it): the master tensors are the module's floating
     parameters themselves, so converge writes straight into what the next forward reads
     and ``refresh`` has nothing to do.
 

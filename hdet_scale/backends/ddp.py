@@ -187,6 +187,3 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     optimizer.load_state_dict(state["optimizer"])
     load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
     return tag
-
-
-# ---- OneCycleAutoLR ---------------------------------------------------------------------
