@@ -1,6 +1,8 @@
-"""``hdet-dryrun CONFIG.json --world-size W``: check an ``"hdet"`` block for a world you
-do not have, in one CPU process, and print the replica x shard groups, the fan-out
-multipliers and the derived auto-LR decay. Exit 0 when valid, 2 with the errors if not."""
+"""``hdet-dryrun CONFIG.json --world-size W [--backend B]``: check an ``"hdet"`` block for a
+world you do not have, in one CPU process, and print the replica x shard groups, the
+fan-out multipliers and the derived auto-LR decay. ``--backend deepspeed`` (default) also
+checks the DeepSpeed keys HDET depends on; ``fsdp2``, ``ddp`` and ``fairscale`` check the
+``hdet`` block alone. Exit 0 when valid, 2 with the errors if not."""
 
 from __future__ import annotations
 
@@ -11,9 +13,17 @@ from hdet_scale import axes as ax
 from hdet_scale.errors import HDETConfigError
 
 
-def describe(config: str | dict, world_size: int, total_steps: int | None = None) -> str:
+BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
+SHARDED_BY = {"deepspeed": "ZeRO-3 partitions", "fsdp2": "FSDP2 shards", "ddp": "DDP replicates",
+              "fairscale": "OSS shards optimizer state"}
+
+
+def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed") -> str:
     """The dry-run report; ``total_steps`` fills ``hdet.schedule.total_steps`` when the
-    config leaves it to the trainer. Raises HDETConfigError on an invalid config."""
+    config leaves it to the trainer. Raises HDETConfigError on an invalid config or an
+    unknown ``backend``."""
+    if backend not in BACKENDS:
+        raise HDETConfigError(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     from hdet_scale.backends.deepspeed import _load_ds_config, prepare_config
 
     try:
@@ -26,12 +36,19 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     from hdet_scale.ensemble import build_schedule, decay_for
     from hdet_scale.topology import Layout
 
-    cfg, ds = prepare_config(config, world_size=world_size)
-    if not cfg.enabled:
-        return "hdet.enabled is false: plain DeepSpeed"
+    if backend == "deepspeed":
+        cfg, ds = prepare_config(config, world_size=world_size)
+        if not cfg.enabled:
+            return "hdet.enabled is false: plain DeepSpeed"
+    else:
+        from hdet_scale.backends.common import resolve_config
+
+        cfg = resolve_config(config, world_size)
     lines = [Layout(world_size, cfg.replicas).describe()]
-    lines.append(f"ZeRO-3 data-parallel size (shard group): {world_size // cfg.replicas}; "
-                 f"DeepSpeed train_batch_size per replica: {ds.get('train_batch_size', 'from micro x accumulation')}")
+    lines.append(f"{backend}: {SHARDED_BY[backend]} inside each shard group of {world_size // cfg.replicas} ranks")
+    if backend == "deepspeed":
+        lines.append(f"DeepSpeed train_batch_size per replica: "
+                     f"{ds.get('train_batch_size', 'from micro x accumulation')}")
     schedule = build_schedule(cfg)
     for name, axis in sorted(cfg.axes.items()):
         if axis.kind == "multiplicative":
@@ -49,12 +66,13 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hdet-dryrun", description=__doc__)
     p.add_argument("config", help="DeepSpeed JSON with an 'hdet' block")
+    p.add_argument("--backend", default="deepspeed", choices=BACKENDS, help="training engine (default: deepspeed)")
     p.add_argument("--world-size", type=int, required=True, help="total number of ranks W")
     p.add_argument("--total-steps", type=int, default=None,
                    help="optimizer steps of the run, when hdet.schedule.total_steps is not in the file")
     args = p.parse_args(argv)
     try:
-        print(describe(args.config, args.world_size, args.total_steps))
+        print(describe(args.config, args.world_size, args.total_steps, args.backend))
     except HDETConfigError as e:
         hint = ("\n  (hdet.schedule.total_steps is left to the trainer in this file: pass --total-steps)"
                 if "schedule.total_steps" in str(e) and args.total_steps is None else "")

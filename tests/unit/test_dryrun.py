@@ -1,0 +1,45 @@
+"""``hdet-dryrun``: a config checked for a world we do not have, per backend."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hdet_scale.dryrun import describe, main
+from hdet_scale.errors import HDETConfigError
+
+BLOCK = {"replicas": 4, "sync_interval": 100, "axes": {"lr": {"spread_ratio": 0.3}},
+         "schedule": {"name": "onecycle", "total_steps": 1000}, "auto": {"enabled": True, "warmup_steps": 500}}
+ZERO3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "hdet": BLOCK}
+
+
+def test_deepspeed_report_names_groups_and_multipliers():
+    text = describe(ZERO3, world_size=256)
+    assert "world 256 = 4 replicas x 64 shards" in text
+    assert "replica group 63: ranks [63, 127, 191, 255]" in text
+    assert "multipliers [0.7, 0.9, 1.1, 1.3]" in text
+    assert "ZeRO-3 partitions inside each shard group of 64 ranks" in text
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
+def test_other_backends_check_the_hdet_block_only(backend):
+    # ZeRO stage 2 is DeepSpeed's business: refused for deepspeed, ignored here.
+    cfg = {**ZERO3, "zero_optimization": {"stage": 2}}
+    with pytest.raises(HDETConfigError, match="zero_optimization.stage"):
+        describe(cfg, world_size=8)
+    text = describe(cfg, world_size=8, backend=backend)
+    assert "world 8 = 4 replicas x 2 shards" in text and backend in text
+
+
+def test_cli_exit_codes_and_errors(tmp_path, capsys):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ZERO3))
+    assert main([str(path), "--world-size", "8", "--backend", "fsdp2"]) == 0
+    assert "2 shards" in capsys.readouterr().out
+    assert main([str(path), "--world-size", "6"]) == 2
+    assert "hdet.replicas" in capsys.readouterr().err
+    bad = {**ZERO3, "hdet": {**BLOCK, "sync_interval": 0}}
+    path.write_text(json.dumps(bad))
+    assert main([str(path), "--world-size", "8", "--backend", "ddp"]) == 2
+    assert "hdet.sync_interval" in capsys.readouterr().err
