@@ -11,19 +11,20 @@ count, so the replica's loss (mean over its shard ranks) and its gradient are th
 function of the same samples in every layout; only float32 summation order differs.
 
 Workers return plain Python / numpy data (tensors would travel through shared memory
-that dies with the rank process).
+that dies with the rank process). Seeded init and numpy conversion come from
+``rank_tools``, shared with the per-backend workers.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import warnings
 from typing import Any
 
 import numpy as np
+import rank_tools
 import torch
 import torch.nn.functional as F
+from rank_tools import flat_numpy, rank
 
 D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 3, 2
 LR, WEIGHT_DECAY = 2e-2, 0.01
@@ -51,24 +52,12 @@ class TinyNet(torch.nn.Module):
 
 def build_model() -> TinyNet:
     """Same weights everywhere, without touching the global RNG."""
-    with torch.random.fork_rng():
-        model = TinyNet()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name == "norm.weight":
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return rank_tools.seeded_model(TinyNet, 0)
 
 
 def batch(g: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global rank ``g``'s micro-batch (of the 4-rank layout) for optimizer step ``step``."""
-    gen = torch.Generator().manual_seed(20_000 + 1_000 * g + step)
-    return torch.randn(MICRO, D_IN, generator=gen), torch.randn(MICRO, D_OUT, generator=gen)
+    return rank_tools.seeded_batch(20_000 + 1_000 * g + step, MICRO, D_IN, D_OUT)
 
 
 def replica_batch(r: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,10 +85,6 @@ def hdet_block(mode: str) -> dict:
 
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().float().reshape(-1).clone().cpu().numpy()
 
 
 class Recorder:
@@ -143,10 +128,10 @@ def run_fsdp2(mode: str) -> dict:
 
     model, opt, sched = fsdp2.initialize(build_model(), hdet_block(mode), adamw,
                                          shard_modules=lambda m: [m.fc1, m.fc2, m.head])
-    g = int(os.environ["RANK"])
+    g = rank()
 
     def full() -> np.ndarray:
-        return np.concatenate([_np(p.full_tensor()) for p in model.parameters()])
+        return flat_numpy(p.full_tensor() for p in model.parameters())
 
     return _run_torch(model, opt, sched, lambda t: batch(g, t), full)
 
@@ -156,18 +141,16 @@ def run_fairscale(mode: str) -> dict:
 
     model, opt, sched = fairscale.initialize(build_model(), hdet_block(mode), torch.optim.AdamW,
                                              {"lr": LR, "weight_decay": WEIGHT_DECAY, "foreach": False})
-    g = int(os.environ["RANK"])
-    return _run_torch(model, opt, sched, lambda t: batch(g, t),
-                      lambda: np.concatenate([_np(p) for p in model.module.parameters()]))
+    g = rank()
+    return _run_torch(model, opt, sched, lambda t: batch(g, t), lambda: flat_numpy(model.module.parameters()))
 
 
 def run_ddp(mode: str) -> dict:
     from hdet_scale.backends import ddp
 
     model, opt, sched = ddp.initialize(build_model(), hdet_block(mode), adamw)
-    r = int(os.environ["RANK"])
-    return _run_torch(model, opt, sched, lambda t: replica_batch(r, t),
-                      lambda: np.concatenate([_np(p) for p in model.module.parameters()]))
+    r = rank()
+    return _run_torch(model, opt, sched, lambda t: replica_batch(r, t), lambda: flat_numpy(model.module.parameters()))
 
 
 def run_deepspeed(mode: str) -> dict:
@@ -182,7 +165,7 @@ def run_deepspeed(mode: str) -> dict:
            "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
            "hdet": hdet_block(mode)}
     engine, _, _, sched = initialize(model, cfg, optimizer=adamw(model.parameters()))
-    g = int(os.environ["RANK"])
+    g = rank()
     rec = Recorder(sched, lambda: engine.optimizer.param_groups)
     for step in range(1, STEPS + 1):
         x, y = batch(g, step)
@@ -192,7 +175,7 @@ def run_deepspeed(mode: str) -> dict:
         rec.after_step()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        full = np.concatenate([_np(p) for p in params])
+        full = flat_numpy(params)
     return rec.result(full)
 
 

@@ -7,20 +7,22 @@ process computes the single-process oracles and asserts.
 
 Determinism: models are initialised from a dedicated seeded ``torch.Generator``, rank
 ``rank``'s batch for step ``t`` comes from a generator seeded with ``(rank, t)``, and no
-worker reads the global RNG, so the oracles and a resumed run see the same numbers.
+worker reads the global RNG, so the oracles and a resumed run see the same numbers. The
+helpers shared with the other backends' workers (seeded init, numpy conversion, collective
+and checkpoint-write guards) live in ``rank_tools``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import time
 from typing import Any
 
 import numpy as np
+import rank_tools
 import torch
 import torch.nn.functional as F
+from rank_tools import buffer_arrays, clean_record, init_dist, rank
 
 D_IN, D_HIDDEN, D_OUT, MICRO = 6, 12, 3, 4
 
@@ -46,30 +48,28 @@ class TinyNet(torch.nn.Module):
         return self.head(torch.tanh(self.norm(self.fc1(x))))
 
 
+def _draw(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Every parameter N(0, 1) scaled by 1 / sqrt(fan_in) (matrices) or 0.1 (vectors)."""
+    scale = 1 / math.sqrt(p.shape[1]) if p.dim() == 2 else 0.1
+    return torch.randn(p.shape, generator=g) * scale
+
+
 def build_model(seed: int = 0) -> TinyNet:
     """The same weights for a given seed, without touching the global RNG."""
-    with torch.random.fork_rng():
-        model = TinyNet()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            scale = 1 / math.sqrt(p.shape[1]) if p.dim() == 2 else 0.1
-            p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return model
+    return rank_tools.seeded_model(TinyNet, seed, _draw)
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch (MICRO samples) for optimizer step ``step`` (1-based)."""
-    g = torch.Generator().manual_seed(50_000 + 1_000 * rank + step)
-    return torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, D_OUT, generator=g)
+    return rank_tools.seeded_batch(50_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
 
 
 def flat_params(model: torch.nn.Module) -> np.ndarray:
-    return np.concatenate([p.detach().reshape(-1).clone().numpy() for p in model.parameters()])
+    return rank_tools.flat_numpy(model.parameters())
 
 
 def buffers(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {n: b.detach().clone().numpy() for n, b in model.named_buffers()}
+    return buffer_arrays(model)
 
 
 def group_values(opt: torch.optim.Optimizer) -> list[dict]:
@@ -79,16 +79,6 @@ def group_values(opt: torch.optim.Optimizer) -> list[dict]:
         m = g["betas"][0] if "betas" in g else g.get("momentum")
         out.append({"lr": float(g["lr"]), "momentum": None if m is None else float(m)})
     return out
-
-
-def rank() -> int:
-    return int(os.environ["RANK"])
-
-
-def init_dist() -> None:
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, data_rank: int, step: int,
@@ -102,60 +92,16 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, d
     return float(loss.detach())
 
 
-def clean_record(record: dict) -> dict:
-    """A sync record without its timing (``hdet/converge_s`` differs per rank)."""
-    return {k: v for k, v in record.items() if k != "hdet/converge_s"}
-
-
 def capture_converge(model: torch.nn.Module, sched: Any, store: list) -> None:
     """Wrap the sync's converge: record the parameters and buffers it is about to average
     (after the sync step's own optimizer update), then converge."""
-    sync = sched.sync_obj
-    original = sync.converge
-
-    def converge(finite: list[bool]) -> None:
-        store.append({"step": sched.step_count, "params": flat_params(model), "buffers": buffers(model)})
-        return original(finite)
-
-    sync.converge = converge
-
-
-_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "gather", "scatter",
-                "reduce", "all_to_all_single", "monitored_barrier", "new_group", "send", "recv")
-
-
-@contextlib.contextmanager
-def no_collectives():
-    """Any torch.distributed collective, or DeviceMesh creation (whose ``new_group`` calls
-    bypass the ``torch.distributed`` attributes), raises AssertionError inside the block."""
-    import torch.distributed as dist
-    import torch.distributed.device_mesh as dm
-    saved = {(dist, n): getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
-    saved[(dm, "init_device_mesh")] = dm.init_device_mesh
-
-    def forbidden(name):
-        def f(*args, **kwargs):
-            raise AssertionError(f"collective {name} called")
-        return f
-
-    for (mod, n) in saved:
-        setattr(mod, n, forbidden(n))
-    try:
-        yield
-    finally:
-        for (mod, n), f in saved.items():
-            setattr(mod, n, f)
+    rank_tools.capture_converge(sched, store, lambda: {"params": flat_params(model), "buffers": buffers(model)})
 
 
 def expect_config_error(fn) -> str:
-    """Run ``fn`` with collectives forbidden; the error's class name and text."""
-    try:
-        with no_collectives():
-            fn()
-    except Exception as e:  # the test asserts the class: HDETConfigError, not AssertionError
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    """Run ``fn`` with every collective and DeviceMesh creation forbidden; the error's class
+    name and text (the test asserts the class: HDETConfigError, not AssertionError)."""
+    return rank_tools.error_text(fn, device_mesh=True) or "no error"
 
 
 # ---- launch 1: two ranks, OneCycleAutoLR -------------------------------------------------
@@ -347,22 +293,6 @@ def _independence(out: dict) -> None:
         out["base"] = [sched.schedule.value(t, 5e-3) for t in range(MESH_STEPS)]
 
 
-@contextlib.contextmanager
-def _record_writes(root: str, written: list):
-    save = torch.save
-
-    def rec_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            written.append(os.path.relpath(os.fspath(f), root))
-        return save(obj, f, *args, **kwargs)
-
-    torch.save = rec_save
-    try:
-        yield
-    finally:
-        torch.save = save
-
-
 def _resume(out: dict, ckpt_dir: str) -> None:
     """(d) A: 8 steps uninterrupted. B: 4 steps (between the syncs at 3 and 6), save.
     C: fresh initialize from other weights, load, steps 5-8. D: a 4 x 1 layout refuses the
@@ -397,7 +327,7 @@ def _resume(out: dict, ckpt_dir: str) -> None:
     run(ddp, opt, sched, 1, RESUME_AT, "B")
     out["B_params"] = flat_params(ddp.module)
     written: list = []
-    with _record_writes(ckpt_dir, written):
+    with rank_tools.record_writes(ckpt_dir, written):
         out["tag"] = save_checkpoint(ddp, opt, sched, ckpt_dir)
     out["written"] = written
 
@@ -409,14 +339,8 @@ def _resume(out: dict, ckpt_dir: str) -> None:
     out["C"] = state(ddp, opt, sched)
 
     ddp, opt, sched = initialize(build_model(), {**cfg, "replicas": 4}, _adamw)
-    try:
-        with no_collectives():
-            load_checkpoint(ddp, opt, sched, ckpt_dir)
-        out["D_error"] = None
-    except HDETStateError as e:
-        out["D_error"] = f"HDETStateError: {e}"
-    except AssertionError as e:
-        out["D_error"] = f"AssertionError: {e}"
+    out["D_error"] = rank_tools.error_text(lambda: load_checkpoint(ddp, opt, sched, ckpt_dir),
+                                          (HDETStateError, AssertionError), device_mesh=True)
 
 
 BAD_CONFIGS = {

@@ -10,23 +10,23 @@ ranks and asserts.
 Determinism: the model is initialised from a dedicated ``torch.Generator`` (seeded),
 every rank's batch for step ``t`` comes from a generator seeded with ``(rank, t)``, and
 no worker reads the global RNG for data, so a resumed run sees the same batches.
+The helpers shared with the other backends' workers (seeded init, numpy conversion,
+collective and checkpoint-write guards) live in ``rank_tools``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 import time
 from typing import Any
 
 import numpy as np
+import rank_tools
 import torch
 import torch.nn.functional as F
+from rank_tools import clean_record, hdet_block, lrs, rank, sched_state, to_numpy
 
 D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 4, 2
 LR = 1e-2
-REPLICAS, WORLD = 2, 4
 
 
 # ---- model, data, config -------------------------------------------------------------
@@ -56,28 +56,16 @@ class TinyNet(torch.nn.Module):
 
 def build_model(seed: int = 0) -> TinyNet:
     """Same weights on every rank for a given seed, without touching the global RNG."""
-    with torch.random.fork_rng():
-        model = TinyNet()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return rank_tools.seeded_model(TinyNet, seed)
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch for optimizer step ``step`` (1-based), from its own generator."""
-    g = torch.Generator().manual_seed(10_000 + 1_000 * rank + step)
-    return torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, D_OUT, generator=g)
+    return rank_tools.seeded_batch(10_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
 
 
 def probe_input() -> torch.Tensor:
-    return torch.randn(3, D_IN, generator=torch.Generator().manual_seed(999))
+    return rank_tools.probe_input(D_IN)
 
 
 def ds_config(hdet: dict | None = None, *, bf16: bool = False, threshold: int | None = None,
@@ -99,28 +87,12 @@ def ds_config(hdet: dict | None = None, *, bf16: bool = False, threshold: int | 
     return cfg
 
 
-def hdet_block(**overrides: Any) -> dict:
-    block: dict[str, Any] = {"replicas": REPLICAS, "sync_interval": 3, "gradient_sharing": "global",
-                             "axes": {"lr": {"spread_ratio": 0.5}},
-                             "schedule": {"name": "constant", "total_steps": 100}}
-    block.update(overrides)
-    return block
-
-
-def rank() -> int:
-    return int(os.environ["RANK"])
-
-
 # ---- reading an engine -----------------------------------------------------------------
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().float().reshape(-1).clone().cpu().numpy()
-
 
 def full_master(engine) -> np.ndarray:
     """Full fp32 master parameters (flat, module order). Collective on the shard group."""
     from deepspeed.utils import safe_get_full_fp32_param
-    return np.concatenate([_np(safe_get_full_fp32_param(p)) for p in engine.module.parameters()])
+    return rank_tools.flat_numpy(safe_get_full_fp32_param(p) for p in engine.module.parameters())
 
 
 def full_working(engine) -> tuple[np.ndarray, str]:
@@ -129,20 +101,16 @@ def full_working(engine) -> tuple[np.ndarray, str]:
     import deepspeed
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        return np.concatenate([_np(p) for p in params]), str(params[0].dtype)
+        return rank_tools.flat_numpy(params), str(params[0].dtype)
 
 
 def buffers(engine) -> dict[str, tuple[np.ndarray, str]]:
-    return {n: (_np(b), str(b.dtype)) for n, b in engine.module.named_buffers()}
+    return {n: (to_numpy(b), str(b.dtype)) for n, b in engine.module.named_buffers()}
 
 
 def probe(engine, dtype: torch.dtype) -> np.ndarray:
     """Output of the next forward pass on a fixed input (eval mode: buffers untouched)."""
-    engine.eval()
-    with torch.no_grad():
-        out = engine(probe_input().to(dtype))
-    engine.train()
-    return _np(out)
+    return rank_tools.eval_output(engine, probe_input().to(dtype))
 
 
 def train_step(engine, step: int, dtype: torch.dtype = torch.float32, report_loss: Any = "real") -> float:
@@ -158,31 +126,7 @@ def train_step(engine, step: int, dtype: torch.dtype = torch.float32, report_los
 def capture_converge(engine, sched, store: list) -> None:
     """Wrap the sync object's converge: record the fp32 masters and buffers that converge
     is about to average (after the sync step's own optimizer update), then converge."""
-    sync = sched.sync_obj
-    original = sync.converge
-
-    def converge(finite: list[bool]) -> None:
-        store.append({"step": sched.step_count, "finite": list(finite), "master": full_master(engine),
-                      "buffers": buffers(engine)})
-        return original(finite)
-
-    sync.converge = converge
-
-
-def lrs(opt) -> list[float]:
-    return [float(g["lr"]) for g in opt.param_groups]
-
-
-def clean_record(record: dict) -> dict:
-    """A sync record without its timing (``hdet/converge_s`` differs per rank)."""
-    return {k: v for k, v in record.items() if k != "hdet/converge_s"}
-
-
-def sched_state(sched) -> dict:
-    return {"step": sched.step_count, "permutations": {str(k): list(v) for k, v in sched.permutations.items()},
-            "base": {str(k): v for k, v in sched.base.items()},
-            "velocity": {str(k): v for k, v in sched.velocity.items()},
-            "last_sync": clean_record(sched.last_sync)}
+    rank_tools.capture_converge(sched, store, lambda: {"master": full_master(engine), "buffers": buffers(engine)})
 
 
 def _init_dist() -> None:
@@ -322,58 +266,11 @@ def _resume_hdet() -> dict:
                       auto={"enabled": True, "warmup_steps": 3})
 
 
-@contextlib.contextmanager
-def _record_writes(root: str, written: list):
-    """Record every file this rank writes through torch.save (DeepSpeed's checkpoint
-    engine and hdet_scale) or DeepSpeed's copy of its recovery scripts."""
-    import deepspeed.runtime.engine as ds_engine
-    save, copy = torch.save, ds_engine.copyfile
-
-    def rec_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            written.append(os.path.relpath(os.fspath(f), root))
-        return save(obj, f, *args, **kwargs)
-
-    def rec_copy(src, dst, *args, **kwargs):
-        written.append(os.path.relpath(os.fspath(dst), root))
-        return copy(src, dst, *args, **kwargs)
-
-    torch.save, ds_engine.copyfile = rec_save, rec_copy
-    try:
-        yield
-    finally:
-        torch.save, ds_engine.copyfile = save, copy
-
-
-_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "gather", "scatter",
-                "reduce", "all_to_all_single", "monitored_barrier", "new_group", "send", "recv")
-
-
-@contextlib.contextmanager
-def _no_collectives():
-    """Any torch.distributed collective raises inside this block."""
-    import torch.distributed as dist
-    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
-
-    def forbidden(name):
-        def f(*args, **kwargs):
-            raise AssertionError(f"collective torch.distributed.{name} called")
-        return f
-
-    for n in saved:
-        setattr(dist, n, forbidden(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-
-
 def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
     """A: 8 steps uninterrupted. B: fresh engine, 4 steps (between the syncs at 3 and 6),
     save_checkpoint. C: fresh engine from *other* initial weights, load_checkpoint, steps
     5-8. D: a 4 x 1 layout must refuse the checkpoint before any collective."""
+    import deepspeed.runtime.engine as ds_engine  # its copyfile writes DeepSpeed's recovery scripts
     from hdet_scale.backends.deepspeed import initialize, load_checkpoint, save_checkpoint
     from hdet_scale.errors import HDETStateError
     cfg = ds_config(_resume_hdet(), bf16=bf16, threshold=100)  # fc1/fc2 weights partitioned, rest persistent
@@ -397,7 +294,7 @@ def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
     run(engine, opt, sched, 1, RESUME_AT, "B")
     out["B_master_at_save"] = full_master(engine)
     written: list = []
-    with _record_writes(ckpt_dir, written):
+    with rank_tools.record_writes(ckpt_dir, written, copy_module=ds_engine):
         out["tag"] = save_checkpoint(engine, sched, ckpt_dir)
     out["written"] = written
 
@@ -413,14 +310,8 @@ def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
     cfg4 = ds_config({**_resume_hdet(), "replicas": 4}, bf16=bf16, threshold=100)
     engine, opt, _, sched = initialize(build_model(), cfg4)
     t0 = time.monotonic()
-    try:
-        with _no_collectives():
-            load_checkpoint(engine, sched, ckpt_dir)
-        out["D_error"] = None
-    except HDETStateError as e:
-        out["D_error"] = f"HDETStateError: {e}"
-    except AssertionError as e:
-        out["D_error"] = f"AssertionError: {e}"
+    out["D_error"] = rank_tools.error_text(lambda: load_checkpoint(engine, sched, ckpt_dir),
+                                          (HDETStateError, AssertionError))
     out["D_seconds"] = time.monotonic() - t0
     return out
 

@@ -8,25 +8,27 @@ data; the test process compares ranks and asserts.
 
 Determinism: the model is initialised from a dedicated seeded ``torch.Generator``, every
 rank's batch for step ``t`` comes from a generator seeded with ``(rank, t)``, and no
-worker reads the global RNG, so a resumed run sees the same batches.
+worker reads the global RNG, so a resumed run sees the same batches. The helpers shared
+with the other backends' workers (seeded init, numpy conversion, collective and
+checkpoint-write guards) live in ``rank_tools``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from typing import Any
 
 import numpy as np
+import rank_tools
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from rank_tools import REPLICAS, S, buffer_arrays, hdet_block, init_dist, lrs, to_numpy
 
 D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 4, 2
 LR = 1e-2
-REPLICAS, WORLD, S = 2, 4, 2
 
 
 # ---- model, data, config -------------------------------------------------------------
@@ -55,52 +57,23 @@ class TinyNet(torch.nn.Module):
 
 def build_model(seed: int = 0) -> TinyNet:
     """Same weights on every rank for a given seed, without touching the global RNG."""
-    with torch.random.fork_rng():
-        model = TinyNet()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name == "norm.weight":
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return rank_tools.seeded_model(TinyNet, seed)
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch for optimizer step ``step`` (1-based), from its own generator."""
-    g = torch.Generator().manual_seed(10_000 + 1_000 * rank + step)
-    return torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, D_OUT, generator=g)
+    return rank_tools.seeded_batch(10_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
 
 
 def probe_input() -> torch.Tensor:
-    return torch.randn(3, D_IN, generator=torch.Generator().manual_seed(999))
-
-
-def hdet_block(**overrides: Any) -> dict:
-    block: dict[str, Any] = {"replicas": REPLICAS, "sync_interval": 3, "gradient_sharing": "global",
-                             "axes": {"lr": {"spread_ratio": 0.5}},
-                             "schedule": {"name": "constant", "total_steps": 100}}
-    block.update(overrides)
-    return block
+    return rank_tools.probe_input(D_IN)
 
 
 def rank() -> int:
     return dist.get_rank()
 
 
-def init_dist() -> None:
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-
-
 # ---- reading a rank ---------------------------------------------------------------------
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().float().reshape(-1).clone().cpu().numpy()
-
 
 def module_of(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
@@ -108,25 +81,20 @@ def module_of(model: torch.nn.Module) -> torch.nn.Module:
 
 def params(model: torch.nn.Module) -> np.ndarray:
     """Full parameters of this rank (flat float32, module order)."""
-    return np.concatenate([_np(p) for p in module_of(model).parameters()])
+    return rank_tools.flat_numpy(module_of(model).parameters())
 
 
 def grads(model: torch.nn.Module) -> np.ndarray:
-    return np.concatenate([_np(p.grad) for p in module_of(model).parameters()])
+    return rank_tools.flat_numpy(p.grad for p in module_of(model).parameters())
 
 
 def buffers(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {n: _np(b) for n, b in module_of(model).named_buffers()}
+    return buffer_arrays(module_of(model))
 
 
 def probe(model: torch.nn.Module) -> np.ndarray:
     """Output of the next forward pass on a fixed input (eval mode: buffers untouched)."""
-    module = module_of(model)
-    module.eval()
-    with torch.no_grad():
-        out = module(probe_input())
-    module.train()
-    return _np(out)
+    return rank_tools.eval_output(module_of(model), probe_input())
 
 
 def inner_state(opt) -> dict[int, dict[str, np.ndarray]]:
@@ -135,17 +103,13 @@ def inner_state(opt) -> dict[int, dict[str, np.ndarray]]:
     index = {id(p): i for i, p in enumerate(opt._hdet_module.parameters())}
     out = {}
     for p, st in opt.optim.state.items():
-        out[index[id(p)]] = {k: _np(v) if torch.is_tensor(v) else np.array(float(v)) for k, v in st.items()}
+        out[index[id(p)]] = {k: to_numpy(v) if torch.is_tensor(v) else np.array(float(v)) for k, v in st.items()}
     return out
 
 
 def inner_groups(opt) -> list[dict[str, Any]]:
     return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
             for g in opt.optim.param_groups]
-
-
-def lrs(opt) -> list[float]:
-    return [float(g["lr"]) for g in opt.param_groups]
 
 
 def train_step(model, opt, sched, step: int) -> float:
@@ -193,17 +157,10 @@ def count_collectives(store: dict):
 def capture_converge(model, opt, sched, store: list) -> None:
     """Wrap the sync object's converge: record what it is about to average (after the
     sync step's own optimizer update), then count its communication."""
-    sync = sched.sync_obj
-    original = sync.converge
-
-    def converge(finite: list[bool]) -> None:
-        rec = {"step": sched.step_count, "params": params(model), "buffers": buffers(model),
-               "state": inner_state(opt), "comm": {}}
-        store.append(rec)
-        with count_collectives(rec["comm"]):
-            return original(finite)
-
-    sync.converge = converge
+    rank_tools.capture_converge(
+        sched, store, lambda: {"params": params(model), "buffers": buffers(model), "state": inner_state(opt),
+                               "comm": {}},
+        during=lambda record: count_collectives(record["comm"]))
 
 
 # ---- converge, equivalence, isolation, hyperparameter propagation ------------------------
@@ -342,51 +299,7 @@ def resume_cfg(sharing: str) -> dict:
 def snapshot(model, opt, sched) -> dict:
     return {"params": params(model), "buffers": buffers(model), "state": inner_state(opt),
             "inner_groups": inner_groups(opt), "outer_lrs": lrs(opt),
-            "sched": {"step": sched.step_count, "base": {str(k): v for k, v in sched.base.items()},
-                      "velocity": {str(k): v for k, v in sched.velocity.items()},
-                      "permutations": {str(k): list(v) for k, v in sched.permutations.items()},
-                      "sync": sched.sync_obj.state_dict(),
-                      "last_sync": {k: v for k, v in sched.last_sync.items() if k != "hdet/converge_s"}}}
-
-
-@contextlib.contextmanager
-def record_writes(root: str, written: list):
-    save = torch.save
-
-    def rec_save(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)):
-            written.append(os.path.relpath(os.fspath(f), root))
-        return save(obj, f, *args, **kwargs)
-
-    torch.save = rec_save
-    try:
-        yield
-    finally:
-        torch.save = save
-
-
-_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_gather_object", "broadcast_object_list", "gather", "scatter",
-                "reduce", "all_to_all_single", "monitored_barrier", "new_group", "send", "recv")
-
-
-@contextlib.contextmanager
-def no_collectives():
-    """Any torch.distributed collective raises inside this block."""
-    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
-
-    def forbidden(name):
-        def f(*args, **kwargs):
-            raise AssertionError(f"collective torch.distributed.{name} called")
-        return f
-
-    for n in saved:
-        setattr(dist, n, forbidden(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
+            "sched": {**rank_tools.sched_state(sched), "sync": sched.sync_obj.state_dict()}}
 
 
 def _resume_case(ckpt_dir: str, sharing: str, ddp_kwargs: dict | None = None) -> dict:
@@ -411,13 +324,13 @@ def _resume_case(ckpt_dir: str, sharing: str, ddp_kwargs: dict | None = None) ->
     run(model, opt, sched, 1, RESUME_AT, "B")
     out["B_at_save"] = snapshot(model, opt, sched)
     written: list = []
-    with record_writes(ckpt_dir, written):
+    with rank_tools.record_writes(ckpt_dir, written):
         out["tag"] = save_checkpoint(model, opt, sched, ckpt_dir)
     out["written"] = written
 
     model, opt, sched = hdet_init(cfg, seed=1, **kw)
     out["C_before_load"] = params(model)
-    with no_collectives():
+    with rank_tools.no_collectives():
         load_checkpoint(model, opt, sched, ckpt_dir)
     out["C_after_load"] = snapshot(model, opt, sched)
     run(model, opt, sched, RESUME_AT + 1, RESUME_STEPS, "C")
@@ -435,12 +348,8 @@ def _resume(root: str) -> dict:
     from hdet_scale.errors import HDETStateError
     out: dict[str, Any] = {name: _resume_case(os.path.join(root, name), *case) for name, case in RESUME_CASES.items()}
     model, opt, sched = hdet_init({**resume_cfg("replica"), "replicas": 4})  # 4 x 1 layout
-    try:
-        with no_collectives():
-            load_checkpoint(model, opt, sched, os.path.join(root, "replica"))
-        out["layout_error"] = None
-    except (HDETStateError, AssertionError) as e:
-        out["layout_error"] = f"{type(e).__name__}: {e}"
+    out["layout_error"] = rank_tools.error_text(
+        lambda: load_checkpoint(model, opt, sched, os.path.join(root, "replica")), (HDETStateError, AssertionError))
     return out
 
 
@@ -499,12 +408,9 @@ def _errors() -> dict:
         model, cfg = cases[name]()  # wrapper construction may communicate: outside the check
         ddp_kwargs = {"process_group": dist.group.WORLD} if name == "ddp_process_group" else None
         t0 = time.monotonic()
-        try:
-            with no_collectives():
-                initialize(model, cfg, torch.optim.AdamW, {"lr": LR}, ddp_kwargs=ddp_kwargs)
-            out["cases"][name] = "no error"
-        except Exception as e:  # noqa: BLE001 (any error type is reported to the test, which checks it)
-            out["cases"][name] = f"{type(e).__name__}: {e}"
+        # any error type is reported to the test, which checks it
+        out["cases"][name] = rank_tools.error_text(
+            lambda: initialize(model, cfg, torch.optim.AdamW, {"lr": LR}, ddp_kwargs=ddp_kwargs)) or "no error"
         out["seconds"][name] = time.monotonic() - t0
     return out
 

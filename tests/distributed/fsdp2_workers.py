@@ -10,25 +10,26 @@ and asserts.
 Determinism: the model is initialised from a dedicated ``torch.Generator`` (seeded),
 every rank's batch for step ``t`` comes from a generator seeded with ``(rank, t)``, and
 no worker reads the global RNG for data, so a resumed run sees the same batches.
+The helpers shared with the other backends' workers (seeded init, numpy conversion,
+collective guards) live in ``rank_tools``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import tempfile
 import time
 from typing import Any
 
 import numpy as np
+import rank_tools
 import torch
 import torch.nn.functional as F
+from rank_tools import REPLICAS, S, WORLD, buffer_arrays, hdet_block, lrs, rank, to_numpy
 
 D_IN, D_HIDDEN, D_MID, D_OUT, MICRO = 8, 16, 3, 1, 2
 LR = 1e-2
-REPLICAS, WORLD, S = 2, 4, 2
 
 
 # ---- model, data, config -------------------------------------------------------------
@@ -59,18 +60,7 @@ class TinyNet(torch.nn.Module):
 
 def build_model(seed: int = 0) -> TinyNet:
     """Same weights on every rank for a given seed, without touching the global RNG."""
-    with torch.random.fork_rng():
-        model = TinyNet()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
+    return rank_tools.seeded_model(TinyNet, seed)
 
 
 def shard_blocks(model: TinyNet) -> list[torch.nn.Module]:
@@ -79,33 +69,20 @@ def shard_blocks(model: TinyNet) -> list[torch.nn.Module]:
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch for optimizer step ``step`` (1-based), from its own generator."""
-    g = torch.Generator().manual_seed(10_000 + 1_000 * rank + step)
-    return torch.randn(MICRO, D_IN, generator=g), torch.randn(MICRO, D_OUT, generator=g)
+    return rank_tools.seeded_batch(10_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
 
 
 def probe_input() -> torch.Tensor:
-    return torch.randn(3, D_IN, generator=torch.Generator().manual_seed(999))
+    return rank_tools.probe_input(D_IN)
 
 
 def make_optimizer(params: list) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
 
 
-def hdet_block(**overrides: Any) -> dict:
-    block: dict[str, Any] = {"replicas": REPLICAS, "sync_interval": 3, "gradient_sharing": "global",
-                             "axes": {"lr": {"spread_ratio": 0.5}},
-                             "schedule": {"name": "constant", "total_steps": 100}}
-    block.update(overrides)
-    return block
-
-
 def bf16_policy():
     from torch.distributed.fsdp import MixedPrecisionPolicy
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def rank() -> int:
-    return int(os.environ["RANK"])
 
 
 def init(config: Any, *, bf16: bool = False, reshard: bool | None = None, seed: int = 0):
@@ -115,10 +92,6 @@ def init(config: Any, *, bf16: bool = False, reshard: bool | None = None, seed: 
 
 
 # ---- reading a model -------------------------------------------------------------------
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().float().reshape(-1).clone().cpu().numpy()
-
 
 def reshard(model) -> None:
     """Register the sharded DTensor parameters again (a forward without backward leaves
@@ -133,7 +106,7 @@ def local_shards(model) -> np.ndarray:
     """This rank's local parameter shards, flat, module order (no communication)."""
     reshard(model)
     with torch.no_grad():
-        return np.concatenate([_np(p.to_local()) for p in model.parameters()])
+        return rank_tools.flat_numpy(p.to_local() for p in model.parameters())
 
 
 def local_numels(model) -> dict[str, int]:
@@ -146,11 +119,7 @@ def full_params(model) -> np.ndarray:
     """Full parameters, flat, module order. Collective on the parameters' mesh."""
     reshard(model)
     with torch.no_grad():
-        return np.concatenate([_np(p.full_tensor()) for p in model.parameters()])
-
-
-def buffers(model) -> dict[str, np.ndarray]:
-    return {n: _np(b) for n, b in model.named_buffers()}
+        return rank_tools.flat_numpy(p.full_tensor() for p in model.parameters())
 
 
 def adam_state(optimizer) -> dict[str, np.ndarray]:
@@ -162,7 +131,7 @@ def adam_state(optimizer) -> dict[str, np.ndarray]:
                 st = optimizer.state[p]
                 for k, values in out.items():
                     v = st[k]
-                    values.append(_np(v.to_local() if hasattr(v, "to_local") else v))
+                    values.append(to_numpy(v.to_local() if hasattr(v, "to_local") else v))
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
@@ -170,15 +139,7 @@ def probe(model) -> np.ndarray:
     """Output of a forward pass on a fixed input, eval mode (buffers untouched), no
     grad: FSDP2 then keeps the root's unsharded parameters (no backward reshards them),
     and, with reshard_after_forward=False, every module's."""
-    model.eval()
-    with torch.no_grad():
-        out = model(probe_input())
-    model.train()
-    return _np(out)
-
-
-def lrs(opt) -> list[float]:
-    return [float(g["lr"]) for g in opt.param_groups]
+    return rank_tools.eval_output(model, probe_input())
 
 
 def train_step(model, opt, sched, step: int) -> float:
@@ -194,77 +155,27 @@ def train_step(model, opt, sched, step: int) -> float:
 def capture_converge(model, opt, sched, store: list) -> None:
     """Wrap the sync object's converge: record the local shards and buffers it is about
     to average (after the sync step's own optimizer update), then converge."""
-    sync = sched.sync_obj
-    original = sync.converge
-
-    def converge(finite: list[bool]) -> None:
-        store.append({"step": sched.step_count, "finite": list(finite), "local": local_shards(model),
-                      "buffers": buffers(model), "adam": adam_state(opt)})
-        return original(finite)
-
-    sync.converge = converge
-
-
-def clean_record(record: dict) -> dict:
-    """A sync record without its timing (``hdet/converge_s`` differs per rank)."""
-    return {k: v for k, v in record.items() if k != "hdet/converge_s"}
+    rank_tools.capture_converge(sched, store, lambda: {"local": local_shards(model), "buffers": buffer_arrays(model),
+                                                       "adam": adam_state(opt)})
 
 
 def sched_state(sched) -> dict:
-    return {"step": sched.step_count, "sync_count": sched.sync_count,
-            "permutations": {str(k): list(v) for k, v in sched.permutations.items()},
-            "base": {str(k): v for k, v in sched.base.items()},
-            "velocity": {str(k): v for k, v in sched.velocity.items()},
-            "last_sync": clean_record(sched.last_sync)}
+    return {**rank_tools.sched_state(sched), "sync_count": sched.sync_count}
 
 
-_COLLECTIVES = ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_object",
-                "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
-                "all_to_all", "all_to_all_single", "monitored_barrier", "new_group", "send", "recv", "isend", "irecv")
-
-
-@contextlib.contextmanager
 def record_collectives(calls: list):
-    """Record ``(name, ranks of the group)`` of every ``torch.distributed`` collective
-    called through the module (as FSDP2's eager collectives are)."""
+    """Context manager: record ``(name, ranks of the group)`` of every ``torch.distributed``
+    collective called through the module (as FSDP2's eager collectives are)."""
     import torch.distributed as dist
-    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
 
-    def wrap(name, f):
+    def wrap(mod, name, f):
         def g(*args, **kwargs):
             group = kwargs.get("group")
             calls.append((name, sorted(dist.get_process_group_ranks(group)) if group is not None else "WORLD"))
             return f(*args, **kwargs)
         return g
 
-    for n, f in saved.items():
-        setattr(dist, n, wrap(n, f))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-
-
-@contextlib.contextmanager
-def no_collectives():
-    """Any ``torch.distributed`` collective raises inside this block."""
-    import torch.distributed as dist
-    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
-
-    def forbidden(name):
-        def f(*args, **kwargs):
-            raise AssertionError(f"collective torch.distributed.{name} called")
-        return f
-
-    for n in saved:
-        setattr(dist, n, forbidden(n))
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
+    return rank_tools.patched_collectives(wrap)
 
 
 # ---- 1, 2. converge: identity, mean, uneven/empty shards, bf16, stale copies -----------
@@ -319,7 +230,7 @@ def converge_worker() -> dict:
         del sched.sync_obj.converge
         res["sync_step"] = sched.last_sync.get("hdet/step")
         res["post_local"] = local_shards(model)
-        res["post_buffers"] = buffers(model)
+        res["post_buffers"] = buffer_arrays(model)
         res["post_probe"] = probe(model)  # before full_tensor(): the forward does its own all-gather
         res["post_full"] = full_params(model)
         for step in (4, 5):
@@ -361,10 +272,8 @@ def equivalence_worker(steps: int = 7, replica_steps: int = 5) -> dict:
     0 and auto-LR off in "global" mode (syncs at 3, 6) and in "replica" mode (sync
     interval longer than the run, every collective recorded); then spread 0.5 in both
     modes with the Adam state recorded around the step-3 converge."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    rank_tools.init_dist()
     grid = init_device_mesh("cpu", (REPLICAS, S), mesh_dim_names=("rep", "dp"))
     out: dict[str, Any] = {"plain4": _plain(init_device_mesh("cpu", (WORLD,)), steps),
                            "plain_hsdp": _plain(grid, steps), "plain2": _plain(grid["dp"], replica_steps)}
@@ -415,7 +324,7 @@ def _resume_hdet(sharing: str, replicas: int = REPLICAS) -> dict:
 
 
 def _snapshot(model, opt, sched) -> dict:
-    return {"local": local_shards(model), "buffers": buffers(model), "adam": adam_state(opt),
+    return {"local": local_shards(model), "buffers": buffer_arrays(model), "adam": adam_state(opt),
             "sched": sched_state(sched), "probe": probe(model), "full": full_params(model)}
 
 
@@ -459,19 +368,14 @@ def resume_worker(ckpt_root: str) -> dict:
                                "step": sched.step_count, "loss_count": sched.sync_obj.state_dict()["loss_count"]}
         _run(model, opt, sched, at + 1, RESUME_STEPS, res["C_lrs"])
         res["C"] = _snapshot(model, opt, sched)
-        res["files"] = sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)
+        res["files"] = sorted(rank_tools.files_under(ckpt))
         out[name] = res
 
     model, opt, sched = init(_resume_hdet("replica", replicas=4))
     t0 = time.monotonic()
-    try:
-        with no_collectives():
-            load_checkpoint(model, opt, sched, os.path.join(ckpt_root, "replica_fp32"))
-        out["D_error"] = None
-    except HDETStateError as e:
-        out["D_error"] = f"HDETStateError: {e}"
-    except AssertionError as e:
-        out["D_error"] = f"AssertionError: {e}"
+    out["D_error"] = rank_tools.error_text(
+        lambda: load_checkpoint(model, opt, sched, os.path.join(ckpt_root, "replica_fp32")),
+        (HDETStateError, AssertionError))
     out["D_seconds"] = time.monotonic() - t0
     return out
 

@@ -34,6 +34,8 @@ DeepSpeed 0.19 clips the gradient norm at 1.0 unless ``gradient_clipping`` is se
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -41,12 +43,11 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("fairscale")
 
 import agreement_workers as W  # noqa: E402
-from harness import run_ranks  # noqa: E402
+import rank_tools  # noqa: E402
 
 from hdet_scale import Simulator  # noqa: E402
 
 MODES = ["global", "replica"]
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 LAUNCH_TIMEOUT = 300
 pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 120)
 LR_RTOL = 1e-8
@@ -66,7 +67,7 @@ def simulate(mode: str) -> dict:
                           "base": sim.scheduler.base_value("lr", 0),
                           "applied": list(sim.scheduler.applied[("lr", 0)]),
                           "delta": sim.scheduler.last_sync.get("hdet/lr/group_0/hypergradient", 0.0)})
-    params = np.concatenate([p.detach().reshape(-1).numpy() for p in sim.models[0].parameters()])
+    params = rank_tools.flat_numpy(sim.models[0].parameters())
     first_meta = min(s["step"] for s in syncs if s["step"] >= W.hdet_block(mode)["auto"]["warmup_steps"])
     return {"lrs": np.array(lrs), "syncs": syncs, "params": params, "first_meta": first_meta}
 
@@ -74,8 +75,8 @@ def simulate(mode: str) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> dict:
     out = dict(zip([("sim", m) for m in MODES], [simulate(m) for m in MODES]))
-    for rank_results in (run_ranks(W.launch_sharded, 4, args=(MODES,), timeout=LAUNCH_TIMEOUT, env=ENV),
-                         run_ranks(W.launch_ddp, 2, args=(MODES,), timeout=LAUNCH_TIMEOUT, env=ENV)):
+    launch = functools.partial(rank_tools.launch, timeout=LAUNCH_TIMEOUT, env=rank_tools.DS_ENV)
+    for rank_results in (launch(W.launch_sharded, MODES, world=4), launch(W.launch_ddp, MODES, world=2)):
         for key in rank_results[0]:
             out[key] = [r[key] for r in rank_results]
     return out

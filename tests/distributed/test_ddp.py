@@ -29,48 +29,43 @@ Tolerances, stated where used:
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ddp_workers as W
-from harness import run_ranks
+import rank_tools
 from hdet_scale import Simulator
+from rank_tools import one_thread  # the oracles compute with one thread, as the ranks do
 
 LAUNCH_TIMEOUT = 120  # harness deadline: kills every rank and names the stuck ones
 pytestmark = pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)  # backstop after the harness deadline
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-@contextlib.contextmanager
-def one_thread():
-    """The oracles compute with one thread, as the ranks do."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return run_ranks(W.pair_worker, 2, timeout=LAUNCH_TIMEOUT, env=ENV)
+    return rank_tools.launch(W.pair_worker, world=2, timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ddp") / "ckpt"
-    return ckpt, run_ranks(W.mesh_worker, 4, args=(str(ckpt),), timeout=LAUNCH_TIMEOUT, env=ENV)
+    return ckpt, rank_tools.launch(W.mesh_worker, str(ckpt), world=4, timeout=LAUNCH_TIMEOUT)
 
 
 def values_of(opt: torch.optim.Optimizer) -> list[dict]:
     return W.group_values(opt)
+
+
+def assert_config_errors(results: list, want: dict) -> None:
+    """Every rank reported exactly the cases of ``want``, each an HDETConfigError whose
+    text contains the case's fragment."""
+    for rank, x in enumerate(results):
+        assert x["bad"].keys() == want.keys()
+        for case, fragment in want.items():
+            text = x["bad"][case]
+            assert text.startswith("HDETConfigError") and fragment in text, f"rank {rank} {case}: {text}"
 
 
 # ---- (a) ------------------------------------------------------------------------------
@@ -140,7 +135,7 @@ def test_hdet_matches_simulator(pair):
                 for name, b in W.buffers(sim.models[r]).items():
                     np.testing.assert_array_equal(pair[r]["hdet_buffers"][t - 1][name], b, err_msg=name)
             if t % T == 0:
-                want = {k: v for k, v in sim.scheduler.last_sync.items() if k != "hdet/converge_s"}
+                want = rank_tools.clean_record(sim.scheduler.last_sync)
                 for r in (0, 1):
                     assert pair[r]["hdet_records"][t] == want, f"rank {r}: sync record at step {t}"
         for r in (0, 1):
@@ -211,11 +206,7 @@ def test_bad_arguments_fail_on_every_rank_before_any_collective(pair):
     want = {"sync_interval_zero": "model_sync_interval", "no_total_steps": "total_steps OR",
             "warmup_past_end": "auto_lr_warmup_steps", "world_size_mismatch": "world_size: is 4",
             "last_epoch_with_auto": "last_epoch"}
-    for r, x in enumerate(pair):
-        assert x["bad"].keys() == want.keys()
-        for case, fragment in want.items():
-            text = x["bad"][case]
-            assert text.startswith("HDETConfigError") and fragment in text, f"rank {r} {case}: {text}"
+    assert_config_errors(pair, want)
 
 
 # ---- (c) ------------------------------------------------------------------------------
@@ -285,20 +276,12 @@ def test_exact_resume_mid_interval(mesh):
         assert c["sched"] == a["sched"], f"rank {rank}: scheduler state"
     assert res[0]["A"]["sched"]["base"], "auto-LR did not start: the resume would not cover its state"
 
-    written = [collections.Counter(x["written"]) for x in res]
-    everyone = sum(written, collections.Counter())
-    assert all(n == 1 for n in everyone.values()), everyone
+    written = rank_tools.assert_single_writers(ckpt, [x["written"] for x in res])
     for rank in range(4):
         r, s = rank // S, rank % S
         mine = {f"replica_{r}/{tag}/hdet_shard_{s}.pt"} | ({f"replica_{r}/{tag}/model_optim.pt"} if s == 0 else set())
         assert set(written[rank]) == mine, (rank, written[rank])
-    on_disk = {os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs}
-    assert on_disk == set(everyone) | {"hdet_layout.json", "latest"}
-
-    for x in res:
-        err = x["D_error"]
-        assert err is not None and err.startswith("HDETStateError"), err
-        assert "2 replicas x 2 shards" in err and "4 x 1" in err, err
+    rank_tools.assert_layout_refused([x["D_error"] for x in res])
 
 
 # ---- (e) ------------------------------------------------------------------------------
@@ -311,8 +294,4 @@ def test_bad_config_fails_on_every_rank_without_hanging(mesh):
     want = {"replicas": "hdet.replicas", "spread_ratio": "hdet.axes.lr.spread_ratio",
             "unknown_key": "hdet.sync_intervall: unknown key", "max_lr_list": "hdet.schedule.max_lr",
             "process_group": "ddp_kwargs.process_group"}
-    for rank, x in enumerate(res):
-        assert x["bad"].keys() == want.keys()
-        for case, fragment in want.items():
-            text = x["bad"][case]
-            assert text.startswith("HDETConfigError") and fragment in text, f"rank {rank} {case}: {text}"
+    assert_config_errors(res, want)

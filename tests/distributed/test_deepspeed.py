@@ -23,9 +23,8 @@ Tolerances, stated where used:
 
 from __future__ import annotations
 
-import collections
+import functools
 import math
-import os
 import time
 
 import numpy as np
@@ -36,42 +35,19 @@ pytest.importorskip("deepspeed")
 import torch  # noqa: E402
 
 import ds_workers as W  # noqa: E402
-from harness import run_ranks  # noqa: E402
+import rank_tools  # noqa: E402
+from rank_tools import REPLICAS, S, WORLD, assert_all_equal, replica_of  # noqa: E402
 
-WORLD, S = 4, 2
 LAUNCH_TIMEOUT = 240  # harness deadline: kills every rank and names the stuck ones
 # pytest-timeout is only the backstop: it must fire after the harness deadline.
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 OFF = [-1.0, 1.0]  # spread offsets of R = 2 (axes.spread_offsets)
-
-
-def launch(fn, *args, timeout: float = LAUNCH_TIMEOUT, allow_errors: bool = False) -> list:
-    return run_ranks(fn, WORLD, args=args, timeout=timeout, env=ENV, allow_errors=allow_errors)
-
-
-def replica_of(rank: int) -> int:
-    return rank // S
-
-
-def assert_all_equal(arrays: list, what: str) -> None:
-    for r, a in enumerate(arrays[1:], start=1):
-        np.testing.assert_array_equal(a, arrays[0], err_msg=f"{what}: rank {r} != rank 0")
+launch = functools.partial(rank_tools.launch, timeout=LAUNCH_TIMEOUT, env=rank_tools.DS_ENV)
 
 
 def reference_forward(flat: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """TinyNet's output on the probe input with the given flat parameters."""
-    model = W.build_model()
-    with torch.no_grad():
-        offset = 0
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()].copy()).view_as(p))
-            offset += p.numel()
-        assert offset == flat.size
-        model.eval()
-        for p in model.parameters():
-            p.data = p.data.to(dtype)
-        return model(W.probe_input().to(dtype)).float().numpy().reshape(-1)
+    return rank_tools.reference_forward(W.build_model(), flat, W.probe_input(), dtype)
 
 
 # ---- 1 -----------------------------------------------------------------------------------
@@ -293,9 +269,7 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
 
     # Who wrote what: every rank (r, s) its own DeepSpeed shard files and HDET state in
     # replica_r/; rank 0 also DeepSpeed's recovery scripts, hdet_layout.json and latest.
-    written = [collections.Counter(x["written"]) for x in res]
-    everyone = sum(written, collections.Counter())
-    assert not [f for f, n in everyone.items() if n > 1], f"files written twice: {everyone}"
+    written = rank_tools.assert_single_writers(ckpt, [x["written"] for x in res])
     for rank in range(WORLD):
         r, s = replica_of(rank), rank % S
         mine = {f"replica_{r}/{tag}/zero_pp_rank_{s}_mp_rank_00_model_states.pt",
@@ -304,18 +278,13 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
         extra = set(written[rank]) - mine
         assert mine <= set(written[rank]), f"rank {rank} wrote {sorted(written[rank])}"
         assert all(f.startswith("replica_0/zero_to_") for f in extra) and (rank == 0 or not extra), extra
-    on_disk = {os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs}
-    assert on_disk == set(everyone) | {"hdet_layout.json", "latest"}
-    for r in range(W.REPLICAS):
+    for r in range(REPLICAS):
         for s in range(S):
             for name in (f"zero_pp_rank_{s}_mp_rank_00_model_states.pt", f"{optim}_pp_rank_{s}_mp_rank_00_optim_states.pt",
                          f"hdet_shard_{s}.pt"):
                 assert (ckpt / f"replica_{r}" / tag / name).is_file(), name
 
-    for x in res:
-        err = x["D_error"]
-        assert err is not None and err.startswith("HDETStateError"), err
-        assert "2 replicas x 2 shards" in err and "4 x 1" in err, err
+    rank_tools.assert_layout_refused([x["D_error"] for x in res])
 
 
 # ---- 6 -----------------------------------------------------------------------------------

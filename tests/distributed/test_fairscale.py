@@ -31,7 +31,6 @@ Tolerances, stated where used:
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 
@@ -41,13 +40,12 @@ import pytest
 pytest.importorskip("fairscale")
 
 import fairscale_workers as W
+import rank_tools
 import torch
-from harness import run_ranks
+from rank_tools import S, WORLD, assert_all_equal, replica_of
 
-WORLD, S = 4, 2
 LAUNCH_TIMEOUT = 180  # harness deadline: kills every rank and names the stuck ones
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 120)  # backstop after the harness deadline
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 MULT = (0.5, 1.5)  # spread 0.5, R = 2: multipliers 1 -+ 0.5
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -55,7 +53,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fairscale_ckpt")
-    res = run_ranks(W.all_worker, WORLD, args=(str(root),), timeout=LAUNCH_TIMEOUT, env=ENV)
+    res = rank_tools.launch(W.all_worker, str(root), timeout=LAUNCH_TIMEOUT)
     return res, root
 
 
@@ -65,15 +63,6 @@ def section(results, name: str) -> list:
     for rank, x in enumerate(out):
         assert not (isinstance(x, dict) and "error" in x), f"rank {rank}, section {name}:\n{x.get('error')}"
     return out
-
-
-def replica_of(rank: int) -> int:
-    return rank // S
-
-
-def assert_all_equal(arrays: list, what: str) -> None:
-    for r, a in enumerate(arrays[1:], start=1):
-        np.testing.assert_array_equal(a, arrays[0], err_msg=f"{what}: rank {r} != rank 0")
 
 
 def same(a, b) -> bool:
@@ -89,15 +78,7 @@ def same(a, b) -> bool:
 
 def reference_forward(flat: np.ndarray) -> np.ndarray:
     """TinyNet's output on the probe input with the given flat parameters."""
-    model = W.build_model()
-    with torch.no_grad():
-        offset = 0
-        for p in model.parameters():
-            p.copy_(torch.from_numpy(flat[offset:offset + p.numel()].copy()).view_as(p))
-            offset += p.numel()
-        assert offset == flat.size
-        model.eval()
-        return model(W.probe_input()).numpy().reshape(-1)
+    return rank_tools.reference_forward(W.build_model(), flat, W.probe_input())
 
 
 # ---- 1. converge -------------------------------------------------------------------------
@@ -322,22 +303,14 @@ def test_checkpoint_layout(results):
     res = section(results, "resume")
     for case in W.RESUME_CASES:
         tag = res[0][case]["tag"]
-        written = [collections.Counter(x[case]["written"]) for x in res]
-        everyone = sum(written, collections.Counter())
-        assert not [f for f, n in everyone.items() if n > 1], f"files written twice: {everyone}"
+        written = rank_tools.assert_single_writers(os.path.join(root, case), [x[case]["written"] for x in res])
         for rank in range(WORLD):
             r, s = replica_of(rank), rank % S
             mine = {f"replica_{r}/{tag}/oss_shard_{s}.pt", f"replica_{r}/{tag}/hdet_shard_{s}.pt"}
             if s == 0:
                 mine.add(f"replica_{r}/{tag}/model.pt")
             assert set(written[rank]) == mine, f"{case} rank {rank}: {sorted(written[rank])}"
-        ckpt = os.path.join(root, case)
-        on_disk = {os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs}
-        assert on_disk == set(everyone) | {"hdet_layout.json", "latest"}
-    for x in res:
-        err = x["layout_error"]
-        assert err is not None and err.startswith("HDETStateError"), err
-        assert "2 replicas x 2 shards" in err and "4 x 1" in err, err
+    rank_tools.assert_layout_refused([x["layout_error"] for x in res])
 
 
 # ---- 6. refused models and configs --------------------------------------------------------

@@ -32,23 +32,21 @@ Tolerances, stated where used:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 import fsdp2_workers as W
-from harness import run_ranks
+import rank_tools
+from rank_tools import REPLICAS, S, WORLD, assert_all_equal, replica_of
 
-WORLD, S = 4, 2
 LAUNCH_TIMEOUT = 240  # harness deadline: kills every rank and names the stuck ones
 # pytest-timeout is only the backstop: it must fire after the harness deadline.
 pytestmark = pytest.mark.timeout(LAUNCH_TIMEOUT + 120)
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 ROOT_PARAMS = ["norm.weight", "norm.bias", "head.weight", "head.bias"]  # not in a shard_modules block
-
-
-def launch(fn, *args) -> list:
-    return run_ranks(fn, WORLD, args=args, timeout=LAUNCH_TIMEOUT, env=ENV)
+launch = functools.partial(rank_tools.launch, timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -62,34 +60,12 @@ def resume(tmp_path_factory):
     return root, launch(W.resume_worker, str(root))
 
 
-def replica_of(rank: int) -> int:
-    return rank // S
-
-
-def assert_all_equal(arrays: list, what: str) -> None:
-    for r, a in enumerate(arrays[1:], start=1):
-        np.testing.assert_array_equal(a, arrays[0], err_msg=f"{what}: rank {r} != rank 0")
-
-
 def reference_forward(flat: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """TinyNet's output on the probe input with the given full flat parameters, in one
     process and one thread."""
     model = W.build_model()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            offset = 0
-            for p in model.parameters():
-                p.copy_(torch.from_numpy(flat[offset:offset + p.numel()].copy()).view_as(p))
-                offset += p.numel()
-            assert offset == flat.size
-            model.eval()
-            for p in model.parameters():
-                p.data = p.data.to(dtype)
-            return model(W.probe_input().to(dtype)).float().numpy().reshape(-1)
-    finally:
-        torch.set_num_threads(threads)
+    with rank_tools.one_thread():
+        return rank_tools.reference_forward(model, flat, W.probe_input(), dtype)
 
 
 # ---- 1, 2 ----------------------------------------------------------------------------------
@@ -272,7 +248,7 @@ def test_exact_resume(resume, case):
         tag = f"global_step{at}"
         assert r["tag"] == tag
         want = {"hdet_layout.json", "latest"} | {
-            f"replica_{q}/{tag}/{f}" for q in range(W.REPLICAS)
+            f"replica_{q}/{tag}/{f}" for q in range(REPLICAS)
             for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "hdet_shard_0.pt", "hdet_shard_1.pt")}
         assert set(r["files"]) == want, r["files"]
     r0 = [x[case] for x in res]
@@ -288,10 +264,7 @@ def test_exact_resume(resume, case):
 
 def test_resume_refuses_other_layout_before_any_collective(resume):
     _, res = resume
-    for x in res:
-        err = x["D_error"]
-        assert err is not None and err.startswith("HDETStateError"), err
-        assert "2 replicas x 2 shards" in err and "4 x 1" in err, err
+    rank_tools.assert_layout_refused([x["D_error"] for x in res])
 
 
 # ---- 6 -------------------------------------------------------------------------------------
