@@ -244,7 +244,16 @@ class HDETScheduler:
             loss: the step's training loss on this rank (0-dim tensor or float, nats);
                 in the simulator, a sequence of R losses. ``None`` records nothing; the
                 auto-LR controller then raises at the first meta-update.
+
+        Raises:
+            ValueError: a step past ``schedule.total_steps`` (as ``OneCycleLR``), before
+                any state change or collective.
         """
+        if self.step_count + 1 > self.total_steps:
+            raise ValueError(f"Tried to step {self.step_count + 1} times. The specified number of total steps is "
+                             f"{self.total_steps}")
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
         if loss is not None:
             self.sync_obj.add_loss(loss)
         self.step_count += 1

@@ -354,8 +354,6 @@ class OneCycleAutoLR(HDETScheduler):
                 collective, and identically on every rank that calls it the same way.
         """
         nxt = self.step_count + 1
-        if nxt > self.total_steps:
-            raise ValueError(f"Tried to step {nxt} times. The specified number of total steps is {self.total_steps}")
         auto = self.config.auto
         if loss is None and auto.enabled:
             T = self.config.sync_interval

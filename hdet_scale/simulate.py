@@ -220,8 +220,8 @@ class Simulator:
     Attributes:
         models, optimizers: lists of length R.
         sync: the :class:`SimulatedSync`.
-        scheduler: the :class:`HDETScheduler` (``step_count``, ``replica_values``,
-            ``last_sync``, ...).
+        scheduler: the :class:`HDETScheduler` (``step_count``, ``last_sync``,
+            ``replica_values(axis, group)``, ...).
 
     Raises:
         HDETConfigError: an invalid config (from ``HDETConfig.from_dict`` or the
@@ -263,8 +263,13 @@ class Simulator:
             The R losses, detached (same dtype and device as returned by ``loss_fn``).
 
         Raises:
-            ValueError: ``loss_fn`` returned something other than a one-element tensor.
+            ValueError: ``loss_fn`` returned something other than a one-element tensor, or
+                the step would pass ``schedule.total_steps`` (checked before any replica
+                steps).
         """
+        if self.scheduler.step_count >= self.scheduler.total_steps:
+            raise ValueError(f"Tried to step {self.scheduler.step_count + 1} times. The specified number of total "
+                             f"steps is {self.scheduler.total_steps} (hdet.schedule.total_steps)")
         losses = []
         for r, (model, opt) in enumerate(zip(self.models, self.optimizers)):
             opt.zero_grad(set_to_none=True)

@@ -170,7 +170,13 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
                     load_dir: str, tag: str | None = None) -> str:
     """Restore what :func:`save_checkpoint` wrote into this rank's replica; returns the tag.
     Every rank calls it; it issues no collective, and the layout is checked before
-    anything is read, so continuing is bitwise identical to not stopping.
+    anything is read. Continuing is bitwise identical to not stopping (mid-interval too)
+    whenever DDP's group has at most 2 ranks (a sum of two values does not depend on its
+    order). With more, torch DDP rebuilds its gradient buckets after the first iteration
+    of a process, so the first step after a resume sums the same gradients in another
+    element order (last-bit differences, ~1e-8, as in any torch DDP resume);
+    ``ddp_kwargs={"find_unused_parameters": True}`` keeps the buckets fixed and the
+    resume bitwise, at the cost of one autograd-graph traversal per step.
 
     Raises:
         HDETStateError: no checkpoint, or one written by another ``R x S`` layout or

@@ -143,6 +143,15 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
             errors.append("scheduler: a DeepSpeed 'scheduler' block cannot be combined with hdet (two schedules "
                           "would fight over the LR); remove it and set hdet.schedule (name: onecycle, cosine or "
                           "constant; see docs/config.md)")
+        opt_type = (ds.get("optimizer") or {}).get("type")
+        if opt_type is not None:
+            # DeepSpeed's own test (engine._supported_optimizer): its names, case-insensitive,
+            # or a torch.optim class; otherwise it asserts inside initialize, on every rank.
+            from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+            if not isinstance(opt_type, str) or (opt_type.lower() not in DEEPSPEED_OPTIMIZERS
+                                                 and getattr(torch.optim, opt_type, None) is None):
+                errors.append(f"optimizer.type: {opt_type!r} is neither a DeepSpeed optimizer "
+                              f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
         stage = ds.get("zero_optimization", {}).get("stage", 0)
         if stage != 3:
             errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3 (the integer), "

@@ -299,9 +299,9 @@ def save_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
 
 
 def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, load_dir: str,
-                    tag: str | None = None) -> None:
+                    tag: str | None = None) -> str:
     """Restore what :func:`save_checkpoint` wrote into objects from :func:`initialize`
-    with the same config, world size and model. Every rank reads its own files (no
+    with the same config, world size and model; returns the tag. Every rank reads its own files (no
     communication); call it on every rank. Training then continues bit for bit as if it
     had not stopped, also between two syncs, whenever DDP's group has at most 2 ranks
     (a sum of two values does not depend on its order). With more, torch DDP's own
@@ -318,7 +318,8 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     """
     t = scheduler.topology
     latest = check_resumable(load_dir, t.world_size, t.replicas, BACKEND)
-    rdir = replica_dir(load_dir, t, tag or latest)
+    tag = tag or latest
+    rdir = replica_dir(load_dir, t, tag)
     module = _unwrap(model)
     device = next(module.parameters()).device
     shard = torch.load(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), map_location=device, weights_only=True)
@@ -332,3 +333,4 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     # The inner groups hold the last step's values of every key; HDET re-applies its own.
     optimizer._sync_param_groups(optimizer.optim.param_groups, optimizer.param_groups)
     load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    return tag

@@ -266,10 +266,10 @@ def save_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
 
 
 def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETScheduler, load_dir: str,
-                    tag: str | None = None) -> None:
+                    tag: str | None = None) -> str:
     """Restore what :func:`save_checkpoint` wrote into an engine built by
-    :func:`initialize` with the same config, world size and model. Collective on each
-    shard group (every rank calls it).
+    :func:`initialize` with the same config, world size and model; returns the tag.
+    Collective on each shard group (every rank calls it).
 
     Raises:
         HDETStateError: no checkpoint, another ``R x S`` layout or backend (checked before
@@ -295,3 +295,4 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
         optimizer.state.clear()  # saved before the first step: start the moments afresh
     # Last: re-applies this replica's hyperparameters over the param groups just loaded.
     load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    return tag

@@ -32,7 +32,7 @@ from hdet_scale.train.model import ModelConfig, build_model, loss_fn
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     # The hdet block and DeepSpeed keys live under "deepspeed." in the trainer config.
-    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:)",
+    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:|optimizer\.type:)",
                   r"deepspeed.\1", str(e))
     return HDETConfigError(text)
 
@@ -64,7 +64,11 @@ def validate(run: dict, world_size: int):
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     ckpt = os.path.join(run["run_dir"], "checkpoint")
     if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
-        check_resumable(ckpt, world_size, hcfg.replicas, backend)
+        try:
+            check_resumable(ckpt, world_size, hcfg.replicas, backend)
+        except HDETStateError as e:
+            raise HDETStateError(f"train.resume: {e} (backend={backend}, nproc / world size {world_size}, "
+                                 f"deepspeed.hdet.replicas={hcfg.replicas})") from None
         saved = read_layout(ckpt)
         if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
             raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "

@@ -106,6 +106,7 @@ BAD = [
     (["data.path={tiny}"], "data.seq_len"),
     (["deepspeed.scheduler.type=WarmupLR"], "scheduler"),
     (["backend=fsdp"], "backend"),
+    (["deepspeed.optimizer.type=AdamX"], "deepspeed.optimizer.type"),
     (["backend=ddp", "deepspeed.bf16.enabled=true"], "deepspeed.bf16.enabled"),
     (["backend=fsdp2", "deepspeed.optimizer.type=Lamb"], "deepspeed.optimizer.type"),
     (["backend=fairscale", "deepspeed.optimizer.params.amsgrad_typo=true"], "deepspeed.optimizer.params"),
@@ -145,7 +146,7 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
     ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 300, "total_steps": 300}, [],
      "nothing is left"),
     ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "backend": "fsdp2"}, [],
-     "written by the fsdp2 backend"),
+     "backend=deepspeed"),
 ])
 def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, needle):
     ckpt = tmp_path / "run" / "checkpoint"

@@ -331,3 +331,22 @@ def test_replicas_start_identical_and_config_object_accepted():
             assert torch.equal(p, q)
     with pytest.raises(ValueError, match="scalar"):
         sim.step(lambda model, r: model(torch.zeros(2, D_IN)))
+
+
+def test_stepping_past_total_steps_raises_before_any_replica_moves():
+    """As ``OneCycleLR``: step ``total_steps + 1`` is an error, raised before any
+    optimizer step, so the replicas keep the weights of the last valid step."""
+    data = make_data(6, 2)
+    sim = Simulator(Tiny, lambda p: torch.optim.SGD(p, lr=0.1), hdet(total_steps=5, spread=0.2))
+    for t in range(5):
+        sim.step(loss_for(data, t))
+    before = [[p.detach().clone() for p in m.parameters()] for m in sim.models]
+    calls = []
+    with pytest.raises(ValueError, match="Tried to step 6 times. The specified number of total steps is 5"):
+        sim.step(lambda m, r: calls.append(r) or loss_for(data, 5)(m, r))
+    assert calls == [] and sim.scheduler.step_count == 5
+    for ps, qs in zip(before, sim.models):
+        for p, q in zip(ps, qs.parameters()):
+            assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="Tried to step 6 times"):
+        sim.scheduler.step([1.0, 1.0])  # the scheduler itself, as a DeepSpeed engine would call it
