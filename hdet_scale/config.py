@@ -141,6 +141,11 @@ class HDETConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes: the flat-bucket size of converge and gradient sharing."""
+        return int(self.bucket_mb * 2**20)
+
     def axis_auto(self, name: str) -> bool:
         axis = self.axes[name]
         return (name == "lr") if axis.auto is None else axis.auto

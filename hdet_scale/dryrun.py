@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from hdet_scale import axes as ax
+from hdet_scale.backends import BACKENDS
 from hdet_scale.errors import HDETConfigError
 
 
-BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
 SHARDED_BY = {"deepspeed": "ZeRO-3 partitions", "fsdp2": "FSDP2 shards", "ddp": "DDP replicates",
               "fairscale": "OSS shards optimizer state"}
 

@@ -137,14 +137,10 @@ class HDETScheduler:
         self.logger = logger
         self.extra: dict[str, Any] = {}
         groups = next(iter(param_groups.values()))
+        self.check_param_groups(config, groups)
         self.num_groups = len(groups)
         self.peaks = self._peaks(groups)
         self.explored = self._explored()  # (axis, group) pairs in hdet.axes
-        for a in config.axes:
-            for g, grp in enumerate(groups):
-                if a not in grp:
-                    raise HDETConfigError(f"hdet.axes.{a}: parameter group {g} has no '{a}' "
-                                          f"(keys: {sorted(k for k in grp if k != 'params')})")
         self.initial = {(a, g): float(groups[g][a]) for a in config.axes for g in range(self.num_groups)}
         self.applied: dict[tuple[str, int], list[float]] = {}  # values of the current step
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -158,13 +154,30 @@ class HDETScheduler:
         self._apply()
 
     # ---- set-up -------------------------------------------------------------------------
+    @staticmethod
+    def check_param_groups(config: HDETConfig, groups: list[dict]) -> None:
+        """The checks of ``config`` against an optimizer's param groups, without building
+        anything (so a backend runs them before its first collective): every explored
+        group index exists and holds the explored hyperparameter, and a ``max_lr`` list
+        has one value per group. Raises HDETConfigError naming the key."""
+        m = config.schedule.max_lr
+        if isinstance(m, list) and len(m) != len(groups):
+            raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {len(groups)} parameter groups")
+        for name, axis in sorted(config.axes.items()):
+            for g in axis.groups or []:
+                if g >= len(groups):
+                    raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
+                                          f"(the optimizer has {len(groups)} parameter groups)")
+            for g, grp in enumerate(groups):
+                if name not in grp:
+                    raise HDETConfigError(f"hdet.axes.{name}: parameter group {g} has no '{name}' "
+                                          f"(keys: {sorted(k for k in grp if k != 'params')})")
+
     def _peaks(self, groups: list[dict]) -> list[float]:
         m = self.config.schedule.max_lr
         if m is None:
             return [float(g["lr"]) for g in groups]
         if isinstance(m, list):
-            if len(m) != len(groups):
-                raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {len(groups)} parameter groups")
             return [float(v) for v in m]
         return [float(m)] * len(groups)
 
@@ -173,11 +186,7 @@ class HDETScheduler:
         for name in sorted(self.config.axes):
             axis = self.config.axes[name]
             groups = range(self.num_groups) if axis.groups is None else axis.groups
-            for g in groups:
-                if g >= self.num_groups:
-                    raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
-                                          f"(the optimizer has {self.num_groups} parameter groups)")
-                out.append((name, g))
+            out.extend((name, g) for g in groups)
         return out
 
     def _decays(self) -> dict[tuple[str, int], float]:
@@ -249,9 +258,7 @@ class HDETScheduler:
             ValueError: a step past ``schedule.total_steps`` (as ``OneCycleLR``), before
                 any state change or collective.
         """
-        if self.step_count + 1 > self.total_steps:
-            raise ValueError(f"Tried to step {self.step_count + 1} times. The specified number of total steps is "
-                             f"{self.total_steps}")
+        self.check_can_step()
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         if loss is not None:
@@ -266,6 +273,13 @@ class HDETScheduler:
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
         self._apply()
+
+    def check_can_step(self) -> None:
+        """Raise ``ValueError`` (``OneCycleLR``'s message) if one more step would pass
+        ``schedule.total_steps``."""
+        if self.step_count + 1 > self.total_steps:
+            raise ValueError(f"Tried to step {self.step_count + 1} times. The specified number of total steps is "
+                             f"{self.total_steps}")
 
     def sync(self) -> dict[str, Any]:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at

@@ -42,15 +42,13 @@ class _LocalSync(LossAccumulator):
         pass
 
 
-class _OptimizerParamsBackend:
+class _OptimizerParamsBackend(FullParamsBackend):
     """Converge over the optimizer's parameters (what the reference code averages) when
     no module is given: no buffers."""
 
-    shares_gradients = True
-
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        super().__init__(torch.nn.Module(), device)
         self.optimizer = optimizer
-        self.device = device
 
     def master_tensors(self) -> Sequence[torch.Tensor]:
         seen, out = set(), []
@@ -60,12 +58,6 @@ class _OptimizerParamsBackend:
                     seen.add(id(p))
                     out.append(p.data)
         return out
-
-    def buffers(self) -> Sequence[torch.Tensor]:
-        return []
-
-    def refresh(self) -> None:
-        pass
 
 
 def _is_int(x: Any) -> bool:
@@ -256,7 +248,7 @@ class OneCycleAutoLR(HDETScheduler):
             topology = Topology(R, device_type=device.type)
             backend = FullParamsBackend(model, device) if model is not None else \
                 _OptimizerParamsBackend(optimizer, device)
-            sync: Any = DistributedSync(topology, backend, int(cfg.bucket_mb * 2**20), "global")
+            sync: Any = DistributedSync(topology, backend, cfg.bucket_bytes, "global")
             replica = topology.replica_index
         else:
             sync, replica = _LocalSync(), 0

@@ -267,9 +267,7 @@ class Simulator:
                 the step would pass ``schedule.total_steps`` (checked before any replica
                 steps).
         """
-        if self.scheduler.step_count >= self.scheduler.total_steps:
-            raise ValueError(f"Tried to step {self.scheduler.step_count + 1} times. The specified number of total "
-                             f"steps is {self.scheduler.total_steps} (hdet.schedule.total_steps)")
+        self.scheduler.check_can_step()
         losses = []
         for r, (model, opt) in enumerate(zip(self.models, self.optimizers)):
             opt.zero_grad(set_to_none=True)

@@ -20,6 +20,7 @@ class Backend(Protocol):
     """What HDET needs from a training engine (one file per engine in ``backends/``)."""
 
     device: torch.device
+    shares_gradients: bool  # True: the engine averages gradients over all W ranks itself
 
     def master_tensors(self) -> Sequence[torch.Tensor]: ...  # local tensors the optimizer updates
     def buffers(self) -> Sequence[torch.Tensor]: ...  # floating buffers to average
@@ -79,7 +80,7 @@ class DistributedSync(LossAccumulator):
         self.replicas = topology.replicas
         self.local_replicas = [topology.replica_index]
         super().__init__()
-        if gradient_sharing == "global" and topology.replicas > 1 and not getattr(backend, "shares_gradients", False):
+        if gradient_sharing == "global" and topology.replicas > 1 and not backend.shares_gradients:
             backend.install_grad_hook(self.share_gradients)
 
     def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -81,18 +81,8 @@ def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend
     """The scheduler of this rank (its replica's param groups, read live) with its
     :class:`~hdet_scale.sync.DistributedSync` attached."""
     scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
-    scheduler.attach(DistributedSync(topology, backend, int(cfg.bucket_mb * 2**20), cfg.gradient_sharing))
+    scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing))
     return scheduler
-
-
-def check_optimizer(cfg: HDETConfig, optimizer: Any) -> None:
-    """The scheduler's checks against the optimizer (explored parameter groups exist and
-    hold the hyperparameter, ``max_lr`` list length), without communication and without
-    touching the optimizer: a scheduler is built on copies of its param groups, since
-    building one writes the step-0 values (and the next scheduler would read them back as
-    the peak LRs). Raises HDETConfigError."""
-    copies = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    HDETScheduler(cfg, {0: copies})
 
 
 def default_device() -> torch.device:
@@ -110,6 +100,58 @@ def init_process_group(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _keep_local_gradients(_state, bucket):  # no annotations: DDP checks them against its own types
+    # DDP comm hook for a shard group of one rank: the bucket already holds this rank's
+    # full gradient; returning it skips the all-reduce call entirely.
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, group: Any, bucket_bytes: int) -> None:
+    """Global rank 0's parameters and buffers to every rank of ``group``, in flat buckets
+    of at most ``bucket_bytes`` (one broadcast per bucket, not per tensor). Collective."""
+    tensors = [p.data for p in module.parameters()] + list(module.buffers())
+    for bucket in _buckets([t for t in tensors if t.numel() > 0], bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(flat, src=0, group=group)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def wrap_ddp(model: torch.nn.Module, cfg: HDETConfig, topology: Topology, device: torch.device,
+             ddp_kwargs: dict) -> torch.nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel`` on the group ``hdet.gradient_sharing`` names.
+
+    "global": DDP over the world; its all-reduce averages the gradients of all W ranks
+    (paper Sec. 3.1) and its start-up broadcast gives every replica rank 0's weights.
+    "replica": DDP over the shard group (gradients stay in the replica between syncs);
+    rank 0's weights are broadcast to the world first, since DDP broadcasts only inside
+    its group and HDET's replicas must start as copies of one model; with S = 1 a comm
+    hook skips the gradient all-reduce altogether. Collective.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    replica_mode = cfg.gradient_sharing == "replica"
+    if replica_mode and topology.replicas > 1:
+        broadcast_module(model, topology.world_group, cfg.bucket_bytes)
+    if device.type == "cuda":
+        ddp_kwargs.setdefault("device_ids", [device.index])
+    group = topology.shard_group if replica_mode else topology.world_group
+    ddp_model = DistributedDataParallel(model, process_group=group, **ddp_kwargs)
+    if replica_mode and topology.shard_size == 1:
+        ddp_model.register_comm_hook(None, _keep_local_gradients)
+    return ddp_model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``DistributedDataParallel`` wrapper (or ``model`` itself)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 class FullParamsBackend:
@@ -131,6 +173,9 @@ class FullParamsBackend:
     def master_tensors(self) -> Sequence[torch.Tensor]:
         return [p.data for p in self.module.parameters() if p.is_floating_point()]
 
+    def install_grad_hook(self, hook: Any) -> None:
+        raise NotImplementedError("the engine shares gradients itself (shares_gradients)")
+
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.module)
 
@@ -145,6 +190,23 @@ class FullParamsBackend:
 
 def replica_dir(save_dir: str, topology: Topology, tag: str) -> str:
     return os.path.join(save_dir, f"replica_{topology.replica_index}", tag)
+
+
+def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) -> tuple[Topology, str, str]:
+    """``(topology, tag, replica folder)`` for a save; creates the folder. The default tag
+    is ``global_step<step>``.
+
+    Raises:
+        ValueError: the scheduler has no process groups (not built by a backend).
+    """
+    t = scheduler.topology
+    if t is None:
+        raise ValueError("this scheduler has no process groups (not built by a backend's initialize): save "
+                         "torch.save(scheduler.state_dict()) next to the model instead")
+    tag = tag or f"global_step{scheduler.step_count}"
+    rdir = replica_dir(save_dir, t, tag)
+    os.makedirs(rdir, exist_ok=True)
+    return t, tag, rdir
 
 
 def finish_checkpoint(save_dir: str, topology: Topology, scheduler: HDETScheduler, tag: str,
@@ -173,15 +235,18 @@ def read_layout(load_dir: str) -> dict:
         return json.load(f)
 
 
-def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str | None = None) -> str:
-    """Read the checkpoint's layout and tag without communication; returns the tag.
+def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str, tag: str | None = None) -> str:
+    """Read the checkpoint's layout and tag without communication; returns the tag
+    (``tag``, or the one in ``latest``). Every rank reads the same files (a shared
+    filesystem, as for any multi-replica checkpoint), so all reach the same verdict
+    before any collective.
 
     Raises:
-        HDETStateError: missing checkpoint, written by another ``R x S`` layout, or by
-            another backend (each engine has its own file format). Every replica's
-            diverged weights are tied to its shard layout, so a different layout is
-            refused rather than silently remapped; to change it, converge first and
-            start a new run from the averaged model.
+        HDETStateError: missing checkpoint, written by another ``R x S`` layout or by
+            another backend (each engine has its own file format), or a replica folder
+            missing for the tag. Every replica's diverged weights are tied to its shard
+            layout, so a different layout is refused rather than silently remapped; to
+            change it, converge first and start a new run from the averaged model.
     """
     saved = read_layout(load_dir)
     shard = world_size // replicas
@@ -190,16 +255,28 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str 
             f"checkpoint {load_dir} was written by {saved['replicas']} replicas x {saved['shard_size']} shards; "
             f"this run has {replicas} x {shard}. Resume with the same world size and hdet.replicas")
     saved_backend = saved.get("backend", "deepspeed")
-    if backend is not None and saved_backend != backend:
+    if saved_backend != backend:
         raise HDETStateError(f"checkpoint {load_dir} was written by the {saved_backend} backend; this run uses "
                              f"{backend}. Resume with the same backend")
-    with open(os.path.join(load_dir, "latest")) as f:
-        return f.read().strip()
+    if tag is None:
+        with open(os.path.join(load_dir, "latest")) as f:
+            tag = f.read().strip()
+    missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
+    if missing:
+        raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}")
+    return tag
 
 
-def save_hdet_state(path: str, scheduler: HDETScheduler) -> None:
-    torch.save({"scheduler": scheduler.state_dict()}, path)
+def _hdet_state_path(rdir: str, topology: Topology) -> str:
+    return os.path.join(rdir, f"hdet_shard_{topology.shard_index}.pt")
 
 
-def load_hdet_state(path: str, scheduler: HDETScheduler) -> None:
-    scheduler.load_state_dict(torch.load(path, weights_only=False)["scheduler"])
+def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
+    """This rank's scheduler state (with its interval-loss accumulator) into the replica
+    folder ``rdir``, as ``hdet_shard_<s>.pt``."""
+    torch.save({"scheduler": scheduler.state_dict()}, _hdet_state_path(rdir, topology))
+
+
+def load_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
+    """Restore what :func:`save_hdet_state` wrote; re-applies the current values."""
+    scheduler.load_state_dict(torch.load(_hdet_state_path(rdir, topology), weights_only=False)["scheduler"])

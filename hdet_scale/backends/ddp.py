@@ -24,14 +24,11 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hdet_scale.averaging import _buckets
-from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_optimizer, check_resumable,
-                                        default_device,
-                                        finish_checkpoint, init_process_group, load_hdet_state, make_logger,
-                                        replica_dir, resolve_config, save_hdet_state)
+from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_resumable, checkpoint_target,
+                                        default_device, finish_checkpoint, init_process_group, load_hdet_state,
+                                        make_logger, replica_dir, resolve_config, save_hdet_state, unwrap, wrap_ddp)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError
@@ -43,29 +40,6 @@ MODEL_FILE = "model_optim.pt"
 
 
 # ---- initialize -----------------------------------------------------------------------
-
-def _keep_local_gradients(_state, bucket):  # no annotations: DDP checks them against its own types
-    # DDP comm hook for a shard group of one rank: the bucket already holds this rank's
-    # full gradient; returning it skips the all-reduce call entirely.
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-@torch.no_grad()
-def _broadcast_module(module: torch.nn.Module, group: Any, bucket_bytes: int) -> None:
-    """Global rank 0's parameters and buffers to every rank of ``group`` (the world)."""
-    # In "replica" mode DDP broadcasts only inside the shard group; HDET needs every
-    # replica to start from the same weights, whatever each rank's own init drew.
-    tensors = [p.data for p in module.parameters()] + list(module.buffers())
-    for bucket in _buckets([t for t in tensors if t.numel() > 0], bucket_bytes):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.broadcast(flat, src=0, group=group)
-        offset = 0
-        for t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-
 
 def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
                optimizer_fn: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,
@@ -112,18 +86,9 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
     optimizer = optimizer_fn(list(model.parameters()))
     # The scheduler's own checks against the optimizer, run here without a sync so that a
     # mismatch fails on every rank before the mesh below issues its first collective.
-    check_optimizer(cfg, optimizer)
-
+    HDETScheduler.check_param_groups(cfg, optimizer.param_groups)
     topology = Topology(cfg.replicas, device_type=device.type)
-    bucket_bytes = int(cfg.bucket_mb * 2**20)
-    if cfg.gradient_sharing == "replica" and cfg.replicas > 1:
-        _broadcast_module(model, topology.world_group, bucket_bytes)
-    if device.type == "cuda":
-        ddp_kwargs.setdefault("device_ids", [device.index])
-    group = topology.world_group if cfg.gradient_sharing == "global" else topology.shard_group
-    ddp_model = DistributedDataParallel(model, process_group=group, **ddp_kwargs)
-    if cfg.gradient_sharing == "replica" and topology.shard_size == 1:
-        ddp_model.register_comm_hook(None, _keep_local_gradients)
+    ddp_model = wrap_ddp(model, cfg, topology, device, ddp_kwargs)
     if logger is None:
         logger = make_logger(cfg, topology)
     scheduler = build_scheduler(cfg, topology, optimizer, FullParamsBackend(model, device), logger)
@@ -136,32 +101,17 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
 # scheduler state of rank (r, s): its own interval-loss accumulator), plus rank 0's
 # hdet_layout.json and latest.
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _topology_of(scheduler: HDETScheduler) -> Topology:
-    t = scheduler.topology
-    if t is None:
-        raise ValueError("this scheduler has no process groups (a single replica, or spread 0 with auto-LR "
-                         "off): save it with torch.save(scheduler.state_dict()) next to the model")
-    return t
-
-
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: HDETScheduler,
                     save_dir: str, tag: str | None = None) -> str:
     """Save every replica's model and optimizer and every rank's HDET state. Collective:
     all ranks call it at the same step (mid-interval too: replicas' diverged weights are
     kept). ``model`` may be the DDP wrapper; the plain module's ``state_dict`` is saved.
     Returns the tag (default ``global_step<step>``)."""
-    t = _topology_of(scheduler)
-    tag = tag or f"global_step{scheduler.step_count}"
-    rdir = replica_dir(save_dir, t, tag)
-    os.makedirs(rdir, exist_ok=True)
+    t, tag, rdir = checkpoint_target(scheduler, save_dir, tag)
     if t.shard_index == 0:
-        torch.save({"model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict()},
+        torch.save({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()},
                    os.path.join(rdir, MODEL_FILE))
-    save_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    save_hdet_state(rdir, t, scheduler)
     finish_checkpoint(save_dir, t, scheduler, tag, "ddp")
     return tag
 
@@ -182,14 +132,13 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
         HDETStateError: no checkpoint, or one written by another ``R x S`` layout or
             another backend.
     """
-    t = _topology_of(scheduler)
-    latest = check_resumable(load_dir, t.world_size, t.replicas, "ddp")
-    tag = tag or latest
+    t = scheduler.topology
+    tag = check_resumable(load_dir, t.world_size, t.replicas, "ddp", tag)
     rdir = replica_dir(load_dir, t, tag)
-    module = _unwrap(model)
+    module = unwrap(model)
     device = next(module.parameters()).device
     state = torch.load(os.path.join(rdir, MODEL_FILE), map_location=device, weights_only=False)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    load_hdet_state(rdir, t, scheduler)
     return tag

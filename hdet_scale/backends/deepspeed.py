@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.common import (check_resumable, finish_checkpoint, load_hdet_state, save_hdet_state)
+from hdet_scale.backends.common import (check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
+                                        make_logger, replica_dir, save_hdet_state)
+from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
@@ -52,6 +54,8 @@ class DeepSpeedBackend:
     persistent (small, never partitioned) parameters, so the next forward pass reads
     the averaged weights.
     """
+
+    shares_gradients = False  # ZeRO reduces inside the shard group only: HDET's hook crosses replicas
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -104,18 +108,6 @@ def _load_ds_config(config: str | dict) -> dict:
     return copy.deepcopy(dict(config))
 
 
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tuple[HDETConfig, dict]:
     """Validate the ``"hdet"`` block against the rest of a DeepSpeed config, without
     communication. Returns ``(hdet_config, deepspeed_config_without_hdet)``.
@@ -132,7 +124,7 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
     block = ds.pop("hdet", None)
     # No block (or null): plain DeepSpeed, as if "enabled": false.
     cfg = HDETConfig.from_dict(block) if block is not None else HDETConfig(enabled=False)
-    world = _world_size() if world_size is None else world_size
+    world = common_world_size() if world_size is None else world_size
     errors = []
     if cfg.enabled:
         try:
@@ -147,9 +139,14 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
         if opt_type is not None:
             # DeepSpeed's own test (engine._supported_optimizer): its names, case-insensitive,
             # or a torch.optim class; otherwise it asserts inside initialize, on every rank.
-            from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-            if not isinstance(opt_type, str) or (opt_type.lower() not in DEEPSPEED_OPTIMIZERS
-                                                 and getattr(torch.optim, opt_type, None) is None):
+            # Checked only where DeepSpeed is installed (hdet-dryrun runs without it).
+            try:
+                from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+            except ImportError:
+                DEEPSPEED_OPTIMIZERS = None
+            if DEEPSPEED_OPTIMIZERS is not None and (
+                    not isinstance(opt_type, str) or (opt_type.lower() not in DEEPSPEED_OPTIMIZERS
+                                                      and getattr(torch.optim, opt_type, None) is None)):
                 errors.append(f"optimizer.type: {opt_type!r} is neither a DeepSpeed optimizer "
                               f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
         stage = ds.get("zero_optimization", {}).get("stage", 0)
@@ -220,10 +217,8 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
         # The DeviceMesh below is built before DeepSpeed's engine picks the device.
         accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     topology = Topology(cfg.replicas, device_type=accel.device_name())
-    if logger is None and (cfg.logging.jsonl or cfg.logging.wandb.enabled):
-        from hdet_scale.logging import MetricsLogger
-        logger = MetricsLogger(cfg.logging.jsonl, cfg.logging.wandb, {"hdet": cfg.to_dict(), "deepspeed": ds},
-                               enabled=topology.rank == 0)
+    if logger is None:
+        logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "deepspeed": ds})
     holder: dict[str, HDETScheduler] = {}
 
     def make_scheduler(opt: torch.optim.Optimizer) -> HDETScheduler:
@@ -234,7 +229,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
                                              config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler, **kwargs)
     scheduler = holder["s"]
     backend = DeepSpeedBackend(engine)
-    scheduler.attach(DistributedSync(topology, backend, int(cfg.bucket_mb * 2**20), cfg.gradient_sharing))
+    scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing))
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=topology.world_size,
@@ -255,22 +250,26 @@ def save_checkpoint(engine: Any, scheduler: HDETScheduler, save_dir: str, tag: s
                     client_state: dict | None = None) -> str:
     """Save every replica's DeepSpeed state and every rank's HDET state. Collective: all
     ranks call it at the same step. Returns the tag."""
-    t = scheduler.topology
-    tag = tag or f"global_step{scheduler.step_count}"
-    rdir = os.path.join(save_dir, f"replica_{t.replica_index}")
-    os.makedirs(rdir, exist_ok=True)  # DeepSpeed creates save_dir on global rank 0 only
-    engine.save_checkpoint(rdir, tag=tag, client_state=client_state or {}, save_latest=False)
-    save_hdet_state(os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    # DeepSpeed creates save_dir on global rank 0 only: every replica makes its own folder.
+    t, tag, rdir = checkpoint_target(scheduler, save_dir, tag)
+    engine.save_checkpoint(os.path.dirname(rdir), tag=tag, client_state=client_state or {}, save_latest=False)
+    save_hdet_state(rdir, t, scheduler)
     finish_checkpoint(save_dir, t, scheduler, tag, "deepspeed")
     return tag
 
 
 def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: str | None = None) -> dict:
-    """Restore what :func:`save_checkpoint` wrote; returns DeepSpeed's client state."""
+    """Restore what :func:`save_checkpoint` wrote. Returns what DeepSpeed's
+    ``engine.load_checkpoint`` returns as client state: the ``client_state`` given to
+    :func:`save_checkpoint` plus entries DeepSpeed stores itself (e.g. ``buffer_names``).
+
+    Raises:
+        HDETStateError: no checkpoint, another ``R x S`` layout or backend, or a missing
+            replica folder (checked before any collective, identically on every rank).
+    """
     t = scheduler.topology
-    latest = check_resumable(load_dir, t.world_size, t.replicas, "deepspeed")
-    tag = tag or latest
-    rdir = os.path.join(load_dir, f"replica_{t.replica_index}")
-    _, client = engine.load_checkpoint(rdir, tag=tag, load_lr_scheduler_states=False)
-    load_hdet_state(os.path.join(rdir, tag, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    tag = check_resumable(load_dir, t.world_size, t.replicas, "deepspeed", tag)
+    rdir = replica_dir(load_dir, t, tag)
+    _, client = engine.load_checkpoint(os.path.dirname(rdir), tag=tag, load_lr_scheduler_states=False)
+    load_hdet_state(rdir, t, scheduler)
     return client or {}

@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 
 from hdet_scale.backends.common import (
     FullParamsBackend,
     build_scheduler,
     check_resumable,
+    checkpoint_target,
     default_device,
     finish_checkpoint,
     init_process_group,
@@ -56,6 +56,8 @@ from hdet_scale.backends.common import (
     replica_dir,
     resolve_config,
     save_hdet_state,
+    unwrap,
+    wrap_ddp,
 )
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -159,15 +161,6 @@ class OSSBackend(FullParamsBackend):
         self.optimizer._broadcast_params()
 
 
-@torch.no_grad()
-def _broadcast_module(module: nn.Module, topology: Topology) -> None:
-    # DDP over a shard group broadcasts from that replica's first rank only; HDET's
-    # replicas must start as copies of one model, as DDP over the world gives in "global".
-    import torch.distributed as dist
-    for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(t.data, src=0, group=topology.world_group)
-
-
 def _check_kwargs(optim_kwargs: dict, ddp_kwargs: dict) -> None:
     owned = [f"optim_kwargs['{k}']" for k in ("group", "optim", "params") if k in optim_kwargs]
     owned += [f"ddp_kwargs['{k}']" for k in ("module", "process_group", "device_mesh") if k in ddp_kwargs]
@@ -232,14 +225,9 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
     init_process_group(device)
     topology = Topology(cfg.replicas, device_type=device.type)
     model = model.to(device)
-    if cfg.gradient_sharing == "replica" and topology.replicas > 1:
-        _broadcast_module(model, topology)
-    group = topology.world_group if cfg.gradient_sharing == "global" else topology.shard_group
-    if device.type == "cuda":
-        ddp_kwargs.setdefault("device_ids", [device.index])
     # DDP before OSS: OSS re-points each parameter's .data into its flat buckets, which
     # keeps the Parameter objects DDP registered.
-    ddp_model = DDP(model, process_group=group, **ddp_kwargs)
+    ddp_model = wrap_ddp(model, cfg, topology, device, ddp_kwargs)
     optimizer = OSS(model.parameters() if params is None else params, optim=optim, group=topology.shard_group,
                     **optim_kwargs)
     backend = OSSBackend(model, optimizer, device)
@@ -263,10 +251,6 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
 # broadcasts); shards are written in parallel without communication. The price, a
 # resume with the same R x S and partition, is checked (layout file, owned indices).
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DDP) else model
-
-
 def _owned_indices(optimizer: OSS, module: nn.Module) -> list[list[int]]:
     index = {id(p): i for i, p in enumerate(module.parameters())}
     return [[index.get(id(p), -1) for p in g["params"]] for g in optimizer.optim.param_groups]
@@ -282,18 +266,15 @@ def save_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     """Save every replica's model and optimizer shards and every rank's HDET state.
     Collective (world barriers): every rank calls it after the same optimizer step.
     Returns the tag (default ``global_step<step>``, step in optimizer steps)."""
-    t = scheduler.topology
-    module = _unwrap(model)
-    tag = tag or f"global_step{scheduler.step_count}"
-    rdir = replica_dir(save_dir, t, tag)
-    os.makedirs(rdir, exist_ok=True)
+    t, tag, rdir = checkpoint_target(scheduler, save_dir, tag)
+    module = unwrap(model)
     if t.shard_index == 0:
         torch.save(module.state_dict(), os.path.join(rdir, "model.pt"))
     # Buffers per rank: DDP's broadcast_buffers can be off, and even when on, a rank's
     # own forward updates its buffers after the broadcast.
     torch.save({"optimizer": optimizer.optim.state_dict(), "buffers": _buffer_state(module),
                 "owned": _owned_indices(optimizer, module)}, os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"))
-    save_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    save_hdet_state(rdir, t, scheduler)
     finish_checkpoint(save_dir, t, scheduler, tag, BACKEND)
     return tag
 
@@ -317,10 +298,9 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
             parameter groups).
     """
     t = scheduler.topology
-    latest = check_resumable(load_dir, t.world_size, t.replicas, BACKEND)
-    tag = tag or latest
+    tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND, tag)
     rdir = replica_dir(load_dir, t, tag)
-    module = _unwrap(model)
+    module = unwrap(model)
     device = next(module.parameters()).device
     shard = torch.load(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), map_location=device, weights_only=True)
     if shard["owned"] != _owned_indices(optimizer, module):
@@ -332,5 +312,5 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     optimizer.optim.load_state_dict(shard["optimizer"])
     # The inner groups hold the last step's values of every key; HDET re-applies its own.
     optimizer._sync_param_groups(optimizer.optim.param_groups, optimizer.param_groups)
-    load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    load_hdet_state(rdir, t, scheduler)
     return tag

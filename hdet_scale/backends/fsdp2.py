@@ -46,12 +46,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.common import (build_scheduler, check_resumable, default_device, finish_checkpoint,
+from hdet_scale.backends.common import (build_scheduler, check_resumable, checkpoint_target, default_device,
+                                        finish_checkpoint,
                                         init_process_group, load_hdet_state, make_logger, replica_dir,
                                         resolve_config, save_hdet_state)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
-from hdet_scale.errors import HDETStateError
 from hdet_scale.topology import Topology
 
 if TYPE_CHECKING:
@@ -94,13 +94,15 @@ class FSDP2Backend:
     it first too: while a module is unsharded its registered parameters are those full
     copies, not the DTensors.
 
-    ``shares_gradients``: ``True`` for ``"global"`` mode (HSDP's all-reduce).
+    ``shares_gradients``: HSDP's all-reduce is the "global" mode's sharing; no hook.
     """
 
-    def __init__(self, module: nn.Module, device: torch.device, shares_gradients: bool) -> None:
+    # "global" mode: HSDP's all-reduce over the replica dim; "replica" mode shares nothing.
+    shares_gradients = True
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
         self.device = device
-        self.shares_gradients = shares_gradients
 
     @torch.no_grad()
     def master_tensors(self) -> Sequence[torch.Tensor]:
@@ -119,16 +121,6 @@ class FSDP2Backend:
         for m in _fsdp_modules(self.module):
             m.reshard()
 
-    def install_grad_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
-        """Not needed: "global" mode shares gradients through HSDP (``shares_gradients``),
-        so :class:`~hdet_scale.sync.DistributedSync` never asks for a hook.
-
-        Raises:
-            NotImplementedError: always.
-        """
-        raise NotImplementedError("FSDP2 shares gradients through HSDP (the 2-D (replica, shard) mesh of "
-                                  "hdet_scale.backends.fsdp2.initialize); build the model with initialize")
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
@@ -144,7 +136,9 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     """Shard ``model`` with FSDP2 on HDET's ``(replica, shard)`` mesh and attach HDET.
 
     Args:
-        model: the unsharded model (on CPU or on ``device``); sharded in place.
+        model: the unsharded model (on CPU or on ``device``); sharded in place. Every
+            rank must build the same initial weights (same seed), as FSDP2 itself
+            assumes: each rank keeps its own chunk of its own copy, nothing is broadcast.
         config: whatever :func:`~hdet_scale.backends.common.resolve_config` accepts: an
             :class:`HDETConfig`, the ``"hdet"`` block, a DeepSpeed-style dict holding
             one under ``"hdet"``, or a path to such a JSON file.
@@ -181,7 +175,7 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     from torch.distributed.fsdp import fully_shard
 
     cfg = resolve_config(config)
-    device = device or default_device()
+    device = torch.device(device) if device is not None else default_device()
     init_process_group(device)
     topology = Topology(cfg.replicas, device.type)
     share = cfg.gradient_sharing == "global"
@@ -198,7 +192,7 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
                 fully_shard(sub, **kwargs)
     fully_shard(model, **kwargs)
     optimizer = optimizer_fn(list(model.parameters()))
-    backend = FSDP2Backend(model, device, shares_gradients=share)
+    backend = FSDP2Backend(model, device)
     logger = logger if logger is not None else make_logger(cfg, topology)
     scheduler = build_scheduler(cfg, topology, optimizer, backend, logger)
     return model, optimizer, scheduler
@@ -250,17 +244,14 @@ def save_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     between optimizer steps. Returns the tag (default ``global_step<step>``)."""
     import torch.distributed.checkpoint as dcp
 
-    t = scheduler.topology
-    tag = tag or f"global_step{scheduler.step_count}"
-    rdir = replica_dir(save_dir, t, tag)
-    os.makedirs(rdir, exist_ok=True)
+    t, tag, rdir = checkpoint_target(scheduler, save_dir, tag)
     # Before the first optimizer step there is no optimizer state, and reading it through
     # torch's state-dict API would create some (a zero step: Adam's step counter 1),
     # changing the run that saves. Such a checkpoint holds no optimizer entry instead.
     with_optimizer = bool(optimizer.state)
     dcp.save(_state(model, optimizer, t.shard_index, with_optimizer), checkpoint_id=rdir,
              process_group=t.shard_group)
-    save_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    save_hdet_state(rdir, t, scheduler)
     finish_checkpoint(save_dir, t, scheduler, tag, BACKEND_NAME)
     return tag
 
@@ -272,18 +263,15 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     Collective on each shard group (every rank calls it).
 
     Raises:
-        HDETStateError: no checkpoint, another ``R x S`` layout or backend (checked before
-            any collective, identically on every rank), or a missing replica folder.
+        HDETStateError: no checkpoint, another ``R x S`` layout or backend, or a missing
+            replica folder (all checked before any collective, identically on every rank).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     t = scheduler.topology
-    latest = check_resumable(load_dir, t.world_size, t.replicas, BACKEND_NAME)
-    tag = tag or latest
+    tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND_NAME, tag)
     rdir = replica_dir(load_dir, t, tag)
-    if not os.path.isdir(rdir):
-        raise HDETStateError(f"checkpoint {load_dir} has no folder {rdir} (tag {tag!r})")
     saved_keys = dcp.FileSystemReader(rdir).read_metadata().state_dict_metadata
     with_optimizer = any(k.startswith("optim.") for k in saved_keys)
     state = _state(model, optimizer, t.shard_index, with_optimizer)
@@ -294,5 +282,5 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     else:
         optimizer.state.clear()  # saved before the first step: start the moments afresh
     # Last: re-applies this replica's hyperparameters over the param groups just loaded.
-    load_hdet_state(os.path.join(rdir, f"hdet_shard_{t.shard_index}.pt"), scheduler)
+    load_hdet_state(rdir, t, scheduler)
     return tag

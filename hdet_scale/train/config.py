@@ -18,7 +18,7 @@ from typing import Any
 
 from hdet_scale.config import WandbConfig
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.train.engines import BACKENDS
+from hdet_scale.backends import BACKENDS
 from hdet_scale.train.model import ModelConfig
 
 

@@ -3,8 +3,11 @@
 
 Every backend reads its settings from the run's ``deepspeed`` section (the DeepSpeed
 JSON with its ``hdet`` block): DeepSpeed reads all of it; the other backends read the
-keys in :data:`ENGINE_KEYS` and ignore the rest (``zero_optimization``,
-``steps_per_print``...), so one file describes the run for every backend.
+keys ``optimizer.type``, ``optimizer.params``, ``train_micro_batch_size_per_gpu``,
+``gradient_accumulation_steps``, ``train_batch_size``, ``gradient_clipping`` and
+``bf16.enabled`` (same meaning as in DeepSpeed) and ignore the rest
+(``zero_optimization``, ``steps_per_print``...), so one file describes the run for
+every backend.
 """
 
 from __future__ import annotations
@@ -15,15 +18,11 @@ from typing import Any
 
 import torch
 
+from hdet_scale.backends import BACKENDS
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train.model import loss_fn, param_count
 
-BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
-
-#: DeepSpeed keys the non-DeepSpeed backends read (same meaning as in DeepSpeed).
-ENGINE_KEYS = ("optimizer.type", "optimizer.params", "train_micro_batch_size_per_gpu",
-               "gradient_accumulation_steps", "train_batch_size", "gradient_clipping", "bf16.enabled")
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
@@ -32,7 +31,7 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check_engine_config(ds: dict, backend: str, world_size: int, hcfg: HDETConfig) -> None:
+def check_engine_config(ds: dict, backend: str, world_size: int) -> None:
     """Checks of the ``deepspeed`` section for the fsdp2 / ddp / fairscale backends
     (DeepSpeed's own are in ``backends.deepspeed.prepare_config``). Pure: the same
     verdict on every rank, before any collective.

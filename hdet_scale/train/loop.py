@@ -51,7 +51,7 @@ def validate(run: dict, world_size: int):
     except HDETConfigError as e:
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":
-        check_engine_config(run["deepspeed"], backend, world_size, hcfg)
+        check_engine_config(run["deepspeed"], backend, world_size)
     if not hcfg.enabled:
         raise HDETConfigError("deepspeed.hdet.enabled: hdet-train trains with HDET; for plain data parallelism "
                               "keep it true and set deepspeed.hdet.axes.lr.spread_ratio=0 "
