@@ -147,10 +147,16 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
      "nothing is left"),
     ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "backend": "fsdp2"}, [],
      "backend=deepspeed"),
+    # replica 1's folder lost: refused on every rank before any collective
+    ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "_replicas_saved": 1}, [],
+     "no folder for replica(s) [1]"),
 ])
 def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, needle):
     ckpt = tmp_path / "run" / "checkpoint"
     ckpt.mkdir(parents=True)
+    layout = dict(layout)
+    for r in range(layout.pop("_replicas_saved", layout["replicas"])):
+        (ckpt / f"replica_{r}" / "global_step10").mkdir(parents=True)
     (ckpt / "hdet_layout.json").write_text(json.dumps(layout))
     (ckpt / "latest").write_text("global_step10")
     proc = hdet_train([f"run_dir={tmp_path / 'run'}", "train.resume=true", *args], timeout=60)
