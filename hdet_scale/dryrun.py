@@ -14,8 +14,10 @@ from hdet_scale.backends import BACKENDS
 from hdet_scale.errors import HDETConfigError
 
 
-SHARDED_BY = {"deepspeed": "ZeRO-3 partitions", "fsdp2": "FSDP2 shards", "ddp": "DDP replicates",
-              "fairscale": "OSS shards optimizer state"}
+INSIDE_REPLICA = {"deepspeed": "ZeRO-3 partitions parameters, gradients and optimizer state",
+                  "fsdp2": "FSDP2 shards parameters, gradients and optimizer state",
+                  "ddp": "every rank holds the full model and optimizer state",
+                  "fairscale": "OSS shards the optimizer state; every rank holds the full model"}
 
 
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed") -> str:
@@ -24,14 +26,29 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     unknown ``backend``."""
     if backend not in BACKENDS:
         raise HDETConfigError(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if world_size < 1:
+        raise HDETConfigError(f"--world-size: must be >= 1 (ranks), got {world_size}")
     from hdet_scale.backends.deepspeed import _load_ds_config, prepare_config
 
     try:
         config = _load_ds_config(config)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}") from None
-    sched = config.setdefault("hdet", {}).setdefault("schedule", {})
-    if total_steps is not None and sched.get("total_steps") is None:
+    if not isinstance(config, dict):
+        raise HDETConfigError(f"the config must be a JSON object, got {type(config).__name__}")
+    if not isinstance(config.get("hdet", {}), dict):
+        raise HDETConfigError(f"hdet: expected an object, got {config['hdet']!r}")
+    if "hdet" not in config:
+        if backend == "deepspeed":
+            return "no hdet block: plain DeepSpeed"
+        raise HDETConfigError(f"hdet: the config has no hdet block (the {backend} backend runs HDET only)")
+    sched = config["hdet"].setdefault("schedule", {})
+    if not isinstance(sched, dict):
+        raise HDETConfigError(f"hdet.schedule: expected an object, got {sched!r}")
+    if total_steps is not None:
+        if sched.get("total_steps") not in (None, total_steps):
+            raise HDETConfigError(f"--total-steps {total_steps} differs from hdet.schedule.total_steps="
+                                  f"{sched['total_steps']} in the file")
         sched["total_steps"] = total_steps
     from hdet_scale.ensemble import build_schedule, decay_for
     from hdet_scale.topology import Layout
@@ -45,7 +62,8 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
         cfg = resolve_config(config, world_size)
     lines = [Layout(world_size, cfg.replicas).describe()]
-    lines.append(f"{backend}: {SHARDED_BY[backend]} inside each shard group of {world_size // cfg.replicas} ranks")
+    lines.append(f"{backend}, inside each replica (shard group of {world_size // cfg.replicas} ranks): "
+                 f"{INSIDE_REPLICA[backend]}")
     if backend == "deepspeed":
         lines.append(f"DeepSpeed train_batch_size per replica: "
                      f"{ds.get('train_batch_size', 'from micro x accumulation')}")

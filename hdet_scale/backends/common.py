@@ -243,8 +243,8 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
 
     Raises:
         HDETStateError: missing checkpoint, written by another ``R x S`` layout or by
-            another backend (each engine has its own file format), or a replica folder
-            missing for the tag. Every replica's diverged weights are tied to its shard
+            another backend (each engine has its own file format), or a replica folder or
+            a rank's HDET state file missing for the tag. Every replica's diverged weights are tied to its shard
             layout, so a different layout is refused rather than silently remapped; to
             change it, converge first and start a new run from the averaged model.
     """
@@ -264,6 +264,11 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
     if missing:
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}")
+    # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
+    lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
+            if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
+    if lost:
+        raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}")
     return tag
 
 

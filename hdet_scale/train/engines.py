@@ -27,6 +27,16 @@ from hdet_scale.train.model import loss_fn, param_count
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 
 
+def optimizer_class_name(name: Any) -> Any:
+    """The :data:`OPTIMIZERS` key for ``name``, case-insensitive as DeepSpeed's
+    ``optimizer.type`` (``adamw`` -> ``AdamW``); ``name`` itself when none matches."""
+    if isinstance(name, str):
+        for key in OPTIMIZERS:
+            if key.lower() == name.lower():
+                return key
+    return name
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -41,10 +51,10 @@ def check_engine_config(ds: dict, backend: str, world_size: int) -> None:
     """
     errors = []
     opt = ds.get("optimizer") or {}
-    kind, params = opt.get("type"), opt.get("params", {}) or {}
+    kind, params = optimizer_class_name(opt.get("type")), opt.get("params", {}) or {}
     if kind not in OPTIMIZERS:
         errors.append(f"deepspeed.optimizer.type: the {backend} backend builds a torch optimizer: one of "
-                      f"{', '.join(OPTIMIZERS)}, got {kind!r}")
+                      f"{', '.join(OPTIMIZERS)} (any case), got {opt.get('type')!r}")
     else:
         accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
         unknown = sorted(set(params) - accepted)
@@ -130,7 +140,7 @@ class TorchEngine:
         ds = run["deepspeed"]
         self.backend = backend
         opt = ds["optimizer"]
-        cls, kwargs = OPTIMIZERS[opt["type"]], dict(opt.get("params", {}) or {})
+        cls, kwargs = OPTIMIZERS[optimizer_class_name(opt["type"])], dict(opt.get("params", {}) or {})
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         self.micro_batch = ds.get("train_micro_batch_size_per_gpu", 1)

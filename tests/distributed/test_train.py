@@ -150,6 +150,9 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
     # replica 1's folder lost: refused on every rank before any collective
     ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "_replicas_saved": 1}, [],
      "no folder for replica(s) [1]"),
+    # a rank's HDET state lost (a save cut short): refused the same way
+    ({"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "_shards_saved": 1}, [],
+     "incomplete: missing replica_0/global_step10/hdet_shard_1.pt"),
 ])
 def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, needle):
     ckpt = tmp_path / "run" / "checkpoint"
@@ -157,6 +160,9 @@ def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, 
     layout = dict(layout)
     for r in range(layout.pop("_replicas_saved", layout["replicas"])):
         (ckpt / f"replica_{r}" / "global_step10").mkdir(parents=True)
+        for s in range(layout.get("_shards_saved", layout["shard_size"])):
+            (ckpt / f"replica_{r}" / "global_step10" / f"hdet_shard_{s}.pt").write_bytes(b"")
+    layout.pop("_shards_saved", None)
     (ckpt / "hdet_layout.json").write_text(json.dumps(layout))
     (ckpt / "latest").write_text("global_step10")
     proc = hdet_train([f"run_dir={tmp_path / 'run'}", "train.resume=true", *args], timeout=60)

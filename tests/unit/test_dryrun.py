@@ -19,7 +19,7 @@ def test_deepspeed_report_names_groups_and_multipliers():
     assert "world 256 = 4 replicas x 64 shards" in text
     assert "replica group 63: ranks [63, 127, 191, 255]" in text
     assert "multipliers [0.7, 0.9, 1.1, 1.3]" in text
-    assert "ZeRO-3 partitions inside each shard group of 64 ranks" in text
+    assert "shard group of 64 ranks): ZeRO-3 partitions" in text
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
@@ -43,3 +43,21 @@ def test_cli_exit_codes_and_errors(tmp_path, capsys):
     path.write_text(json.dumps(bad))
     assert main([str(path), "--world-size", "8", "--backend", "ddp"]) == 2
     assert "hdet.sync_interval" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config,world,backend,needle", [
+    (ZERO3, 0, "fsdp2", "--world-size"),
+    ([1, 2], 8, "deepspeed", "JSON"),
+    ({**ZERO3, "hdet": [1]}, 8, "ddp", "hdet: expected an object"),
+    ({k: v for k, v in ZERO3.items() if k != "hdet"}, 8, "fsdp2", "no hdet block"),
+])
+def test_bad_input_is_a_config_error(config, world, backend, needle):
+    with pytest.raises(HDETConfigError, match=needle):
+        describe(config, world_size=world, backend=backend)
+
+
+def test_no_hdet_block_is_plain_deepspeed_and_total_steps_must_agree():
+    assert describe({k: v for k, v in ZERO3.items() if k != "hdet"}, 8) == "no hdet block: plain DeepSpeed"
+    with pytest.raises(HDETConfigError, match="--total-steps 500 differs"):
+        describe(ZERO3, 8, total_steps=500)
+    assert "world 8" in describe(ZERO3, 8, total_steps=1000)
