@@ -274,7 +274,8 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         _check(errors, 0 <= a.decay < 1, f"{k}.decay", f"must be in [0, 1) (gamma per sync), got {a.decay}")
     if a.enabled and s.total_steps is not None:
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
-               f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}")
+               f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "
+               f"lower it or set {k}.enabled=false")
         _check(errors, cfg.sync_interval < 1 or a.warmup_steps + cfg.sync_interval <= s.total_steps,
                f"{k}.warmup_steps", f"leaves no sync after warm-up: warmup_steps ({a.warmup_steps}) + "
                f"sync_interval ({cfg.sync_interval}) > schedule.total_steps ({s.total_steps})")

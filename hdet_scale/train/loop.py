@@ -67,8 +67,9 @@ def validate(run: dict, world_size: int):
         try:
             check_resumable(ckpt, world_size, hcfg.replicas, backend)
         except HDETStateError as e:
-            raise HDETStateError(f"train.resume: {e} (backend={backend}, nproc / world size {world_size}, "
-                                 f"deepspeed.hdet.replicas={hcfg.replicas})") from None
+            raise HDETStateError(f"train.resume: {e} (this run: backend={backend}, world size {world_size} "
+                                 f"from nproc or the launcher, deepspeed.hdet.replicas={hcfg.replicas}; or use "
+                                 "another run_dir)") from None
         saved = read_layout(ckpt)
         if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
             raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "
