@@ -27,50 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from rank_tools import REPLICAS, S, buffer_arrays, hdet_block, init_dist, lrs, to_numpy
 
-D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 4, 2
-LR = 1e-2
-
-
-# ---- model, data, config -------------------------------------------------------------
-
-class TinyNet(torch.nn.Module):
-    """3 Linear layers and a LayerNorm (8 parameter tensors of unequal sizes, so OSS's
-    greedy partition gives each shard rank several), plus a persistent float buffer: a
-    running mean of the training inputs (like BatchNorm statistics; differs per rank, so
-    converge must average it). The buffer does not enter the output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(D_IN, D_HIDDEN)
-        self.norm = torch.nn.LayerNorm(D_HIDDEN)
-        self.fc2 = torch.nn.Linear(D_HIDDEN, D_HIDDEN)
-        self.head = torch.nn.Linear(D_HIDDEN, D_OUT)
-        self.register_buffer("input_mean", torch.zeros(D_IN))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            with torch.no_grad():
-                self.input_mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
-        h = F.gelu(self.norm(self.fc1(x)))
-        return self.head(torch.tanh(self.fc2(h)))
-
-
-def build_model(seed: int = 0) -> TinyNet:
-    """Same weights on every rank for a given seed, without touching the global RNG."""
-    return rank_tools.seeded_model(TinyNet, seed)
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s batch for optimizer step ``step`` (1-based), from its own generator."""
-    return rank_tools.seeded_batch(10_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
-
-
-def probe_input() -> torch.Tensor:
-    return rank_tools.probe_input(D_IN)
-
-
-def rank() -> int:
-    return dist.get_rank()
+# The model, data and probe are the buffered MLP shared with the other worker module.
+from rank_tools import (D_HIDDEN, D_IN, D_OUT, LR, MICRO, TinyNet, batch, build_model,  # noqa: F401
+                        probe_input, rank)
 
 
 # ---- reading a rank ---------------------------------------------------------------------

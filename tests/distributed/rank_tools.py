@@ -24,9 +24,13 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from harness import run_ranks
 
 REPLICAS, S, WORLD = 2, 2, 4
+# Sizes, micro-batch and LR of the buffered MLP (TinyNet) the DeepSpeed and fairscale workers share.
+D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 4, 2
+LR = 1e-2
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}  # every rank process
 DS_ENV = {"DS_ACCELERATOR": "cpu", **ENV}  # rank processes that run DeepSpeed on CPU
 
@@ -73,9 +77,46 @@ def seeded_batch(seed: int, micro: int, d_in: int, d_out: int) -> tuple[torch.Te
     return torch.randn(micro, d_in, generator=g), torch.randn(micro, d_out, generator=g)
 
 
-def probe_input(d_in: int) -> torch.Tensor:
+def probe_input(d_in: int = D_IN) -> torch.Tensor:
     """The fixed 3-row probe input (seed 999) whose forward output the tests compare."""
     return torch.randn(3, d_in, generator=torch.Generator().manual_seed(999))
+
+
+# The buffered MLP, data and probe input of the DeepSpeed and fairscale workers.
+
+
+class TinyNet(torch.nn.Module):
+    """3 Linear layers and a LayerNorm (small tensors: ZeRO-3 persistent parameters under
+    the default threshold; for OSS, 8 tensors of unequal sizes, so its greedy partition
+    gives each shard rank several), plus a persistent float buffer: a running mean of the inputs
+    seen in training (like BatchNorm statistics; DeepSpeed never syncs it, so it differs
+    between ranks and converge must average it). The buffer does not enter the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, D_HIDDEN)
+        self.norm = torch.nn.LayerNorm(D_HIDDEN)
+        self.fc2 = torch.nn.Linear(D_HIDDEN, D_HIDDEN)
+        self.head = torch.nn.Linear(D_HIDDEN, D_OUT)
+        self.register_buffer("input_mean", torch.zeros(D_IN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.input_mean.mul_(0.9).add_(x.mean(0).to(self.input_mean.dtype), alpha=0.1)
+        h = F.gelu(self.norm(self.fc1(x)))
+        h = torch.tanh(self.fc2(h))
+        return self.head(h)
+
+
+def build_model(seed: int = 0) -> TinyNet:
+    """Same weights on every rank for a given seed, without touching the global RNG."""
+    return seeded_model(TinyNet, seed)
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch for optimizer step ``step`` (1-based), from its own generator."""
+    return seeded_batch(10_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
 
 
 def hdet_block(**overrides: Any) -> dict:
