@@ -18,6 +18,9 @@ from hdet_scale.errors import HDETConfigError
 AXIS_NAMES = ("lr", "weight_decay")
 GRADIENT_SHARING = ("global", "replica")
 SCHEDULES = ("onecycle", "cosine", "constant")
+CONTROLLERS = ("log", "paper")
+FITNESS = ("probe", "train_loss")
+GROUP_MODES = ("tied", "independent")
 
 
 @dataclass
@@ -64,19 +67,61 @@ class ScheduleConfig:
 class AutoConfig:
     """The auto-LR controller (zero-order hypergradient; paper Sec. 3.3, Alg. 1).
 
-    ``warmup_steps``: optimizer steps before the first meta-update. ``temperature``:
-    sigma of the softmax over loss scores. ``momentum``: beta of the velocity.
-    ``step_size``: lambda, the velocity's weight in the new base value. ``decay``:
-    gamma per sync, or ``"auto"`` to derive it so that the base value reaches the
-    schedule's floor at the last sync.
+    ``controller``: ``"log"`` (default) moves a multiplier ``m`` of the user's schedule in
+    log space, ``lr_r = schedule(t) * m * rho_r``; ``"paper"`` is the paper's update of the
+    base value itself, ``h <- h (1 - gamma) + lambda v``, kept for reproduction.
+    ``fitness``: ``"probe"`` (default) scores each replica by its loss on the same probe
+    batches, evaluated just before converge; ``"train_loss"`` by its mean training loss
+    over the interval (the paper; each replica's own data). ``temperature``: sigma of the
+    softmax over loss scores, in nats, or ``"auto"`` (the standard deviation of the
+    replicas' fitness: z-scores). ``momentum``: beta of the velocity. ``step_size``: for
+    ``"log"``, the change of ``log m`` per sync at full agreement (unit hypergradient);
+    for ``"paper"``, lambda. ``decay``: ``"paper"`` only, gamma per sync or ``"auto"``.
+    ``groups``: ``"tied"`` (one multiplier and one permutation per axis, so the user's
+    ratios between parameter groups are kept) or ``"independent"`` (the paper: each group
+    explored on its own). ``max_factor``: ``"log"`` only, bound of ``m`` to
+    ``[1/max_factor, max_factor]``. ``None`` values take the controller's default
+    (:data:`CONTROLLER_DEFAULTS`).
     """
 
     enabled: bool = False
     warmup_steps: int = 0
-    temperature: float = 0.1
-    momentum: float = 0.9
-    step_size: float = 0.5
+    controller: str = "log"
+    fitness: str = "probe"
+    temperature: float | str | None = None
+    momentum: float | None = None
+    step_size: float | None = None
     decay: float | str = "auto"
+    groups: str = "tied"
+    max_factor: float = 100.0
+
+    def resolved(self, name: str) -> Any:
+        """``temperature`` / ``momentum`` / ``step_size`` with ``None`` replaced by the
+        controller's default."""
+        value = getattr(self, name)
+        return CONTROLLER_DEFAULTS[self.controller][name] if value is None else value
+
+
+# Defaults per controller: the paper's text for "paper"; for "log", the values the
+# quality benchmark (docs/quality.md) selected.
+CONTROLLER_DEFAULTS = {
+    "paper": {"temperature": 0.1, "momentum": 0.9, "step_size": 0.5},
+    "log": {"temperature": "auto", "momentum": 0.5, "step_size": 0.5},
+}
+
+
+@dataclass
+class WarmInitConfig:
+    """Warm noisy initialisation (paper Sec. "Warm Noisy Initialization"): before the
+    first fan-out each replica adds independent Gaussian noise ``N(0, nu^2 * ||theta||^2 / d)``
+    to every floating parameter, with ``||theta||`` and ``d`` the norm and parameter count
+    of the whole model (the paper's text; std = ``nu * RMS(theta)``, see
+    :mod:`hdet_scale.warm_init`). ``seed`` seeds the noise generators (one per replica
+    and shard)."""
+
+    enabled: bool = False
+    nu: float = 0.01
+    seed: int = 0
 
 
 @dataclass
@@ -123,6 +168,7 @@ class HDETConfig:
     axes: dict[str, AxisConfig] = field(default_factory=lambda: {"lr": AxisConfig()})
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     auto: AutoConfig = field(default_factory=AutoConfig)
+    warm_init: WarmInitConfig = field(default_factory=WarmInitConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @classmethod
@@ -186,7 +232,7 @@ def _parse(cls: type, data: Any, prefix: str, errors: list[str]) -> Any:
             continue
         value, key = data[name], f"{prefix}.{name}"
         sub = {"schedule": ScheduleConfig, "auto": AutoConfig, "logging": LoggingConfig,
-               "wandb": WandbConfig}.get(name)
+               "wandb": WandbConfig, "warm_init": WarmInitConfig}.get(name)
         if sub is not None and f.type in (sub.__name__, sub):
             kwargs[name] = _parse(sub, value, key, errors)
         elif name == "axes" and cls is HDETConfig:
@@ -264,14 +310,30 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
     _check(errors, not (s.cycle_momentum and s.name != "onecycle"), f"{k}.cycle_momentum",
            "needs schedule.name = 'onecycle'")
     a, k = cfg.auto, f"{p}.auto"
-    _check(errors, 0 < a.temperature < math.inf, f"{k}.temperature", f"must be finite and > 0, got {a.temperature}")
-    _check(errors, 0 <= a.momentum < 1, f"{k}.momentum", f"must be in [0, 1), got {a.momentum}")
-    _check(errors, a.step_size >= 0, f"{k}.step_size", f"must be >= 0, got {a.step_size}")
+    _check(errors, a.controller in CONTROLLERS, f"{k}.controller",
+           f"must be one of {', '.join(CONTROLLERS)}, got {a.controller!r}")
+    _check(errors, a.fitness in FITNESS, f"{k}.fitness", f"must be one of {', '.join(FITNESS)}, got {a.fitness!r}")
+    _check(errors, a.groups in GROUP_MODES, f"{k}.groups", f"must be one of {', '.join(GROUP_MODES)}, got {a.groups!r}")
+    if isinstance(a.temperature, str):
+        _check(errors, a.temperature == "auto", f"{k}.temperature",
+               f"must be a float > 0 (nats), 'auto' or null, got {a.temperature!r}")
+    elif a.temperature is not None:
+        _check(errors, 0 < a.temperature < math.inf, f"{k}.temperature",
+               f"must be finite and > 0, got {a.temperature}")
+    _check(errors, a.momentum is None or 0 <= a.momentum < 1, f"{k}.momentum", f"must be in [0, 1), got {a.momentum}")
+    _check(errors, a.step_size is None or 0 <= a.step_size < math.inf, f"{k}.step_size",
+           f"must be finite and >= 0, got {a.step_size}")
     _check(errors, a.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0 (optimizer steps), got {a.warmup_steps}")
+    _check(errors, 1 <= a.max_factor < math.inf, f"{k}.max_factor", f"must be finite and >= 1, got {a.max_factor}")
     if isinstance(a.decay, str):
         _check(errors, a.decay == "auto", f"{k}.decay", f"must be a float in [0, 1) or 'auto', got {a.decay!r}")
     else:
         _check(errors, 0 <= a.decay < 1, f"{k}.decay", f"must be in [0, 1) (gamma per sync), got {a.decay}")
+        _check(errors, a.controller == "paper" or a.decay == 0, f"{k}.decay",
+               "is a setting of controller 'paper' (the 'log' controller follows the schedule's own decay); "
+               "remove it or set auto.controller='paper'")
+    w = cfg.warm_init
+    _check(errors, math.isfinite(w.nu) and w.nu >= 0, f"{p}.warm_init.nu", f"must be finite and >= 0, got {w.nu}")
     if a.enabled and s.total_steps is not None:
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "

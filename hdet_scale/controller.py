@@ -1,14 +1,28 @@
 """Auto-LR: the zero-order hypergradient meta-update (paper Sec. 3.3, Alg. 1).
 
 Pure functions on Python floats / CPU float64 tensors, no collectives: every rank feeds
-them the same all-reduced losses and so computes the same new base values. At sync k::
+them the same all-reduced losses and so computes the same new values. At sync k::
 
-    L_r   = mean training loss of replica r over the interval
+    L_r   = fitness of replica r (probe loss, or mean training loss over the interval)
     s_r   = (mean(L) - L_r) / sigma            (better replica -> larger score)
     w     = softmax(s)
+
+The paper's update ("paper") moves the base value itself::
+
     Delta = sum_r w_r h_r - mean_r h_r          (zero-order estimate of -dL/dh)
     v     <- beta v + (1 - beta) Delta
     h     <- h (1 - gamma) + lambda v
+
+The log-space update ("log", hdet_scale's default) moves a multiplier ``m`` of the
+user's schedule, with a scale-free hypergradient ``g = Delta / (alpha * mean(h))``: the
+softmax-weighted mean of the replicas' spread offsets, in ``[-1, 1]`` (+1: all weight on
+the largest value)::
+
+    v     <- beta v + (1 - beta) g
+    log m <- clip(log m + step_size * v, -log(max_factor), log(max_factor))
+
+``sigma`` is a fixed temperature in nats, or the replicas' fitness standard deviation
+(z-scores; :func:`auto_temperature`), which makes ``g`` independent of the loss scale.
 """
 
 from __future__ import annotations
@@ -30,6 +44,15 @@ class Weights:
     finite: list[bool]
 
 
+def auto_temperature(losses: list[float]) -> float:
+    """Population standard deviation of the finite losses (0.0 with fewer than two): the
+    temperature that turns scores into z-scores."""
+    kept = [x for x in losses if math.isfinite(x)]
+    if len(kept) < 2:
+        return 0.0
+    return float(torch.tensor(kept, dtype=torch.float64).std(unbiased=False))
+
+
 def softmax_weights(losses: list[float], temperature: float) -> Weights:
     """``w = softmax((mean(L) - L) / sigma)`` over the replicas with a finite loss.
 
@@ -38,12 +61,16 @@ def softmax_weights(losses: list[float], temperature: float) -> Weights:
 
     Args:
         losses: interval loss per replica (length R), nats.
-        temperature: sigma > 0, in loss units.
+        temperature: sigma >= 0, in loss units. 0 (equal losses under an automatic
+            temperature) gives equal weights.
     """
     finite = [math.isfinite(x) for x in losses]
     if not any(finite):
         return Weights([0.0] * len(losses), finite)
     kept = torch.tensor([x for x, ok in zip(losses, finite) if ok], dtype=torch.float64)
+    if temperature <= 0:
+        n = len(kept)
+        return Weights([1.0 / n if ok else 0.0 for ok in finite], finite)
     scores = (kept.mean() - kept) / temperature
     w = torch.softmax(scores, dim=0).tolist()
     it = iter(w)
@@ -96,3 +123,23 @@ def derive_decay(start: float, floor: float, num_syncs: int, key: str = "hdet.au
         raise HDETConfigError(f"{key}: derived gamma = {gamma:.6g} is outside [0, 1) (floor {floor:.6g} above "
                               f"start {start:.6g}); set hdet.auto.decay in [0, 1) explicitly")
     return gamma
+
+
+def normalized_hypergradient(weights: Weights, offsets: list[float]) -> float:
+    """``g = sum_r w_r off_r - mean_r off_r`` with ``off_r`` replica r's spread offset in
+    ``[-1, 1]`` (``axes.spread_offsets`` under the permutation): ``Delta / (alpha h)``
+    for a multiplicative axis. In ``[-1, 1]``; 0 when no replica is finite."""
+    if not any(weights.finite):
+        return 0.0
+    return sum(w * o for w, o in zip(weights.weights, offsets)) - sum(offsets) / len(offsets)
+
+
+def log_update(log_m: float, velocity: float, g: float, momentum: float, step_size: float,
+               max_factor: float) -> tuple[float, float]:
+    """One log-space meta-step: returns ``(new_log_m, new_velocity)``.
+
+    ``v' = beta v + (1 - beta) g``; ``log m' = clip(log m + step_size v', +-log(max_factor))``.
+    """
+    velocity = momentum * velocity + (1.0 - momentum) * g
+    bound = math.log(max_factor)
+    return min(max(log_m + step_size * velocity, -bound), bound), velocity

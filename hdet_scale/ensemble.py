@@ -19,12 +19,11 @@ from typing import Any, Protocol
 import torch
 
 from hdet_scale import axes as ax
-from hdet_scale import controller as ctl
+from hdet_scale.autolr import Controller, build_schedule, check_config, decay_for  # noqa: F401 (re-exported)
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
-from hdet_scale.schedules import Constant, Cosine, OneCycle, Schedule
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 class Sync(Protocol):
@@ -35,6 +34,7 @@ class Sync(Protocol):
 
     def add_loss(self, loss: Any) -> None: ...
     def interval_losses(self) -> tuple[list[float], list[int]]: ...  # collective; resets
+    def probe_losses(self, probe: Any) -> list[float]: ...  # collective; fitness per replica
     def converge(self, finite: list[bool]) -> None: ...  # collective
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
@@ -62,49 +62,6 @@ class LiveParamGroups(Mapping):
 
     def __len__(self) -> int:
         return len(self._optimizers)
-
-
-def build_schedule(cfg: HDETConfig) -> Schedule:
-    s = cfg.schedule
-    if s.name == "onecycle":
-        return OneCycle(s.total_steps, s.pct_start, s.anneal_strategy, s.div_factor, s.final_div_factor,
-                        s.three_phase, s.base_momentum, s.max_momentum)
-    if s.name == "cosine":
-        return Cosine(s.total_steps, s.warmup_steps, s.min_ratio)
-    return Constant(s.total_steps, s.warmup_steps)
-
-
-def decay_for(cfg: HDETConfig, schedule: Schedule, axis: str, peak: float) -> float:
-    """gamma of one explored (axis, group): ``hdet.auto.decay`` if given, else derived
-    (``controller.derive_decay``) so that the LR base reaches the schedule's floor at the
-    last sync. Axes without a schedule keep their level (gamma 0).
-
-    The first meta-update runs at the first sync at or after ``auto.warmup_steps``
-    (step ``first``), and K counts the syncs from there to ``total_steps`` inclusive.
-
-    Raises:
-        HDETConfigError: a derived gamma outside [0, 1).
-    """
-    auto = cfg.auto
-    if not (auto.enabled and cfg.axis_auto(axis)):
-        return 0.0
-    if not isinstance(auto.decay, str):
-        return float(auto.decay)
-    if axis != "lr":
-        return 0.0
-    T, total = cfg.sync_interval, cfg.schedule.total_steps
-    first = max(math.ceil(auto.warmup_steps / T), 1) * T
-    k_syncs = (total - first) // T + 1 if first <= total else 0
-    return ctl.derive_decay(schedule.value(min(first, total), peak), schedule.floor(peak), k_syncs)
-
-
-def check_config(cfg: HDETConfig) -> None:
-    """Checks that need the schedule (the derived decay) without an optimizer: the
-    ratio floor/start does not depend on the peak, so peak 1.0 stands for every group.
-    Pure; raises HDETConfigError."""
-    schedule = build_schedule(cfg)
-    for axis in cfg.axes:
-        decay_for(cfg, schedule, axis, 1.0)
 
 
 class HDETScheduler:
@@ -146,10 +103,9 @@ class HDETScheduler:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0
         self.sync_count = 0
-        self.base: dict[tuple[str, int], float] = {}  # meta-updated base values, once auto-LR runs
-        self.velocity = {k: 0.0 for k in self.explored}
-        self.decay = self._decays()
-        self.permutations = {k: ax.draw_permutation(self.generator, self.replicas) for k in self.explored}
+        self.controller = Controller(config, self.schedule, self.peaks, self.explored)
+        self.probe: Any = None
+        self.permutations = self._draw_permutations()
         self.last_sync: dict[str, Any] = {}
         self._apply()
 
@@ -189,11 +145,50 @@ class HDETScheduler:
             out.extend((name, g) for g in groups)
         return out
 
-    def _decays(self) -> dict[tuple[str, int], float]:
-        return {(a, g): decay_for(self.config, self.schedule, a, self.peaks[g]) for a, g in self.explored}
+    def _draw_permutations(self) -> dict[tuple[str, int], list[int]]:
+        """One permutation per explored (axis, group) ("independent" groups, the paper), or
+        one per axis shared by its groups ("tied": every group of a replica gets the same
+        multiplier, so the user's LR ratios between groups hold). Sorted order, so every
+        rank draws the same sequence from the same generator."""
+        if self.config.auto.groups == "independent":
+            return {k: ax.draw_permutation(self.generator, self.replicas) for k in self.explored}
+        per_axis: dict[str, list[int]] = {}
+        for a, _ in self.explored:
+            if a not in per_axis:
+                per_axis[a] = ax.draw_permutation(self.generator, self.replicas)
+        return {(a, g): list(per_axis[a]) for a, g in self.explored}
+
+    # The controller's state, under the names the scheduler has always published.
+    @property
+    def base(self) -> dict[tuple[str, int], float]:
+        return self.controller.base
+
+    @property
+    def velocity(self) -> dict[tuple[str, int], float]:
+        return self.controller.velocity
+
+    @property
+    def decay(self) -> dict[tuple[str, int], float]:
+        return self.controller.decay
 
     def attach(self, sync: Sync) -> None:
         self.sync_obj = sync
+
+    def set_probe(self, probe: Any) -> None:
+        """The probe that ``auto.fitness = "probe"`` scores replicas with: called at each
+        meta-update, before converge, through the sync (``DistributedSync.probe_losses``:
+        ``probe() -> this rank's loss on its probe slice``; the simulator:
+        ``probe(model, r) -> loss``). ``None`` removes it."""
+        self.probe = probe
+
+    def check_probe(self) -> None:
+        """Raise HDETConfigError when auto-LR scores replicas by probe loss but no probe
+        is set (call before the first collective)."""
+        auto = self.config.auto
+        if auto.enabled and auto.fitness == "probe" and self.probe is None:
+            raise HDETConfigError("hdet.auto.fitness: 'probe' needs probe batches: pass probe=... to initialize "
+                                  "(a function returning this rank's loss on its slice of fixed probe batches, "
+                                  "the same batches for every replica), or set hdet.auto.fitness='train_loss'")
 
     @property
     def topology(self) -> Any:
@@ -204,16 +199,21 @@ class HDETScheduler:
     # ---- values -------------------------------------------------------------------------
     @property
     def auto_active(self) -> bool:
-        """True once the first meta-update has run (base values piecewise constant)."""
-        return bool(self.base)
+        """True once the first meta-update has run."""
+        return self.controller.active
 
-    def base_value(self, axis: str, group: int) -> float:
-        """The shared (un-spread) value of ``axis`` for ``group`` at the current step."""
-        if (axis, group) in self.base:
-            return self.base[(axis, group)]
+    def raw_value(self, axis: str, group: int) -> float:
+        """The value without auto-LR: the schedule's LR at the current step, or the
+        optimizer's initial value for other axes."""
         if axis == "lr":
             return self.schedule.value(min(self.step_count, self.total_steps), self.peaks[group])
         return self.initial[(axis, group)]
+
+    def base_value(self, axis: str, group: int) -> float:
+        """The shared (un-spread) value of ``axis`` for ``group`` at the current step:
+        the raw value times the auto-LR multiplier ("log"), or the meta-updated base
+        ("paper")."""
+        return self.controller.value((axis, group), self.raw_value(axis, group))
 
     def replica_values(self, axis: str, group: int) -> list[float]:
         """Value of ``axis`` for ``group`` on each of the R replicas at the current step."""
@@ -283,9 +283,20 @@ class HDETScheduler:
 
     def sync(self) -> dict[str, Any]:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at
-        the same step. Returns the published record (also in ``self.last_sync``)."""
+        the same step. With ``auto.fitness = "probe"`` the probe runs first (before
+        converge makes the replicas equal). Returns the published record (also in
+        ``self.last_sync``)."""
         losses, counts = self.sync_obj.interval_losses()
-        finite = [math.isfinite(x) for x in losses]
+        auto = self.config.auto
+        meta = auto.enabled and self.step_count >= auto.warmup_steps
+        fitness = losses
+        if meta and auto.fitness == "probe":
+            self.check_probe()
+            fitness = self.sync_obj.probe_losses(self.probe)
+        # A replica whose training (or probe) loss is NaN/inf is left out of the average. A
+        # replica that recorded no training loss (step() without one) is not suspect: the
+        # probe alone needs none.
+        finite = [(math.isfinite(x) or c == 0) and math.isfinite(f) for x, c, f in zip(losses, counts, fitness)]
         t0 = time.perf_counter()
         self.sync_obj.converge(finite)
         converge_s = time.perf_counter() - t0
@@ -294,39 +305,21 @@ class HDETScheduler:
                                   "hdet/converge_s": converge_s}
         for r, x in enumerate(losses):
             record[f"hdet/loss/replica_{r}"] = x
+        if fitness is not losses:
+            for r, x in enumerate(fitness):
+                record[f"hdet/fitness/replica_{r}"] = x
         record.update(self.replica_record())  # the values the interval ran with
         if not all(finite):
             record["hdet/nonfinite_replicas"] = [r for r, ok in enumerate(finite) if not ok]
-        auto = self.config.auto
-        if auto.enabled and self.step_count >= auto.warmup_steps:
-            # One Delta per explored (axis, group); the first meta-update starts from the
-            # schedule's value at this step (HDET.md, auto-LR).
-            if not any(counts):
+        if meta:
+            if auto.fitness == "train_loss" and not any(counts):
                 raise HDETConfigError("hdet.auto.enabled: auto-LR needs the training loss; pass it to the "
                                       "scheduler: engine.step(lr_kwargs={'loss': loss}) or scheduler.step(loss)")
-            weights = ctl.softmax_weights(losses, auto.temperature)
-            for r, w in enumerate(weights.weights):
-                record[f"hdet/weight/replica_{r}"] = w
-            for key in self.explored:
-                a, g = key
-                if not self.config.axis_auto(a):
-                    continue
-                values = self.applied[key]  # what the interval's last step ran with
-                base = self.base_value(a, g)  # before the first update: the schedule's value now
-                delta = ctl.hypergradient(weights, values)
-                new_base, self.velocity[key] = ctl.meta_update(
-                    base, self.velocity[key], delta, auto.momentum, auto.step_size, self.decay[key])
-                # The velocity remembers larger, older bases; under a strong decay it can
-                # outweigh base * (1 - gamma) and send the LR below zero. Floor: the
-                # schedule's final LR (0 for other multiplicative axes).
-                floor = self.schedule.floor(self.peaks[g]) if a == "lr" else 0.0
-                if self.config.axes[a].kind == "multiplicative" and new_base < floor:
-                    new_base = floor
-                    record[f"hdet/{a}/group_{g}/floored"] = 1
-                self.base[key] = new_base
-                record[f"hdet/{a}/group_{g}/hypergradient"] = delta
-                record[f"hdet/{a}/group_{g}/velocity"] = self.velocity[key]
-        self.permutations = {k: ax.draw_permutation(self.generator, self.replicas) for k in self.explored}
+            scored = [f if ok else float("nan") for f, ok in zip(fitness, finite)]
+            # Before the first update, the paper controller starts from the schedule's value now.
+            self.controller.update(scored, self.permutations, self.applied,
+                                   lambda k: self.base_value(*k), record)
+        self.permutations = self._draw_permutations()
         for a in sorted(self.config.axes):
             for g in range(self.num_groups):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
@@ -334,6 +327,17 @@ class HDETScheduler:
         if self.logger is not None:
             self.logger.log(record, step=self.step_count)
         return record
+
+    def warm_init(self) -> bool:
+        """Warm noisy initialisation (``hdet.warm_init``): each replica adds its own noise
+        to its weights before the first step. Collective (every rank calls it; backends'
+        ``initialize`` do). Does nothing when disabled or after step 0 (a resumed run
+        loads its weights afterwards anyway). Returns whether noise was added."""
+        w = self.config.warm_init
+        if not w.enabled or w.nu == 0 or self.step_count > 0:
+            return False
+        self.sync_obj.add_noise(w.nu, w.seed)
+        return True
 
     def converge(self) -> None:
         """Average the replicas now (every rank must call it), without a meta-update,
@@ -361,8 +365,7 @@ class HDETScheduler:
             "sync_interval": self.config.sync_interval,
             "step": self.step_count,
             "sync_count": self.sync_count,
-            "base": dict(self.base),
-            "velocity": dict(self.velocity),
+            "controller": self.controller.state_dict(),
             "permutations": {k: list(v) for k, v in self.permutations.items()},
             "generator": self.generator.get_state(),
             "sync": self.sync_obj.state_dict() if self.sync_obj is not None else {},
@@ -385,8 +388,7 @@ class HDETScheduler:
             raise HDETStateError("checkpoint explores different (axis, group) pairs than hdet.axes now does")
         self.step_count = state["step"]
         self.sync_count = state["sync_count"]
-        self.base = dict(state["base"])
-        self.velocity = dict(state["velocity"])
+        self.controller.load_state_dict(state["controller"])
         self.permutations = {k: list(v) for k, v in state["permutations"].items()}
         self.generator.set_state(state["generator"])
         if self.sync_obj is not None and state.get("sync"):

@@ -285,7 +285,9 @@ class OneCycleAutoLR(HDETScheduler):
                               "final_div_factor": float(final_div), "three_phase": bool(three_phase),
                               "cycle_momentum": False},  # cycled here, per group (OneCycleLR allows lists)
                  "auto": {"enabled": auto, "warmup_steps": warmup, "temperature": float(loss_scale),
-                          "momentum": float(momentum_of_lr), "step_size": float(lr_of_lr), "decay": "auto"}}
+                          "momentum": float(momentum_of_lr), "step_size": float(lr_of_lr), "decay": "auto",
+                          # the paper's update, fitness and per-group exploration
+                          "controller": "paper", "fitness": "train_loss", "groups": "independent"}}
         try:
             cfg = HDETConfig.from_dict(block, prefix="OneCycleAutoLR")
             check_config(cfg)

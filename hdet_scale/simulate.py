@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from hdet_scale import warm_init as wi
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
@@ -150,6 +151,30 @@ class SimulatedSync:
         self._count = [0] * self.replicas
         return [s / c if c > 0 else float("nan") for s, c in zip(sums, counts)], counts
 
+    def probe_losses(self, probe: Callable[[nn.Module, int], Any]) -> list[float]:
+        """Fitness of every replica: ``probe(model_r, r)`` (a scalar tensor or float,
+        nats) under ``torch.no_grad``, for r = 0 .. R-1. It must score every replica on
+        the same batches; on real ranks that is the mean over the replica's S shard ranks
+        of their probe slices (``DistributedSync.probe_losses``)."""
+        out = []
+        with torch.no_grad():
+            for r, model in enumerate(self.models):
+                loss = probe(model, r)
+                out.append(float(loss.detach().double()) if isinstance(loss, torch.Tensor) else float(loss))
+        return out
+
+    @torch.no_grad()
+    def add_noise(self, nu: float, seed: int) -> None:
+        """Warm noisy initialisation (:mod:`hdet_scale.warm_init`): replica r adds
+        ``N(0, (nu * RMS)^2)`` to its floating parameters, in ``parameters()`` order, from
+        a generator seeded with ``noise_seed(seed, r, 0)``: the draws of a real rank that
+        holds the full model (DDP, S = 1)."""
+        for r, model in enumerate(self.models):
+            params = [p for p in model.parameters() if p.is_floating_point()]
+            sumsq, count = wi.sum_of_squares(params)
+            gen = torch.Generator().manual_seed(wi.noise_seed(seed, r, 0))
+            wi.add_noise_(params, nu * (sumsq / count) ** 0.5, gen)
+
     # ---- averaging ----------------------------------------------------------------------
     @torch.no_grad()
     def share_gradients(self) -> None:
@@ -216,6 +241,11 @@ class Simulator:
             of parameter groups.
         config: an :class:`HDETConfig` or an ``"hdet"`` block (dict, parsed with
             :meth:`HDETConfig.from_dict`). ``replicas`` is R.
+        probe_fn: ``(model_r, r) -> loss`` on fixed probe batches, the same for every r
+            (run under ``torch.no_grad``; switch dropout off inside it if the model has
+            any); needed when ``auto.fitness`` is ``"probe"`` and auto-LR is enabled.
+            With ``warm_init.enabled``, each replica's noise is added after the copy of
+            replica 0's weights.
 
     Attributes:
         models, optimizers: lists of length R.
@@ -225,14 +255,15 @@ class Simulator:
 
     Raises:
         HDETConfigError: an invalid config (from ``HDETConfig.from_dict`` or the
-            scheduler).
+            scheduler), or a probe fitness without ``probe_fn``.
         ValueError: optimizers with different numbers of parameter groups, or replicas
             with different parameter shapes.
     """
 
     def __init__(self, model_fn: Callable[[], nn.Module],
                  optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 config: HDETConfig | Mapping[str, Any]) -> None:
+                 config: HDETConfig | Mapping[str, Any],
+                 probe_fn: Callable[[nn.Module, int], torch.Tensor] | None = None) -> None:
         self.config = config if isinstance(config, HDETConfig) else HDETConfig.from_dict(config)
         R = self.config.replicas
         self.models = [model_fn() for _ in range(R)]
@@ -247,6 +278,9 @@ class Simulator:
         self.sync = SimulatedSync(self.models, self.optimizers, self.config.gradient_sharing)
         self.scheduler = HDETScheduler(self.config, LiveParamGroups(dict(enumerate(self.optimizers))))
         self.scheduler.attach(self.sync)
+        self.scheduler.set_probe(probe_fn)
+        self.scheduler.check_probe()
+        self.scheduler.warm_init()
 
     @property
     def replicas(self) -> int:

@@ -12,6 +12,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from hdet_scale import warm_init as wi
 from hdet_scale.averaging import mean_all_reduce_
 from hdet_scale.topology import Topology
 
@@ -21,6 +22,7 @@ class Backend(Protocol):
 
     device: torch.device
     shares_gradients: bool  # True: the engine averages gradients over all W ranks itself
+    sharded_masters: bool  # True: master_tensors are this rank's 1/S shard (ZeRO-3, FSDP2)
 
     def master_tensors(self) -> Sequence[torch.Tensor]: ...  # local tensors the optimizer updates
     def buffers(self) -> Sequence[torch.Tensor]: ...  # floating buffers to average
@@ -99,6 +101,41 @@ class DistributedSync(LossAccumulator):
         counts = [int(c) for c in t[:, 1].tolist()]
         losses = [s / c if c > 0 else float("nan") for s, c in zip(t[:, 0].tolist(), counts)]
         return losses, counts
+
+    def probe_losses(self, probe: Any) -> list[float]:
+        """Fitness of every replica: the mean over its S ranks of ``probe()``, this rank's
+        loss (0-dim tensor or float, nats) on its slice of the probe batches, run under
+        ``torch.no_grad``. Every replica must evaluate the same batches (shard rank s of
+        every replica takes slice s) so that the losses differ by the weights alone.
+        Collective on the world group (one all-reduce of R float64 values); the forward
+        passes inside ``probe`` may issue the engine's own collectives."""
+        with torch.no_grad():
+            loss = probe()
+        t = torch.zeros(self.replicas, dtype=torch.float64, device=self.backend.device)
+        value = loss.detach().reshape(()).to(t) if isinstance(loss, torch.Tensor) else float(loss)
+        t[self.topology.replica_index] = value / self.topology.shard_size
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
+        return t.cpu().tolist()
+
+    def add_noise(self, nu: float, seed: int) -> None:
+        """Warm noisy initialisation (:mod:`hdet_scale.warm_init`): add
+        ``N(0, (nu * RMS)^2)`` to this rank's masters, RMS over the whole model, then
+        refresh the working copies. Sharded masters: the sum of squares is all-reduced
+        over the shard group and each shard draws its own noise (seed from replica and
+        shard index), so the draws depend on S, not their distribution. Full copies:
+        every rank of a replica draws the same noise. Collective on the shard group."""
+        masters = list(self.backend.master_tensors())
+        sumsq, count = wi.sum_of_squares(masters)
+        sharded = getattr(self.backend, "sharded_masters", False)
+        if sharded and self.topology.shard_size > 1:
+            t = torch.tensor([sumsq, float(count)], dtype=torch.float64, device=self.backend.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.shard_group)
+            sumsq, count = t.tolist()
+        std = nu * (sumsq / count) ** 0.5 if count else 0.0
+        shard = self.topology.shard_index if sharded else 0
+        gen = torch.Generator().manual_seed(wi.noise_seed(seed, self.topology.replica_index, shard))
+        wi.add_noise_(masters, std, gen)
+        self.backend.refresh()
 
     def converge(self, finite: list[bool]) -> None:
         """Average the local masters and buffers over the replica group, leaving out the

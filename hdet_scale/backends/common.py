@@ -76,12 +76,35 @@ def make_logger(cfg: HDETConfig, topology: Topology, run_config: dict | None = N
                          enabled=topology.rank == 0)
 
 
-def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend: Any,
-                    logger: Any = None) -> HDETScheduler:
-    """The scheduler of this rank (its replica's param groups, read live) with its
-    :class:`~hdet_scale.sync.DistributedSync` attached."""
-    scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
+def check_probe(cfg: HDETConfig, probe: Any) -> None:
+    """Before any collective, on every rank: ``auto.fitness = "probe"`` with auto-LR on
+    needs a probe function. Raises HDETConfigError."""
+    auto = cfg.auto
+    if cfg.enabled and auto.enabled and auto.fitness == "probe" and probe is None:
+        raise HDETConfigError("hdet.auto.fitness: 'probe' (the default) needs probe batches: pass "
+                              "probe=lambda model: <this rank's loss on its slice of fixed probe batches, the "
+                              "same batches in every replica> to initialize, or set hdet.auto.fitness='train_loss'")
+    if probe is not None and not callable(probe):
+        raise HDETConfigError(f"probe: expected a function model -> loss, got {type(probe).__name__}")
+
+
+def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any) -> None:
+    """Attach this rank's :class:`~hdet_scale.sync.DistributedSync` (installs the
+    gradient-sharing hook), bind ``probe`` to ``model`` (the object the user's forward
+    runs on: the DeepSpeed engine, the FSDP2 / DDP module), and apply the warm noisy
+    initialisation when configured. Collective (warm init: on the shard group)."""
+    cfg = scheduler.config
     scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing))
+    scheduler.set_probe(None if probe is None else (lambda: probe(model)))
+    scheduler.warm_init()
+
+
+def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend: Any,
+                    logger: Any = None, model: Any = None, probe: Any = None) -> HDETScheduler:
+    """The scheduler of this rank (its replica's param groups, read live) with its
+    :class:`~hdet_scale.sync.DistributedSync` attached (:func:`attach_sync`)."""
+    scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
+    attach_sync(scheduler, topology, backend, model, probe)
     return scheduler
 
 
@@ -165,6 +188,7 @@ class FullParamsBackend:
     """
 
     shares_gradients = True
+    sharded_masters = False  # every rank of a replica holds the full parameters
 
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
         self.module = module

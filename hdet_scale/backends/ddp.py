@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_resumable, checkpoint_target,
+from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_probe, check_resumable, checkpoint_target,
                                         default_device, finish_checkpoint, init_process_group, load_hdet_state,
                                         make_logger, replica_dir, resolve_config, save_hdet_state, unwrap, wrap_ddp)
 from hdet_scale.config import HDETConfig
@@ -43,7 +43,8 @@ MODEL_FILE = "model_optim.pt"
 
 def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
                optimizer_fn: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,
-               device: torch.device | None = None, logger: Any = None, ddp_kwargs: dict | None = None
+               device: torch.device | None = None, logger: Any = None, ddp_kwargs: dict | None = None,
+               probe: Callable[[Any], Any] | None = None
                ) -> tuple[DistributedDataParallel, torch.optim.Optimizer, HDETScheduler]:
     """Wrap ``model`` in DDP for an ``R x S`` HDET world and build its scheduler.
 
@@ -62,6 +63,11 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
             ``hdet.logging`` (global rank 0 writes).
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (not ``process_group``:
             ``hdet.gradient_sharing`` chooses it).
+        probe: ``probe(ddp_model) -> loss`` (0-dim tensor or float, nats): this rank's
+            loss on its slice of fixed probe batches (shard rank s of every replica the
+            same slice s), run under ``torch.no_grad`` at each auto-LR sync before
+            converge; the replica's fitness is the mean over its S ranks. Needed when
+            ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on.
 
     Returns:
         ``(ddp_model, optimizer, scheduler)``. Drive it as usual and pass the loss to the
@@ -76,6 +82,7 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
             explored hyperparameter): still before the first collective, on every rank.
     """
     cfg = resolve_config(config)
+    check_probe(cfg, probe)
     ddp_kwargs = dict(ddp_kwargs or {})
     if "process_group" in ddp_kwargs:
         raise HDETConfigError("ddp_kwargs.process_group: chosen by hdet.gradient_sharing ('global': the world, "
@@ -91,7 +98,7 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
     ddp_model = wrap_ddp(model, cfg, topology, device, ddp_kwargs)
     if logger is None:
         logger = make_logger(cfg, topology)
-    scheduler = build_scheduler(cfg, topology, optimizer, FullParamsBackend(model, device), logger)
+    scheduler = build_scheduler(cfg, topology, optimizer, FullParamsBackend(model, device), logger, ddp_model, probe)
     return ddp_model, optimizer, scheduler
 
 

@@ -24,13 +24,12 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.common import (check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
+from hdet_scale.backends.common import (attach_sync, check_probe, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
 
 _FLAT_ATTRS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_partitions_flat_buffer",
@@ -56,6 +55,7 @@ class DeepSpeedBackend:
     """
 
     shares_gradients = False  # ZeRO reduces inside the shard group only: HDET's hook crosses replicas
+    sharded_masters = True  # master_tensors are this rank's shard of the replica
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -182,11 +182,19 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
 
 def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, collate_fn: Any = None, logger: Any = None,
-               dist_backend: str | None = None, **kwargs: Any):
+               dist_backend: str | None = None, probe: Any = None, **kwargs: Any):
     """``deepspeed.initialize`` with HDET set up from the config's ``"hdet"`` block.
 
     ``logger``: a :class:`~hdet_scale.logging.MetricsLogger`; by default one is built
     from ``hdet.logging`` (global rank 0 writes).
+
+    ``probe``: ``probe(engine) -> loss`` (0-dim tensor or float, nats), this rank's loss
+    on its slice of fixed probe batches (shard rank s of every replica evaluates the same
+    slice s; :attr:`Topology.shard_index` of ``scheduler.topology``). It runs under
+    ``torch.no_grad`` at each auto-LR sync, inside ``engine.step`` after the optimizer
+    step and before converge; the replica's fitness is the mean over its S ranks. Needed
+    when ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on. With
+    ``hdet.warm_init.enabled``, each replica's noise is added before this returns.
 
     Returns ``(engine, optimizer, dataloader, scheduler)`` like DeepSpeed; the scheduler is
     an :class:`~hdet_scale.ensemble.HDETScheduler` (also ``engine.lr_scheduler``), driven
@@ -201,6 +209,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     import deepspeed
 
     cfg, ds = prepare_config(config)
+    check_probe(cfg, probe)
     if not cfg.enabled:
         engine, opt, loader, sched = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
                                                           model_parameters=model_parameters,
@@ -228,8 +237,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                                              config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler, **kwargs)
     scheduler = holder["s"]
-    backend = DeepSpeedBackend(engine)
-    scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing))
+    attach_sync(scheduler, topology, DeepSpeedBackend(engine), engine, probe)
     loader = None
     if training_data is not None:
         sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=topology.world_size,

@@ -36,7 +36,7 @@ arXiv 2604.24708.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +46,7 @@ from torch.optim import Optimizer
 from hdet_scale.backends.common import (
     FullParamsBackend,
     build_scheduler,
+    check_probe,
     check_resumable,
     checkpoint_target,
     default_device,
@@ -173,7 +174,8 @@ def _check_kwargs(optim_kwargs: dict, ddp_kwargs: dict) -> None:
 def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.optim.AdamW,
                optim_kwargs: dict | None = None, *, device: torch.device | None = None, logger: Any = None,
                ddp_kwargs: dict | None = None,
-               params: Iterable[torch.Tensor] | Iterable[dict] | None = None
+               params: Iterable[torch.Tensor] | Iterable[dict] | None = None,
+               probe: Callable[[nn.Module], Any] | None = None
                ) -> tuple[nn.Module, OSS, HDETScheduler]:
     """Wrap ``model`` for HDET with OSS-sharded optimizer state and torch DDP.
 
@@ -193,6 +195,9 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
             :func:`load_checkpoint` on ``find_unused_parameters``).
         params: parameters or parameter-group dicts of ``model`` (default: all its
             parameters, one group).
+        probe: ``probe(ddp_model) -> loss``: this rank's loss on its slice of fixed probe
+            batches (as in :func:`hdet_scale.backends.ddp.initialize`); needed when
+            ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on.
 
     Returns:
         ``(ddp_model, optimizer, scheduler)``: the DDP-wrapped model, the ``OSS``
@@ -219,6 +224,7 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
 
     check_fairscale_fsdp(model)
     cfg = resolve_config(config)
+    check_probe(cfg, probe)
     optim_kwargs, ddp_kwargs = dict(optim_kwargs or {}), dict(ddp_kwargs or {})
     _check_kwargs(optim_kwargs, ddp_kwargs)
     device = default_device() if device is None else torch.device(device)
@@ -234,7 +240,7 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
     if logger is None:
         logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "fairscale": {
             "optim": f"{optim.__module__}.{optim.__qualname__}", "optim_kwargs": optim_kwargs}})
-    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger)
+    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger, ddp_model, probe)
     return ddp_model, optimizer, scheduler
 
 

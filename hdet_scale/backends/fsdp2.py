@@ -46,7 +46,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.common import (build_scheduler, check_resumable, checkpoint_target, default_device,
+from hdet_scale.backends.common import (build_scheduler, check_probe, check_resumable, checkpoint_target, default_device,
                                         finish_checkpoint,
                                         init_process_group, load_hdet_state, make_logger, replica_dir,
                                         resolve_config, save_hdet_state)
@@ -99,6 +99,7 @@ class FSDP2Backend:
 
     # "global" mode: HSDP's all-reduce over the replica dim; "replica" mode shares nothing.
     shares_gradients = True
+    sharded_masters = True  # master_tensors are this rank's shard of the replica
 
     def __init__(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
@@ -131,7 +132,8 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
                optimizer_fn: Callable[[list[nn.Parameter]], Optimizer], *,
                shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool | int | None = None,
-               device: torch.device | None = None, logger: Any = None
+               device: torch.device | None = None, logger: Any = None,
+               probe: Callable[[nn.Module], Any] | None = None
                ) -> tuple[nn.Module, Optimizer, HDETScheduler]:
     """Shard ``model`` with FSDP2 on HDET's ``(replica, shard)`` mesh and attach HDET.
 
@@ -159,6 +161,11 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
         device: default :func:`~hdet_scale.backends.common.default_device`.
         logger: a :class:`~hdet_scale.logging.MetricsLogger`; default: built from
             ``hdet.logging`` (global rank 0 writes).
+        probe: ``probe(model) -> loss`` (0-dim tensor or float, nats): this rank's loss
+            on its slice of fixed probe batches (shard rank s of every replica the same
+            slice s), run under ``torch.no_grad`` at each auto-LR sync before converge;
+            the replica's fitness is the mean over its S ranks. Needed when
+            ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on.
 
     Returns:
         ``(model, optimizer, scheduler)``. The loop: ``loss.backward();
@@ -175,6 +182,7 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     from torch.distributed.fsdp import fully_shard
 
     cfg = resolve_config(config)
+    check_probe(cfg, probe)
     device = torch.device(device) if device is not None else default_device()
     init_process_group(device)
     topology = Topology(cfg.replicas, device.type)
@@ -194,7 +202,7 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     optimizer = optimizer_fn(list(model.parameters()))
     backend = FSDP2Backend(model, device)
     logger = logger if logger is not None else make_logger(cfg, topology)
-    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger)
+    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger, model, probe)
     return model, optimizer, scheduler
 
 

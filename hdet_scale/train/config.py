@@ -35,6 +35,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 300
     eval_batches: int = 16
+    probe_batches: int = 2
     checkpoint: bool = True
     resume: bool = False
     progress: bool = True
@@ -121,6 +122,8 @@ def _validate(run: dict) -> None:
         errors.append(f"train.steps: must be >= 1 (optimizer steps), got {t['steps']}")
     if t["eval_batches"] < 1:
         errors.append(f"train.eval_batches: must be >= 1, got {t['eval_batches']}")
+    if t["probe_batches"] < 1:
+        errors.append(f"train.probe_batches: must be >= 1 (micro-batches per shard rank), got {t['probe_batches']}")
     if run["wandb"]["mode"] not in (None, "online", "offline", "disabled"):
         errors.append(f"wandb.mode: must be null, 'online', 'offline' or 'disabled', got {run['wandb']['mode']!r}")
     if d["seq_len"] < 1 or d["seq_len"] > run["model"]["max_seq_len"]:

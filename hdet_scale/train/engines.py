@@ -91,10 +91,10 @@ class DeepSpeedEngine:
 
     backend = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, run: dict, logger: Any) -> None:
+    def __init__(self, model: torch.nn.Module, run: dict, logger: Any, probe: Any = None) -> None:
         from hdet_scale.backends.deepspeed import initialize
 
-        self.engine, _, _, self.scheduler = initialize(model, run["deepspeed"], logger=logger)
+        self.engine, _, _, self.scheduler = initialize(model, run["deepspeed"], logger=logger, probe=probe)
         self.model = self.engine
         self.device = self.engine.device
         self.micro_batch = self.engine.train_micro_batch_size_per_gpu()
@@ -136,7 +136,8 @@ class TorchEngine:
     "global" mode it clips the gradient every replica applies), the optimizer step and
     ``scheduler.step(loss)``."""
 
-    def __init__(self, backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any) -> None:
+    def __init__(self, backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any,
+                 probe: Any = None) -> None:
         ds = run["deepspeed"]
         self.backend = backend
         opt = ds["optimizer"]
@@ -161,21 +162,21 @@ class TorchEngine:
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             self.model, self.optimizer, self.scheduler = fsdp2.initialize(
                 model.to(device), hcfg, lambda p: cls(p, **kwargs), shard_modules=lambda m: m.model.layers,
-                mp_policy=mp, device=device, logger=logger)
+                mp_policy=mp, device=device, logger=logger, probe=probe)
             self._module = self.model
             self._lib = fsdp2
         elif backend == "ddp":
             from hdet_scale.backends import ddp
 
             self.model, self.optimizer, self.scheduler = ddp.initialize(
-                model.to(device), hcfg, lambda p: cls(p, **kwargs), device=device, logger=logger)
+                model.to(device), hcfg, lambda p: cls(p, **kwargs), device=device, logger=logger, probe=probe)
             self._module = self.model.module
             self._lib = ddp
         else:
             from hdet_scale.backends import fairscale
 
             self.model, self.optimizer, self.scheduler = fairscale.initialize(
-                model.to(device), hcfg, cls, kwargs, device=device, logger=logger)
+                model.to(device), hcfg, cls, kwargs, device=device, logger=logger, probe=probe)
             self._module = self.model.module
             self._lib = fairscale
         self.device = device
@@ -215,10 +216,12 @@ class TorchEngine:
         return param_count(self._module)
 
 
-def build_engine(backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any):
-    """The engine of ``backend`` (one of :data:`BACKENDS`) around ``model``."""
+def build_engine(backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any,
+                 probe: Any = None):
+    """The engine of ``backend`` (one of :data:`BACKENDS`) around ``model``; ``probe`` is
+    handed to the backend's ``initialize`` (auto-LR fitness)."""
     if backend == "deepspeed":
-        return DeepSpeedEngine(model, run, logger)
+        return DeepSpeedEngine(model, run, logger, probe)
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    return TorchEngine(backend, model, run, hcfg, logger)
+    return TorchEngine(backend, model, run, hcfg, logger, probe)

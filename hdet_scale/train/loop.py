@@ -106,6 +106,32 @@ def evaluate(engine: Any, batches: list, rank: int, world: int) -> float:
     return (total[0] / total[1]).item()
 
 
+class Probe:
+    """The auto-LR fitness probe (``hdet.auto.fitness = "probe"``): fixed training windows,
+    the same in every replica. Shard rank s of every replica evaluates its own
+    ``train.probe_batches`` micro-batches (slice s of ``probe_batches x S``), so a
+    replica's fitness, the mean over its S ranks, covers all of them. Drawn with their own
+    seed, so the training batches are unchanged. Cost per auto-LR sync and rank:
+    ``probe_batches`` forward passes (no backward), with dropout off."""
+
+    def __init__(self, corpus_train: torch.Tensor, seq_len: int, micro: int, run: dict, hcfg: HDETConfig,
+                 rank: int, world: int) -> None:
+        shards = world // hcfg.replicas
+        n = run["train"]["probe_batches"]
+        every = ByteBatches(corpus_train, seq_len, micro, run["seed"] + 7919, 0, 1).eval_batches(n * shards)
+        s = rank % shards  # the shard index (topology.Layout)
+        self.batches = every[s * n:(s + 1) * n]
+
+    @torch.no_grad()
+    def __call__(self, model: Any) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        device = next(iter(model.parameters())).device
+        total = sum(loss_fn(model, x.to(device), y.to(device)).double() for x, y in self.batches)
+        model.train(was_training)
+        return total / len(self.batches)
+
+
 def train(run: dict) -> dict:
     """Train one rank of the run described by ``run`` (see ``load_run_config``).
     Returns the summary (on every rank); rank 0 writes it to ``run_dir/summary.json``."""
@@ -124,10 +150,12 @@ def train(run: dict) -> dict:
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
                            append=resuming)
     model = build_model(ModelConfig(**run["model"]))
-    engine = build_engine(run["backend"], model, run, hcfg, logger)
+    d = run["data"]
+    micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
+    probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world)
+    engine = build_engine(run["backend"], model, run, hcfg, logger, probe)
     sched = engine.scheduler
     topo = sched.topology
-    d = run["data"]
     micro, gas = engine.micro_batch, engine.grad_accum
     batches = ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], rank, world)
     if resuming:

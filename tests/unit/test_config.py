@@ -76,6 +76,13 @@ def test_minimal_block_defaults():
     assert cfg.replicas == 1 and cfg.sync_interval == 1000 and cfg.gradient_sharing == "global"
     assert set(cfg.axes) == {"lr"} and cfg.axes["lr"].spread_ratio == 0.0
     assert cfg.auto.enabled is False and cfg.auto.decay == "auto"
+    # the redesigned controller: log-space multiplier, probe fitness, tied groups; the
+    # tunables are None = the controller's default (CONTROLLER_DEFAULTS)
+    a = cfg.auto
+    assert (a.controller, a.fitness, a.groups, a.max_factor) == ("log", "probe", "tied", 100.0)
+    assert (a.temperature, a.momentum, a.step_size) == (None, None, None)
+    assert (a.resolved("temperature"), a.resolved("momentum"), a.resolved("step_size")) == ("auto", 0.5, 0.5)
+    assert (cfg.warm_init.enabled, cfg.warm_init.nu, cfg.warm_init.seed) == (False, 0.01, 0)
 
 
 def test_missing_total_steps_is_reported():
@@ -111,7 +118,7 @@ def test_unknown_top_level_key_lists_valid_keys():
     msg = _error(_bad(sync_every=10))
     assert "hdet.sync_every" in msg and "unknown key" in msg
     for k in ("enabled", "replicas", "sync_interval", "gradient_sharing", "seed", "bucket_mb", "axes",
-              "schedule", "auto", "logging"):
+              "schedule", "auto", "warm_init", "logging"):
         assert k in msg.split("valid keys:")[1]
 
 
@@ -158,8 +165,11 @@ def test_auto_decay_bad_string():
 
 
 def test_auto_decay_explicit_float_ok():
+    """An explicit gamma is a setting of the paper controller; 0.0 (no decay) is also
+    accepted under the default log controller, which ignores it."""
     assert HDETConfig.from_dict(_bad(**{"auto.decay": 0.0})).auto.decay == 0.0
-    assert HDETConfig.from_dict(_bad(**{"auto.decay": 0.05})).auto.decay == 0.05
+    cfg = HDETConfig.from_dict(_bad(**{"auto.decay": 0.05, "auto.controller": "paper"}))
+    assert cfg.auto.decay == 0.05 and cfg.auto.controller == "paper"
 
 
 @pytest.mark.parametrize("key,value", [("replicas", "4"), ("sync_interval", "100"), ("replicas", 2.0),
@@ -172,7 +182,8 @@ def test_wrong_type(key, value):
 
 def test_wrong_type_for_float_and_bool():
     msg = _error(_bad(**{"auto.temperature": "0.1", "schedule.three_phase": 1}))
-    assert "hdet.auto.temperature: expected float" in msg
+    # temperature may be the string "auto", so a numeric string is refused by value
+    assert "hdet.auto.temperature: must be a float > 0 (nats), 'auto' or null, got '0.1'" in msg
     assert "hdet.schedule.three_phase: expected bool" in msg
 
 
@@ -312,3 +323,80 @@ def test_prepare_config_divides_global_batch_and_checks_it():
 def test_infinite_temperature_rejected():
     with pytest.raises(HDETConfigError, match="hdet.auto.temperature"):
         HDETConfig.from_dict({"schedule": {"total_steps": 10}, "auto": {"temperature": float("inf")}})
+
+
+# ---- the redesigned auto-LR block and warm_init --------------------------------------------
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("auto.controller", "adam", ["log", "paper"]),
+    ("auto.fitness", "val_loss", ["probe", "train_loss"]),
+    ("auto.groups", "shared", ["tied", "independent"]),
+])
+def test_new_enumerated_auto_keys_name_key_and_allowed_values(key, value, allowed):
+    msg = _error(_bad(**{key: value}))
+    assert f"hdet.{key}: must be one of" in msg and repr(value) in msg
+    for a in allowed:
+        assert a in msg
+
+
+def test_temperature_auto_or_null_accepted_other_strings_refused():
+    assert HDETConfig.from_dict(_bad(**{"auto.temperature": "auto"})).auto.temperature == "auto"
+    cfg = HDETConfig.from_dict(_bad(**{"auto.temperature": None, "auto.momentum": None, "auto.step_size": None}))
+    assert (cfg.auto.resolved("temperature"), cfg.auto.resolved("momentum"), cfg.auto.resolved("step_size")) == \
+        ("auto", 0.5, 0.5)  # CONTROLLER_DEFAULTS["log"]
+    msg = _error(_bad(**{"auto.temperature": "hot"}))
+    assert "hdet.auto.temperature" in msg and "'auto'" in msg and "'hot'" in msg
+
+
+def test_resolved_takes_the_paper_defaults_and_keeps_explicit_values():
+    cfg = HDETConfig.from_dict({"schedule": {"total_steps": 10}, "auto": {"controller": "paper", "momentum": 0.7}})
+    a = cfg.auto
+    assert (a.resolved("temperature"), a.resolved("momentum"), a.resolved("step_size")) == (0.1, 0.7, 0.5)
+
+
+@pytest.mark.parametrize("value", [0.5, 0.0, float("inf"), float("nan")])
+def test_max_factor_must_be_finite_and_at_least_one(value):
+    msg = _error(_bad(**{"auto.max_factor": value}))
+    assert "hdet.auto.max_factor" in msg and ">= 1" in msg
+
+
+def test_max_factor_one_accepted():
+    assert HDETConfig.from_dict(_bad(**{"auto.max_factor": 1})).auto.max_factor == 1.0
+
+
+@pytest.mark.parametrize("key,value", [("auto.step_size", float("inf")), ("auto.momentum", -0.1),
+                                       ("auto.temperature", float("nan"))])
+def test_more_out_of_range_auto_values(key, value):
+    assert f"hdet.{key}" in _error(_bad(**{key: value}))
+
+
+def test_decay_float_with_log_controller_refused():
+    msg = _error(_bad(**{"auto.decay": 0.05}))
+    assert "hdet.auto.decay" in msg and "controller 'paper'" in msg
+    msg = _error(_bad(**{"auto.decay": 0.05, "auto.controller": "log"}))
+    assert "hdet.auto.decay" in msg
+
+
+@pytest.mark.parametrize("value", [-0.01, float("inf"), float("nan")])
+def test_warm_init_nu_must_be_finite_and_non_negative(value):
+    msg = _error(_bad(warm_init={"enabled": True, "nu": value}))
+    assert "hdet.warm_init.nu" in msg and ">= 0" in msg
+
+
+def test_warm_init_block_parses_and_checks_types_and_keys():
+    cfg = HDETConfig.from_dict(_bad(warm_init={"enabled": True, "nu": 0, "seed": 3}))
+    assert (cfg.warm_init.enabled, cfg.warm_init.nu, cfg.warm_init.seed) == (True, 0.0, 3)
+    assert isinstance(cfg.warm_init.nu, float)
+    assert HDETConfig.from_dict(cfg.to_dict()) == cfg
+    assert "hdet.warm_init.seed: expected int" in _error(_bad(warm_init={"seed": "1"}))
+    msg = _error(_bad(warm_init={"sigma": 0.1}))
+    assert "hdet.warm_init.sigma: unknown key" in msg and "nu" in msg
+
+
+def test_new_auto_keys_round_trip():
+    d = _bad(**{"auto.controller": "paper", "auto.fitness": "train_loss", "auto.groups": "independent",
+                "auto.max_factor": 10.0, "auto.decay": 0.01})
+    cfg = HDETConfig.from_dict(d)
+    assert (cfg.auto.controller, cfg.auto.fitness, cfg.auto.groups, cfg.auto.max_factor, cfg.auto.decay) == \
+        ("paper", "train_loss", "independent", 10.0, 0.01)
+    assert HDETConfig.from_dict(cfg.to_dict()) == cfg

@@ -4,6 +4,11 @@
 protocol for R replicas held by this process: ``add_loss`` takes the R per-replica losses
 of one step, ``interval_losses`` returns their per-replica means since the last call.
 ``converge`` only records what it was asked (there are no weights to average here).
+``probe_losses(probe)`` returns ``probe()``, a list of R fitness values (the test's stand-in
+for the replicas' probe losses), and records the call.
+
+The auto-LR tests here check the paper's update (``PAPER``: controller "paper", fitness
+"train_loss", groups "independent"); the log controller is tested in test_autolr.py.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from hdet_scale.schedules import OneCycle
 
 A = 1.0 / 9.0
 
+# These short "paper" runs are the case hdet_scale.autolr.drowning_warning is about (decay
+# per sync above step_size * spread_ratio); test_autolr.py tests the warning itself.
+pytestmark = pytest.mark.filterwarnings("ignore:hdet.auto. the derived decay:UserWarning")
+
 
 class LocalSync:
     def __init__(self, replicas: int) -> None:
@@ -29,6 +38,13 @@ class LocalSync:
         self._sum = [0.0] * replicas
         self._count = [0] * replicas
         self.converge_calls: list[list[bool]] = []
+        self.probe_calls = 0
+
+    def probe_losses(self, probe) -> list[float]:
+        self.probe_calls += 1
+        out = [float(x) for x in probe()]
+        assert len(out) == self.replicas
+        return out
 
     def add_loss(self, loss) -> None:
         assert len(loss) == self.replicas
@@ -207,14 +223,21 @@ def test_permutations_reproducible_from_seed_and_independent_of_global_rng():
     assert len({tuple(perms[("lr", 0)]) for perms in h1}) > 3
 
 
-def test_scheduler_never_touches_global_rng():
+@pytest.mark.parametrize("auto", [
+    {"enabled": True, "warmup_steps": 4, "temperature": 0.1, "controller": "paper", "fitness": "train_loss",
+     "groups": "independent"},
+    {"enabled": True, "warmup_steps": 4},  # the defaults: log controller, probe fitness, tied groups
+], ids=["paper", "log-probe"])
+def test_scheduler_never_touches_global_rng(auto):
     torch.manual_seed(2024)
     before = torch.random.get_rng_state().clone()
-    cfg = make_config(replicas=4, sync_interval=2, total_steps=20,
-                      auto={"enabled": True, "warmup_steps": 4, "temperature": 0.1})
-    sch, _, _ = make(cfg)
+    cfg = make_config(replicas=4, sync_interval=2, total_steps=20, auto=auto)
+    sch, _, sync = make(cfg)
+    sch.set_probe(lambda: [1.0, 1.2, 0.9, 1.1])
     for t in range(20):
         sch.step([1.0 + 0.01 * t, 1.1, 1.2, 0.9])
+    # meta-updates at the syncs 4, 6, ..., 20 (warm-up 4): 9 probes, none for train_loss fitness
+    assert sync.probe_calls == (9 if auto.get("fitness") is None else 0)
     sd = sch.state_dict()
     sch2, _, _ = make(cfg)
     sch2.load_state_dict(sd)
@@ -223,7 +246,10 @@ def test_scheduler_never_touches_global_rng():
 
 # ---- auto-LR ------------------------------------------------------------------------------
 
-AUTO = {"enabled": True, "warmup_steps": 12, "temperature": 0.1, "momentum": 0.9, "step_size": 0.5}
+# The paper's update, fitness and per-group exploration, set explicitly (the defaults are
+# the log controller with probe fitness and tied groups).
+PAPER = {"controller": "paper", "fitness": "train_loss", "groups": "independent"}
+AUTO = {"enabled": True, "warmup_steps": 12, "temperature": 0.1, "momentum": 0.9, "step_size": 0.5, **PAPER}
 
 
 def _loss_for(groups, r, g, t):

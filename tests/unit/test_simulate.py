@@ -8,6 +8,7 @@ fan-out multipliers written out by hand. Models are tiny and all data comes from
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -17,8 +18,13 @@ from torch import nn
 
 from hdet_scale import Simulator, SimulatedSync
 from hdet_scale.config import HDETConfig
+from hdet_scale.errors import HDETConfigError
 
 D_IN, D_OUT = 4, 3
+
+# The paper's update, fitness and per-group exploration, set explicitly where a test checks
+# the paper semantics (the defaults are the log controller, probe fitness, tied groups).
+PAPER = {"controller": "paper", "fitness": "train_loss", "groups": "independent"}
 
 
 class Tiny(nn.Module):
@@ -197,7 +203,7 @@ def test_nan_replica_is_left_out_and_receives_the_others_params():
     # decay 0: with the derived decay this short run drives the base LR negative even
     # without a NaN (see test_auto_lr_base_stays_positive_with_derived_decay).
     cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
-               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, "decay": 0.0})
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, "decay": 0.0, **PAPER})
     sim = Simulator(lambda: Tiny(seed=1), sgd, cfg)
     seen = capture_converge(sim)
 
@@ -233,8 +239,9 @@ def test_auto_lr_base_stays_positive_with_derived_decay():
     R, T, N = 2, 3, 12
     data = make_data(N, R)
     cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
-               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1})
-    sim = Simulator(lambda: Tiny(seed=1), sgd, cfg)
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, **PAPER})
+    with pytest.warns(UserWarning, match="piecewise-constant decay"):  # autolr.drowning_warning
+        sim = Simulator(lambda: Tiny(seed=1), sgd, cfg)
     for t in range(N):
         sim.step(loss_for(data, t))
         assert all(v > 0 for v in sim.scheduler.replica_values("lr", 0)), sim.scheduler.last_sync
@@ -242,11 +249,12 @@ def test_auto_lr_base_stays_positive_with_derived_decay():
 
 
 # ---- (e) state_dict round trip, mid-interval, exact --------------------------------------
+@pytest.mark.filterwarnings("ignore:hdet.auto. the derived decay:UserWarning")  # short paper run, on purpose
 def test_state_dict_round_trip_continues_identically_mid_interval():
     R, T, N, stop = 3, 3, 12, 5  # stop after step 5: mid-interval (syncs at 3, 6, ...)
     data = make_data(N, R)
     cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
-               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1})
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, **PAPER})
     a = Simulator(lambda: Tiny(seed=4), adamw, cfg)
     for t in range(stop):
         a.step(loss_for(data, t))
@@ -350,3 +358,218 @@ def test_stepping_past_total_steps_raises_before_any_replica_moves():
             assert torch.equal(p, q)
     with pytest.raises(ValueError, match="Tried to step 6 times"):
         sim.scheduler.step([1.0, 1.0])  # the scheduler itself, as a DeepSpeed engine would call it
+
+
+# ---- (g) probe fitness --------------------------------------------------------------------
+def _probe_vs_train_run(fitness):
+    """R = 2, spread 0.5, one sync at step 4 with auto-LR (log controller, automatic
+    temperature, momentum 0.5, step 0.5). The training loss adds 10 nats on the high-LR
+    replica (a constant: no effect on gradients), the probe adds 10 nats on the low-LR
+    one, so the two fitnesses rank the replicas in opposite orders."""
+    R, T = 2, 4
+    data = make_data(T, R)
+    g = torch.Generator().manual_seed(11)
+    xp, yp = torch.randn(16, D_IN, generator=g), torch.randn(16, D_OUT, generator=g)
+    calls = []
+    holder = {}
+
+    def high(r):
+        lrs = [o.param_groups[0]["lr"] for o in holder["sim"].optimizers]
+        return lrs[r] > lrs[1 - r]
+
+    def loss_fn(t):
+        def fn(model, r):
+            return loss_for(data, t)(model, r) + (10.0 if high(r) else 0.0)
+        return fn
+
+    def probe_fn(model, r):
+        loss = nn.functional.mse_loss(model(xp), yp) + (0.0 if high(r) else 10.0)
+        calls.append({"r": r, "grad": torch.is_grad_enabled(), "loss": float(loss),
+                      "weight": model.lin.weight.detach().clone()})
+        return loss
+
+    cfg = hdet(replicas=R, sync_interval=T, total_steps=12, spread=0.5, sharing="replica",
+               auto={"enabled": True, "warmup_steps": 0, "fitness": fitness})
+    sim = Simulator(lambda: Tiny(seed=2), sgd, cfg, probe_fn=probe_fn if fitness == "probe" else None)
+    holder["sim"] = sim
+    for t in range(T):
+        sim.step(loss_fn(t))
+    return sim, calls
+
+
+def test_meta_update_follows_the_probe_not_the_training_loss():
+    """By hand for R = 2 with the automatic temperature: the scores are exactly +1 and -1
+    whatever the gap, so g = +-tanh(1) (the sign of the better replica's offset), v =
+    0.5 g and log m = 0.5 v = +-tanh(1) / 4: up when the probe decides (it favours the
+    high LR), down when the training loss does."""
+    sim, calls = _probe_vs_train_run("probe")
+    rec = sim.scheduler.last_sync
+    assert rec["hdet/lr/group_0/multiplier"] == pytest.approx(math.exp(math.tanh(1.0) / 4), rel=1e-12)
+    # the probe ran once per replica, under no_grad, before converge (the replicas still differed)
+    assert [c["r"] for c in calls] == [0, 1] and not any(c["grad"] for c in calls)
+    assert not torch.equal(calls[0]["weight"], calls[1]["weight"])
+    for r in range(2):
+        assert rec[f"hdet/fitness/replica_{r}"] == pytest.approx(calls[r]["loss"], rel=1e-6)  # float32 loss
+    assert rec["hdet/loss/replica_0"] != rec["hdet/fitness/replica_0"]
+
+    sim, calls = _probe_vs_train_run("train_loss")
+    rec = sim.scheduler.last_sync
+    assert calls == [] and not any(k.startswith("hdet/fitness/") for k in rec)
+    assert rec["hdet/lr/group_0/multiplier"] == pytest.approx(math.exp(-math.tanh(1.0) / 4), rel=1e-12)
+
+
+def test_probe_fitness_without_probe_fn_raises_at_construction():
+    with pytest.raises(HDETConfigError, match="hdet.auto.fitness"):
+        Simulator(Tiny, sgd, hdet(spread=0.2, auto={"enabled": True}))
+    # train_loss fitness, or auto-LR off, needs no probe
+    Simulator(Tiny, sgd, hdet(spread=0.2, auto={"enabled": True, "fitness": "train_loss"}))
+    Simulator(Tiny, sgd, hdet(spread=0.2, auto={"enabled": False}))
+
+
+# ---- (h) warm noisy initialisation ---------------------------------------------------------
+class TwoScales(nn.Module):
+    """Two 64x64 layers whose weights differ in scale by 100x and zero biases: the
+    whole-model RMS convention gives every tensor the same noise std (a per-tensor RMS
+    would give the biases none and the small layer 100x less)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.a.weight.copy_(torch.randn(64, 64, generator=g) * 3.0)
+            self.b.weight.copy_(torch.randn(64, 64, generator=g) * 0.03)
+            self.a.bias.zero_()
+            self.b.bias.zero_()
+        self.bn = nn.BatchNorm1d(64, affine=False)  # buffers only: not noised
+
+    def forward(self, x):
+        return self.bn(self.b(self.a(x)))
+
+
+_TEMPLATE = TwoScales()  # built once: the Simulator's model_fn below only deep-copies it
+
+
+def _warm_sim(nu=0.01, seed=0, enabled=True, replicas=3):
+    block = hdet(replicas=replicas, spread=0.2)
+    block["warm_init"] = {"enabled": enabled, "nu": nu, "seed": seed}
+    return Simulator(lambda: copy.deepcopy(_TEMPLATE), sgd, block)
+
+
+def _noise(sim, r):
+    return [(p.detach().double() - q.detach().double()) for p, q in zip(sim.models[r].parameters(),
+                                                                         _TEMPLATE.parameters())]
+
+
+def test_warm_init_noise_std_is_nu_times_whole_model_rms():
+    """Noise std = nu * RMS over all 8320 parameters of the template (float64 by hand).
+    The sample std of n i.i.d. N(0, s^2) draws has relative standard error
+    ~1/sqrt(2n); the check allows 5 of them: 5.5% per 4096-weight tensor, 44% per
+    64-bias tensor, 3.9% over the whole model; the mean within 5 s / sqrt(n)."""
+    nu = 0.01
+    flat = torch.cat([p.detach().double().flatten() for p in _TEMPLATE.parameters()])
+    n = flat.numel()
+    assert n == 2 * (64 * 64 + 64)
+    s = nu * math.sqrt(float((flat ** 2).sum()) / n)
+    sim = _warm_sim(nu=nu)
+    for r in range(3):
+        noise = _noise(sim, r)
+        for t in noise:
+            tol = 5 / math.sqrt(2 * t.numel())
+            std = math.sqrt(float((t ** 2).mean()))
+            assert abs(std / s - 1) < tol, (r, t.shape, std, s)
+        allnoise = torch.cat([t.flatten() for t in noise])
+        assert abs(math.sqrt(float((allnoise ** 2).mean())) / s - 1) < 5 / math.sqrt(2 * n)
+        assert abs(float(allnoise.mean())) < 5 * s / math.sqrt(n)
+        for k, v in sim.models[r].state_dict().items():  # buffers untouched
+            if "running" in k or "num_batches" in k:
+                assert torch.equal(v, _TEMPLATE.state_dict()[k]), k
+    # the noise is independent across replicas: no two equal, nearly uncorrelated
+    n0, n1 = (torch.cat([t.flatten() for t in _noise(sim, r)]) for r in (0, 1))
+    assert not torch.equal(n0, n1)
+    assert abs(float(torch.dot(n0, n1)) / (n * s * s)) < 5 / math.sqrt(n)
+
+
+def test_warm_init_draws_are_the_documented_generator():
+    """Replica r's noise is std * randn(shape) per parameter in order, from a float32
+    generator seeded with noise_seed(seed, r, 0): the draws of a real full-copy rank."""
+    from hdet_scale.warm_init import noise_seed
+
+    nu, seed = 0.02, 5
+    flat = torch.cat([p.detach().double().flatten() for p in _TEMPLATE.parameters()])
+    s = nu * math.sqrt(float((flat ** 2).mean()))
+    sim = _warm_sim(nu=nu, seed=seed, replicas=2)
+    for r in range(2):
+        gen = torch.Generator().manual_seed(noise_seed(seed, r, 0))
+        for got, p in zip(_noise(sim, r), _TEMPLATE.parameters()):
+            want = torch.randn(p.shape, generator=gen, dtype=torch.float32).double() * s
+            # float32 rounding of p + noise: at most half an ulp of |p| + |noise| (< 1e-6 here)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_warm_init_reproducible_and_seed_dependent_and_global_rng_untouched():
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state().clone()
+    a, b, c = _warm_sim(seed=4), _warm_sim(seed=4), _warm_sim(seed=5)
+    assert torch.equal(before, torch.random.get_rng_state())
+    for r in range(3):
+        for pa, pb, pc in zip(a.models[r].parameters(), b.models[r].parameters(), c.models[r].parameters()):
+            assert torch.equal(pa, pb)
+        assert any(not torch.equal(pa, pc) for pa, pc in zip(a.models[r].parameters(), c.models[r].parameters()))
+
+
+@pytest.mark.parametrize("nu,enabled", [(0.0, True), (0.05, False)])
+def test_warm_init_off_or_nu_zero_leaves_replicas_identical(nu, enabled):
+    sim = _warm_sim(nu=nu, enabled=enabled)
+    for m in sim.models:
+        for p, q in zip(m.parameters(), _TEMPLATE.parameters()):
+            assert torch.equal(p, q)
+    assert sim.scheduler.warm_init() is False
+
+
+def test_warm_init_only_before_the_first_step():
+    sim = _warm_sim(replicas=2)
+    sim.step(lambda m, r: m(torch.ones(4, 64)).pow(2).mean())
+    before = [params_of(m) for m in sim.models]
+    assert sim.scheduler.warm_init() is False
+    for m, ps in zip(sim.models, before):
+        for p, q in zip(m.parameters(), ps):
+            assert torch.equal(p, q)
+
+
+# ---- (i) state_dict round trip with the log controller and probe fitness -----------------
+def test_log_controller_state_dict_round_trip_continues_identically():
+    """The default controller (log, probe fitness, tied groups) with warm init: stop
+    mid-interval after two meta-updates, load into a fresh simulator (its own warm-init
+    noise is overwritten by the state), continue: bit-identical losses, LRs, multipliers."""
+    R, T, N, stop = 3, 3, 12, 7
+    data = make_data(N, R)
+    g = torch.Generator().manual_seed(3)
+    xp, yp = torch.randn(16, D_IN, generator=g), torch.randn(16, D_OUT, generator=g)
+
+    def probe_fn(model, r):
+        return nn.functional.mse_loss(model(xp), yp)
+
+    cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.3, sharing="replica",
+               auto={"enabled": True, "warmup_steps": 0})
+    cfg["warm_init"] = {"enabled": True, "nu": 0.05, "seed": 1}
+    a = Simulator(lambda: Tiny(seed=4), adamw, cfg, probe_fn=probe_fn)
+    for t in range(stop):
+        a.step(loss_for(data, t))
+    assert a.scheduler.controller.updates == 2 and a.scheduler.controller.log_m[("lr", 0)] != 0.0
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = Simulator(lambda: Tiny(seed=99), adamw, cfg, probe_fn=probe_fn)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    for t in range(stop, N):
+        la, lb = a.step(loss_for(data, t)), b.step(loss_for(data, t))
+        assert [x.item() for x in la] == [x.item() for x in lb]
+        for r in range(R):
+            assert a.optimizers[r].param_groups[0]["lr"] == b.optimizers[r].param_groups[0]["lr"]
+    assert a.scheduler.controller.log_m == b.scheduler.controller.log_m
+    assert a.scheduler.velocity == b.scheduler.velocity and a.scheduler.controller.updates == 4
+    assert a.scheduler.last_sync == {**b.scheduler.last_sync, "hdet/converge_s": a.scheduler.last_sync["hdet/converge_s"]}
+    for ma, mb in zip(a.models, b.models):
+        for pa, pb in zip(ma.parameters(), mb.parameters()):
+            assert torch.equal(pa, pb)

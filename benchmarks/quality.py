@@ -1,0 +1,173 @@
+"""Quality benchmark: does HDET's auto-LR find the learning rate that a grid of plain runs
+finds, at the cost of one run? (docs/quality.md)
+
+    OMP_NUM_THREADS=1 python -m benchmarks.quality --jobs 2          # runs + report
+    python -m benchmarks.quality --report-only                        # report from results
+
+Every run is the ``Simulator`` on the default model and corpus (``quality_runs.py``):
+4 replicas x 8 sequences, 200 optimizer steps, sync every 25, 3 seeds per point. Results
+go to ``benchmarks/results/quality.jsonl`` (one line per run; finished runs are skipped
+when the command is repeated), the table and plots to docs/quality.md and
+docs/quality_*.png. About 45 runs of 60-90 s on one core each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+from collections import defaultdict
+
+from benchmarks.pool import load, run_all
+from benchmarks.quality_runs import run
+
+SEEDS = (0, 1, 2)
+GRID = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+BEST = 3e-3  # the grid's best mean (checked by the report, which flags a different best)
+RESULTS = "benchmarks/results/quality.jsonl"
+
+# Variants of HDET: (label, hdet overrides, clip). "full" is the recommended default
+# (log controller, probe fitness, tied groups, warm init nu = 0.01).
+FULL: dict = {}
+NO_AUTO = {"auto": {"enabled": False}}
+NO_WARM = {"warm_init": {"enabled": False}}
+TRAIN_LOSS = {"auto": {"fitness": "train_loss"}}
+PAPER = {"auto": {"controller": "paper", "fitness": "train_loss", "groups": "independent"}}
+
+
+def specs() -> list[dict]:
+    out = []
+    for lr in GRID:
+        for s in SEEDS:
+            out.append({"name": f"plain/lr{lr:g}/s{s}", "group": "plain", "kind": "plain", "lr": lr, "seed": s})
+    starts = {"best": BEST, "3x low": BEST / 3, "10x high": BEST * 10}
+    for where, lr in starts.items():
+        for s in SEEDS:
+            out.append({"name": f"hdet full/{where}/s{s}", "group": f"HDET full, start {where}", "kind": "hdet",
+                        "lr": lr, "seed": s, "hdet": FULL})
+    ablations = {"without auto-LR": NO_AUTO, "without warm init": NO_WARM,
+                 "train-loss fitness": TRAIN_LOSS, "paper controller": PAPER}
+    for label, over in ablations.items():
+        for where in ("3x low", "10x high"):
+            for s in SEEDS:
+                out.append({"name": f"hdet {label}/{where}/s{s}", "group": f"HDET {label}, start {where}",
+                            "kind": "hdet", "lr": starts[where], "seed": s, "hdet": over})
+    # Where plain training is fragile: no gradient clipping, high LR.
+    for lr in (3e-2, 1e-1):
+        for s in SEEDS:
+            out.append({"name": f"noclip plain/lr{lr:g}/s{s}", "group": f"no clipping: plain, lr {lr:g}",
+                        "kind": "plain", "lr": lr, "seed": s, "clip": 0.0})
+            out.append({"name": f"noclip hdet/lr{lr:g}/s{s}", "group": f"no clipping: HDET full, start {lr:g}",
+                        "kind": "hdet", "lr": lr, "seed": s, "hdet": FULL, "clip": 0.0})
+    return out
+
+
+def _stats(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _final_lr(r: dict) -> float | None:
+    """The effective peak LR the run ended with: start peak x the last multiplier."""
+    mult = [t["multiplier"] for t in r.get("trace", []) if t.get("multiplier") is not None]
+    return r["lr"] * mult[-1] if mult else None
+
+
+def report(results: list[dict], out_md: str, plot_dir: str) -> str:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in results:
+        groups[r["group"]].append(r)
+    plain_cost = 3 * 200 * 32  # sequence passes of one plain run
+    grid = {lr: _stats([r["val_loss"] for r in groups.get("plain", []) if r["lr"] == lr and r["val_loss"]])
+            for lr in GRID if any(r["lr"] == lr for r in groups.get("plain", []))}
+    best_lr = min(grid, key=lambda k: grid[k][0]) if grid else None
+    lines = ["| run | start LR | val loss (mean +- std, nats/byte) | seeds | diverged | final peak LR (mean) | "
+             "compute vs one plain run |", "|---|---|---|---|---|---|---|"]
+    for name in sorted(groups, key=lambda g: (g != "plain", g)):
+        rs = groups[name]
+        by_lr = defaultdict(list)
+        for r in rs:
+            by_lr[r["lr"]].append(r)
+        for lr, rr in sorted(by_lr.items()):
+            ok = [r["val_loss"] for r in rr if r["val_loss"] is not None]
+            m, s = _stats(ok) if ok else (math.nan, math.nan)
+            finals = [f for f in (_final_lr(r) for r in rr) if f]
+            fin = f"{statistics.fmean(finals):.2e}" if finals else "-"
+            cost = statistics.fmean(r["passes"] for r in rr) / plain_cost
+            lines.append(f"| {name} | {lr:g} | {m:.3f} +- {s:.3f} | {len(rr)} | {sum(r['diverged'] for r in rr)} | "
+                         f"{fin} | {cost:.3f} |")
+    table = "\n".join(lines)
+    if best_lr is not None:
+        table += (f"\n\nBest grid point: lr {best_lr:g}, {grid[best_lr][0]:.3f} +- {grid[best_lr][1]:.3f}. "
+                  f"The plain grid ({len(grid)} points x {len(SEEDS)} seeds) costs {len(grid)}x one run per seed.")
+    _plots(groups, grid, plot_dir)
+    return table
+
+
+def _plots(groups: dict, grid: dict, plot_dir: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    os.makedirs(plot_dir, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lrs = sorted(grid)
+    ax.errorbar(lrs, [grid[k][0] for k in lrs], yerr=[grid[k][1] for k in lrs], marker="o", color="k",
+                label="plain data parallelism (grid)")
+    colors = {"3x low": "tab:blue", "best": "tab:green", "10x high": "tab:red"}
+    for where, c in colors.items():
+        rs = groups.get(f"HDET full, start {where}", [])
+        vals = [r["val_loss"] for r in rs if r["val_loss"] is not None]
+        finals = [f for f in (_final_lr(r) for r in rs) if f]
+        if vals and finals:
+            m, s = _stats(vals)
+            ax.errorbar([statistics.fmean(finals)], [m], yerr=[s], marker="*", markersize=14, color=c, ls="none",
+                        label=f"HDET full from {where} (x: final peak LR)")
+            ax.axvline(rs[0]["lr"], color=c, ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak LR")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title("200 steps, 4 x 8 sequences, 3 seeds (dotted: HDET start LR)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "quality_grid.png"), dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for where, c in colors.items():
+        for r in groups.get(f"HDET full, start {where}", []):
+            tr = [t for t in r.get("trace", []) if t.get("multiplier") is not None]
+            if tr:
+                ax.plot([0] + [t["step"] for t in tr], [r["lr"]] + [r["lr"] * t["multiplier"] for t in tr],
+                        color=c, marker=".", alpha=0.7, label=f"start {where}" if r["seed"] == 0 else None)
+    best = min(grid, key=lambda k: grid[k][0]) if grid else None
+    if best:
+        ax.axhline(best, color="k", ls="--", lw=1, label="best grid LR")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step (sync)")
+    ax.set_ylabel("peak LR x auto-LR multiplier")
+    ax.set_title("Auto-LR multiplier per sync, HDET full (one line per seed)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(plot_dir, "quality_multiplier.png"), dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
+    p.add_argument("--results", default=RESULTS)
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--out", default="docs/quality_table.md", help="where the table is written")
+    a = p.parse_args()
+    if not a.report_only:
+        run_all(specs(), run, a.results, a.jobs)
+    table = report(load(a.results), a.out, os.path.dirname(a.out) or ".")
+    with open(a.out, "w") as f:
+        f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

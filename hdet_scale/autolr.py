@@ -1,0 +1,204 @@
+"""The auto-LR controller's state and update over every explored (axis, group) pair.
+
+The arithmetic is in :mod:`hdet_scale.controller` (pure); this module keeps the state
+(velocity, the paper controller's base values, the log controller's multipliers), knows
+which update each key gets, and publishes what it did for logging. No collectives: every
+rank feeds it the same all-reduced fitness vector and so reaches the same values.
+
+Two controllers (``hdet.auto.controller``; docs/quality.md measures both):
+
+- ``"log"`` (default): ``value(t) = raw(t) * m`` with ``raw`` the schedule's LR (or the
+  optimizer's initial value for other axes) and ``log m`` moved at each sync by
+  ``controller.log_update``. The user's schedule keeps its shape, warm-up and decay.
+- ``"paper"`` (paper Sec. 3.3, Alg. 1): after the first meta-update the base value is
+  ``h <- h (1 - gamma) + lambda v``, piecewise constant between syncs, floored at the
+  schedule's final LR.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable
+
+from hdet_scale import axes as ax
+from hdet_scale import controller as ctl
+from hdet_scale.config import HDETConfig
+from hdet_scale.schedules import Constant, Cosine, OneCycle, Schedule
+
+Key = tuple[str, int]
+
+
+def build_schedule(cfg: HDETConfig) -> Schedule:
+    s = cfg.schedule
+    if s.name == "onecycle":
+        return OneCycle(s.total_steps, s.pct_start, s.anneal_strategy, s.div_factor, s.final_div_factor,
+                        s.three_phase, s.base_momentum, s.max_momentum)
+    if s.name == "cosine":
+        return Cosine(s.total_steps, s.warmup_steps, s.min_ratio)
+    return Constant(s.total_steps, s.warmup_steps)
+
+
+def first_meta_step(cfg: HDETConfig) -> int:
+    """Optimizer step of the first meta-update: the first sync at or after
+    ``auto.warmup_steps`` (and at least the first sync)."""
+    T = cfg.sync_interval
+    return max(math.ceil(cfg.auto.warmup_steps / T), 1) * T
+
+
+def decay_for(cfg: HDETConfig, schedule: Schedule, axis: str, peak: float) -> float:
+    """gamma of one explored (axis, group) under the ``"paper"`` controller:
+    ``hdet.auto.decay`` if given, else derived (``controller.derive_decay``) so that the
+    LR base reaches the schedule's floor at the last sync. 0 for the ``"log"`` controller
+    (it follows the schedule's own decay) and for axes without a schedule.
+
+    K counts the syncs from the first meta-update to ``total_steps`` inclusive.
+
+    Raises:
+        HDETConfigError: a derived gamma outside [0, 1).
+    """
+    auto = cfg.auto
+    if not (auto.enabled and cfg.axis_auto(axis)) or auto.controller != "paper":
+        return 0.0
+    if not isinstance(auto.decay, str):
+        return float(auto.decay)
+    if axis != "lr":
+        return 0.0
+    T, total = cfg.sync_interval, cfg.schedule.total_steps
+    first = first_meta_step(cfg)
+    k_syncs = (total - first) // T + 1 if first <= total else 0
+    return ctl.derive_decay(schedule.value(min(first, total), peak), schedule.floor(peak), k_syncs)
+
+
+def drowning_warning(cfg: HDETConfig, gamma: float) -> str | None:
+    """A message when the paper controller's decay per sync exceeds the largest relative
+    move its meta-update can make (``lambda * alpha``: all softmax weight on the largest
+    replica value), i.e. the decay alone sets the LR; ``None`` otherwise."""
+    alpha = cfg.axes["lr"].spread_ratio
+    most = cfg.auto.resolved("step_size") * alpha
+    if gamma <= most or alpha == 0:
+        return None
+    return (f"hdet.auto: the decay (auto.decay={cfg.auto.decay!r}) cuts the base LR by {100 * gamma:.1f}% per sync, while the "
+            f"meta-update can move it by at most {100 * most:.2f}% (step_size {cfg.auto.resolved('step_size')} x "
+            f"spread_ratio {alpha}): the 'paper' controller will act as a piecewise-constant decay. Use "
+            "auto.controller='log' (follows the schedule), or a longer run / later warm-up / explicit auto.decay")
+
+
+def check_config(cfg: HDETConfig) -> None:
+    """Checks that need the schedule (the derived decay) without an optimizer: the ratio
+    floor/start does not depend on the peak, so peak 1.0 stands for every group. Pure;
+    raises HDETConfigError."""
+    schedule = build_schedule(cfg)
+    for axis in cfg.axes:
+        decay_for(cfg, schedule, axis, 1.0)
+
+
+class Controller:
+    """Auto-LR state for the explored keys of one scheduler.
+
+    Args:
+        config: the parsed block.
+        schedule: the LR base schedule.
+        peaks: peak LR per parameter group.
+        explored: the (axis, group) pairs explored (``hdet.axes``).
+
+    Attributes:
+        base: ``{key: value}`` of the ``"paper"`` controller once it has run (empty
+            before, and always for ``"log"``).
+        log_m: ``{key: log multiplier}`` (``"log"``; multiplicative axes) or
+            ``{key: shift}`` (additive axes), 0 until the first meta-update.
+        velocity: ``{key: v}``; ``decay``: ``{key: gamma}`` (``"paper"``).
+    """
+
+    def __init__(self, config: HDETConfig, schedule: Schedule, peaks: list[float], explored: list[Key]) -> None:
+        self.config = config
+        self.auto = config.auto
+        self.schedule = schedule
+        self.peaks = peaks
+        self.explored = explored
+        self.base: dict[Key, float] = {}
+        self.log_m: dict[Key, float] = {k: 0.0 for k in explored}
+        self.velocity: dict[Key, float] = {k: 0.0 for k in explored}
+        self.decay = {(a, g): decay_for(config, schedule, a, peaks[g]) for a, g in explored}
+        self.updates = 0
+        if self.auto.enabled and self.auto.controller == "paper":
+            gammas = [v for (a, _), v in self.decay.items() if a == "lr"]
+            msg = drowning_warning(config, max(gammas)) if gammas else None
+            if msg:
+                warnings.warn(msg, UserWarning, stacklevel=2)
+
+    @property
+    def active(self) -> bool:
+        """True once the first meta-update has run."""
+        return self.updates > 0
+
+    def value(self, key: Key, raw: float) -> float:
+        """The shared (un-spread) value of ``key`` given its un-controlled value ``raw``
+        (the schedule's LR at this step, or the optimizer's initial value)."""
+        if key in self.base:
+            return self.base[key]
+        shift = self.log_m.get(key, 0.0)
+        if shift == 0.0:
+            return raw
+        if self.config.axes[key[0]].kind == "additive":
+            return raw + shift
+        return raw * math.exp(shift)
+
+    def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
+               current: Callable[[Key], float], record: dict[str, Any]) -> None:
+        """One meta-update from the replicas' ``fitness`` (length R, lower is better,
+        non-finite allowed). ``permutations`` and ``applied`` are those the interval ran
+        with; ``current(key)`` the shared value now. Writes ``hdet/weight/replica_<r>``,
+        ``hdet/temperature`` and per key ``hypergradient``, ``velocity`` (and
+        ``multiplier`` or ``floored``) into ``record``."""
+        auto = self.auto
+        temp = auto.resolved("temperature")
+        temp = ctl.auto_temperature(fitness) if temp == "auto" else float(temp)
+        weights = ctl.softmax_weights(fitness, temp)
+        record["hdet/temperature"] = temp
+        for r, w in enumerate(weights.weights):
+            record[f"hdet/weight/replica_{r}"] = w
+        momentum, step = auto.resolved("momentum"), auto.resolved("step_size")
+        offsets = ax.spread_offsets(len(fitness))
+        for key in self.explored:
+            a, g = key
+            if not self.config.axis_auto(a):
+                continue
+            if auto.controller == "paper":
+                delta = ctl.hypergradient(weights, applied[key])
+                new_base, self.velocity[key] = ctl.meta_update(current(key), self.velocity[key], delta, momentum,
+                                                               step, self.decay[key])
+                # The velocity remembers larger, older bases; under a strong decay it can
+                # outweigh base * (1 - gamma) and send the LR below zero. Floor: the
+                # schedule's final LR (0 for other multiplicative axes).
+                floor = self.schedule.floor(self.peaks[g]) if a == "lr" else 0.0
+                if self.config.axes[a].kind == "multiplicative" and new_base < floor:
+                    new_base = floor
+                    record[f"hdet/{a}/group_{g}/floored"] = 1
+                self.base[key] = new_base
+            else:
+                axis = self.config.axes[a]
+                # No spread, no signal: fitness gaps are then noise alone.
+                delta = (ctl.normalized_hypergradient(weights, [offsets[p] for p in permutations[key]])
+                         if axis.spread_ratio > 0 else 0.0)
+                # Additive axes move in units of their spread; multiplicative ones in log units.
+                scale = axis.spread_ratio if axis.kind == "additive" else 1.0
+                bound = auto.max_factor if axis.kind == "multiplicative" else math.inf
+                new, self.velocity[key] = ctl.log_update(self.log_m[key] / scale if scale else 0.0,
+                                                         self.velocity[key], delta, momentum, step, bound)
+                self.log_m[key] = new * scale
+                record[f"hdet/{a}/group_{g}/multiplier"] = (math.exp(self.log_m[key]) if axis.kind == "multiplicative"
+                                                            else self.log_m[key])
+            record[f"hdet/{a}/group_{g}/hypergradient"] = delta
+            record[f"hdet/{a}/group_{g}/velocity"] = self.velocity[key]
+        self.updates += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base": dict(self.base), "log_m": dict(self.log_m), "velocity": dict(self.velocity),
+                "updates": self.updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base = dict(state["base"])
+        self.log_m = dict(state["log_m"])
+        self.velocity = dict(state["velocity"])
+        self.updates = int(state["updates"])
