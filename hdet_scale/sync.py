@@ -31,6 +31,8 @@ class Backend(Protocol):
     # Backends whose engine already averages gradients over all W ranks in "global" mode
     # (DDP over the world, FSDP2 HSDP) set ``shares_gradients = True``: install_grad_hook
     # is then never called and may be absent.
+    # Optional ``noise_parts() -> (sharded, full)``: masters that mix this rank's shard
+    # with tensors held whole by every rank of the replica (fairscale OSS), for warm init.
 
 
 class LossAccumulator:
@@ -123,19 +125,45 @@ class DistributedSync(LossAccumulator):
         refresh the working copies. Sharded masters: the sum of squares is all-reduced
         over the shard group and each shard draws its own noise (seed from replica and
         shard index), so the draws depend on S, not their distribution. Full copies:
-        every rank of a replica draws the same noise. Collective on the shard group."""
-        masters = list(self.backend.master_tensors())
-        sumsq, count = wi.sum_of_squares(masters)
-        sharded = getattr(self.backend, "sharded_masters", False)
-        if sharded and self.topology.shard_size > 1:
+        every rank of a replica draws the same noise. A backend whose masters are both
+        (fairscale OSS: this rank's bucket partition, plus the parameters outside the
+        optimizer, whole on every rank) says which are which with ``noise_parts()``; its
+        full copies then draw from a stream of their own (shard index S, which no shard
+        uses), so that they are independent of every shard's draws. Collective on the
+        shard group."""
+        sharded, full = self._noise_parts()
+        sumsq, count = wi.sum_of_squares(sharded)
+        S = self.topology.shard_size
+        split = S > 1 and self._shards_masters()  # the same on every rank of the group
+        if split:
             t = torch.tensor([sumsq, float(count)], dtype=torch.float64, device=self.backend.device)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.shard_group)
             sumsq, count = t.tolist()
+        full_sumsq, full_count = wi.sum_of_squares(full)
+        sumsq, count = sumsq + full_sumsq, count + full_count
         std = nu * (sumsq / count) ** 0.5 if count else 0.0
-        shard = self.topology.shard_index if sharded else 0
-        gen = torch.Generator().manual_seed(wi.noise_seed(seed, self.topology.replica_index, shard))
-        wi.add_noise_(masters, std, gen)
+        r = self.topology.replica_index
+        if sharded:
+            gen = torch.Generator().manual_seed(wi.noise_seed(seed, r, self.topology.shard_index))
+            wi.add_noise_(sharded, std, gen)
+        if full:
+            gen = torch.Generator().manual_seed(wi.noise_seed(seed, r, S if split else 0))
+            wi.add_noise_(full, std, gen)
         self.backend.refresh()
+
+    def _shards_masters(self) -> bool:
+        return bool(getattr(self.backend, "sharded_masters", False)) or hasattr(self.backend, "noise_parts")
+
+    def _noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``(sharded, full)``: the masters that are this rank's part of its replica's
+        model, and those it holds whole (as every rank of the replica does)."""
+        if self.topology.shard_size > 1 and hasattr(self.backend, "noise_parts"):
+            sharded, full = self.backend.noise_parts()
+            return list(sharded), list(full)
+        masters = list(self.backend.master_tensors())
+        if self.topology.shard_size > 1 and self._shards_masters():
+            return masters, []
+        return [], masters
 
     def converge(self, finite: list[bool]) -> None:
         """Average the local masters and buffers over the replica group, leaving out the

@@ -151,11 +151,21 @@ class OSSBackend(FullParamsBackend):
         return [per_rank[self.optimizer.rank].buffer for per_rank in self.optimizer.buckets.values()
                 if self.optimizer.rank in per_rank]
 
-    def master_tensors(self) -> Sequence[torch.Tensor]:
+    def _outside_buckets(self) -> list[torch.Tensor]:
         in_buckets = {id(p) for per_rank in self.optimizer.buckets.values() for bucket in per_rank.values()
                       for p in bucket._params}
-        rest = [p.data for p in self.module.parameters() if p.is_floating_point() and id(p) not in in_buckets]
-        return self._owned_buckets() + rest
+        return [p.data for p in self.module.parameters() if p.is_floating_point() and id(p) not in in_buckets]
+
+    def master_tensors(self) -> Sequence[torch.Tensor]:
+        return self._owned_buckets() + self._outside_buckets()
+
+    def noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """For warm init (``DistributedSync.add_noise``): ``(this rank's buckets, the
+        parameters in no bucket)``. The buckets partition the replica's trainable
+        parameters over its S ranks (each draws its own noise, the RMS is summed over
+        the shard group) and ``refresh`` broadcasts them; the rest is whole on every
+        rank and must get the same noise on all of them."""
+        return self._owned_buckets(), self._outside_buckets()
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -1,6 +1,7 @@
 """Rank workers for tests/distributed/test_agreement.py: one HDET run per (backend,
-gradient mode) on the same tiny model, data and seed, recording what the simulator
-(``hdet_scale.Simulator``, run in the test process) is compared with.
+controller, gradient mode) on the same tiny model, data and seed, plus one warm-init run
+per backend, recording what the simulator (``hdet_scale.Simulator``, run in the test
+process) is compared with.
 
 World layouts: FSDP2, fairscale OSS and DeepSpeed ZeRO-3 run on 4 ranks = 2 replica
 groups x 2 shards (global rank g = 2 r + s); DDP on 2 ranks, one replica each. Every
@@ -10,15 +11,23 @@ and simulator replica r the same concatenation. The loss is a mean over samples 
 count, so the replica's loss (mean over its shard ranks) and its gradient are the same
 function of the same samples in every layout; only float32 summation order differs.
 
+Probe fitness (the "log" runs): ``PROBE_ROWS`` fixed rows, split into ``SHARDS`` equal
+slices. Shard rank s of each replica (2 x 2) evaluates slice s; a DDP rank (S = 1) and
+the simulator's ``probe_fn`` evaluate all rows. Slices of equal size make the replica's
+mean over its shard ranks the loss on all rows, in every layout.
+
+Two optimizer parameter groups of different LRs in every run: the matrices (``LR``) and
+the vectors (biases, LayerNorm; ``LR / 2``).
+
 Workers return plain Python / numpy data (tensors would travel through shared memory
-that dies with the rank process). Seeded init and numpy conversion come from
-``rank_tools``, shared with the per-backend workers.
+that dies with the rank process). Seeded init, probe slices and numpy conversion come
+from ``rank_tools``, shared with the per-backend workers.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import rank_tools
@@ -28,8 +37,13 @@ from rank_tools import flat_numpy, rank
 
 D_IN, D_HIDDEN, D_OUT, MICRO = 8, 16, 3, 2
 LR, WEIGHT_DECAY = 2e-2, 0.01
+GROUP_LRS = (LR, LR / 2)  # matrices, vectors: the peaks' ratio the "tied" groups keep is 2
 REPLICAS, SHARDS = 2, 2
 STEPS, SYNC = 12, 3  # syncs at 3, 6, 9, 12; the run ends on a converge
+WARMUP = 5  # first meta-update at the step-6 sync
+CONTROLLERS = ("paper", "log")
+NU, WARM_SEED = 0.05, 11  # warm init: noise std nu * RMS(model)
+WARM_MODE = "replica"  # the warm-init runs: no gradient sharing, so only converge equalises
 
 
 class TinyNet(torch.nn.Module):
@@ -70,49 +84,116 @@ def loss_of(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model(x), y)
 
 
-def hdet_block(mode: str) -> dict:
+def probe_slice(shard: int, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice ``shard`` of ``shards`` of the fixed probe rows (``shards`` = 1: all rows)."""
+    return rank_tools.probe_slice(shard, shards, d_in=D_IN, d_out=D_OUT)
+
+
+def forward_input() -> torch.Tensor:
+    """A fixed input whose output shows what weights a rank's next forward reads."""
+    return rank_tools.probe_input(D_IN)
+
+
+def hdet_block(mode: str, controller: str = "paper", warm: bool = False) -> dict:
     """R = 2, spread 0.3, sync every 3 steps, auto-LR from the second sync (warm-up 5:
-    meta-updates at steps 6, 9, 12), OneCycle over the 12 steps. A low temperature makes
-    the softmax weights depart from 1/2 on these small loss gaps, so the base LR really
-    moves. ``max_lr`` is left to each optimizer's ``lr`` (the path a backend could break by
-    touching the optimizer before the scheduler reads it)."""
-    return {"replicas": REPLICAS, "sync_interval": SYNC, "gradient_sharing": mode, "seed": 7,
-            "axes": {"lr": {"spread_ratio": 0.3}},
-            "schedule": {"name": "onecycle", "total_steps": STEPS, "pct_start": 0.25,
-                         "final_div_factor": 10.0},
-            "auto": {"enabled": True, "warmup_steps": 5, "temperature": 0.01}}
+    meta-updates at steps 6, 9, 12), OneCycle over the 12 steps. ``max_lr`` is left to
+    each optimizer group's ``lr`` (the path a backend could break by touching the
+    optimizer before the scheduler reads it).
+
+    ``controller``: "paper" is the paper's update, scored by the interval training loss,
+    each parameter group explored on its own; a low temperature makes the softmax weights
+    depart from 1/2 on these small loss gaps, so the base LR really moves. "log" is the
+    default path: the log-space multiplier, scored by the probe loss, one multiplier and
+    permutation for both groups ("tied"), automatic temperature. ``warm``: warm noisy
+    initialisation with nu = ``NU``."""
+    auto: dict[str, Any] = {"enabled": True, "warmup_steps": WARMUP}
+    if controller == "paper":
+        auto.update(controller="paper", fitness="train_loss", groups="independent", temperature=0.01)
+    block = {"replicas": REPLICAS, "sync_interval": SYNC, "gradient_sharing": mode, "seed": 7,
+             "axes": {"lr": {"spread_ratio": 0.3}},
+             "schedule": {"name": "onecycle", "total_steps": STEPS, "pct_start": 0.25,
+                          "final_div_factor": 10.0},
+             "auto": auto}
+    if warm:
+        block["warm_init"] = {"enabled": True, "nu": NU, "seed": WARM_SEED}
+    return block
+
+
+def param_groups(params: Any) -> list[dict]:
+    """Matrices at ``GROUP_LRS[0]``, vectors (biases, LayerNorm) at ``GROUP_LRS[1]``; by
+    dimension, so it works on FSDP2's DTensors too."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() >= 2], "lr": GROUP_LRS[0]},
+            {"params": [p for p in params if p.dim() < 2], "lr": GROUP_LRS[1]}]
 
 
 def adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+    return torch.optim.AdamW(param_groups(params), lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+
+
+def sync_record(sched: Any) -> dict:
+    """What a sync decided and scored, from the scheduler right after it (the same keys
+    for the simulator and a rank)."""
+    last = sched.last_sync
+    groups = sched.num_groups
+    return {"step": sched.step_count,
+            "permutations": {f"{a}/{g}": list(p) for (a, g), p in sched.permutations.items()},
+            "base": [sched.base_value("lr", g) for g in range(groups)],
+            "applied": [list(sched.applied[("lr", g)]) for g in range(groups)],
+            "fitness": [last.get(f"hdet/fitness/replica_{r}") for r in range(REPLICAS)],
+            "loss": [last.get(f"hdet/loss/replica_{r}") for r in range(REPLICAS)],
+            "weights": [last.get(f"hdet/weight/replica_{r}") for r in range(REPLICAS)],
+            "delta": [last.get(f"hdet/lr/group_{g}/hypergradient", 0.0) for g in range(groups)],
+            "multiplier": [last.get(f"hdet/lr/group_{g}/multiplier") for g in range(groups)]}
 
 
 class Recorder:
-    """Per step: the LR of this rank's optimizer (group 0) for the coming step; per sync:
-    the permutations and base values the scheduler chose."""
+    """Per step: the LR of every group of this rank's optimizer for the coming step (and,
+    with ``full``, the full parameters after the step); per sync: ``sync_record`` and the
+    probe calls this rank made for it."""
 
-    def __init__(self, sched: Any, groups: Any) -> None:
-        self.sched, self.groups = sched, groups
-        self.lrs = [float(groups()[0]["lr"])]
+    def __init__(self, sched: Any, groups: Callable[[], list], calls: list,
+                 full: Callable[[], np.ndarray] | None = None) -> None:
+        self.sched, self.groups, self.calls, self.full = sched, groups, calls, full
+        self.lrs = [self._lrs()]
         self.syncs: list[dict] = []
+        self.steps: list[np.ndarray] = []
+        self._seen = 0
+
+    def _lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self.groups()]
 
     def after_step(self) -> None:
-        self.lrs.append(float(self.groups()[0]["lr"]))
+        self.lrs.append(self._lrs())
         if self.sched.step_count % SYNC == 0:
-            self.syncs.append({"step": self.sched.step_count,
-                               "permutations": {f"{a}/{g}": list(p) for (a, g), p in self.sched.permutations.items()},
-                               "base": self.sched.base_value("lr", 0),
-                               "applied": list(self.sched.applied[("lr", 0)])})
+            self.syncs.append({**sync_record(self.sched), "probe_calls": self.calls[self._seen:]})
+            self._seen = len(self.calls)
+        if self.full is not None:
+            self.steps.append(self.full())
 
-    def result(self, params: np.ndarray) -> dict:
+    def result(self, params: np.ndarray, init: dict) -> dict:
         t = self.sched.topology
-        return {"lrs": self.lrs, "syncs": self.syncs, "params": params, "replica": t.replica_index,
-                "shard": t.shard_index}
+        return {"lrs": self.lrs, "syncs": self.syncs, "params": params, "steps": self.steps, "init": init,
+                "replica": t.replica_index, "shard": t.shard_index, "shard_size": t.shard_size}
 
 
-def _run_torch(model: Any, opt: Any, sched: Any, data: Any, full_params: Any) -> dict:
-    rec = Recorder(sched, lambda: opt.param_groups)
-    for step in range(1, STEPS + 1):
+def _probe(calls: list, shards: int) -> Callable[[Any], Any]:
+    """This rank's probe: slice ``rank() % shards`` of ``shards`` (DDP: all rows)."""
+    return rank_tools.make_probe(rank() % shards, shards, calls, d_in=D_IN, d_out=D_OUT)
+
+
+def _init_record(model: Any, full: Callable[[], np.ndarray]) -> dict:
+    """Right after initialize: the full parameters (``full``, collective on the shard
+    group) and the output of this rank's forward pass on a fixed input (eval, no grad)."""
+    params = full()
+    out = rank_tools.eval_output(model, forward_input())
+    return {"params": params, "forward": out}
+
+
+def _run_torch(model: Any, opt: Any, sched: Any, data: Any, full: Any, calls: list, init: dict,
+               steps: int) -> dict:
+    rec = Recorder(sched, lambda: opt.param_groups, calls, full if steps < STEPS else None)
+    for step in range(1, steps + 1):
         x, y = data(step)
         loss = loss_of(model, x, y)
         loss.backward()
@@ -120,77 +201,128 @@ def _run_torch(model: Any, opt: Any, sched: Any, data: Any, full_params: Any) ->
         opt.zero_grad(set_to_none=True)
         sched.step(loss.detach())
         rec.after_step()
-    return rec.result(full_params())
+    return rec.result(full(), init)
 
 
-def run_fsdp2(mode: str) -> dict:
+def _fsdp2_full(model: Any) -> np.ndarray:
+    """Full parameters (collective on the shard group). A forward without backward leaves
+    FSDP2's unsharded plain parameters registered: reshard first."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return flat_numpy(p.full_tensor() for p in model.parameters())
+
+
+def run_fsdp2(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
     from hdet_scale.backends import fsdp2
 
-    model, opt, sched = fsdp2.initialize(build_model(), hdet_block(mode), adamw,
-                                         shard_modules=lambda m: [m.fc1, m.fc2, m.head])
+    calls: list = []
+    model, opt, sched = fsdp2.initialize(build_model(), hdet_block(mode, controller, warm), adamw,
+                                         shard_modules=lambda m: [m.fc1, m.fc2, m.head],
+                                         probe=_probe(calls, SHARDS))
     g = rank()
 
     def full() -> np.ndarray:
-        return flat_numpy(p.full_tensor() for p in model.parameters())
+        return _fsdp2_full(model)
 
-    return _run_torch(model, opt, sched, lambda t: batch(g, t), full)
+    init = _init_record(model, full)
+    return _run_torch(model, opt, sched, lambda t: batch(g, t), full, calls, init, steps)
 
 
-def run_fairscale(mode: str) -> dict:
+def run_fairscale(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
     from hdet_scale.backends import fairscale
 
-    model, opt, sched = fairscale.initialize(build_model(), hdet_block(mode), torch.optim.AdamW,
-                                             {"lr": LR, "weight_decay": WEIGHT_DECAY, "foreach": False})
+    calls: list = []
+    model = build_model()
+    if warm:  # a frozen parameter: in no OSS bucket, whole on every rank (warm init's other path)
+        model.norm.bias.requires_grad_(False)
+    ddp, opt, sched = fairscale.initialize(model, hdet_block(mode, controller, warm), torch.optim.AdamW,
+                                           {"lr": LR, "weight_decay": WEIGHT_DECAY, "foreach": False},
+                                           params=param_groups(model.parameters()), probe=_probe(calls, SHARDS))
     g = rank()
-    return _run_torch(model, opt, sched, lambda t: batch(g, t), lambda: flat_numpy(model.module.parameters()))
+
+    def full() -> np.ndarray:
+        return flat_numpy(ddp.module.parameters())
+
+    init = _init_record(ddp, full)
+    return _run_torch(ddp, opt, sched, lambda t: batch(g, t), full, calls, init, steps)
 
 
-def run_ddp(mode: str) -> dict:
+def run_ddp(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
     from hdet_scale.backends import ddp
 
-    model, opt, sched = ddp.initialize(build_model(), hdet_block(mode), adamw)
+    calls: list = []
+    model, opt, sched = ddp.initialize(build_model(), hdet_block(mode, controller, warm), adamw,
+                                       probe=_probe(calls, 1))
     r = rank()
-    return _run_torch(model, opt, sched, lambda t: replica_batch(r, t), lambda: flat_numpy(model.module.parameters()))
+
+    def full() -> np.ndarray:
+        return flat_numpy(model.module.parameters())
+
+    init = _init_record(model, full)
+    return _run_torch(model, opt, sched, lambda t: replica_batch(r, t), full, calls, init, steps)
 
 
-def run_deepspeed(mode: str) -> dict:
+def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
     import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
 
     from hdet_scale import initialize
 
     model = build_model()
     # DeepSpeed 0.19 clips the gradient norm at 1.0 unless told otherwise
-    # (GRADIENT_CLIPPING_DEFAULT); the other runs do not clip.
+    # (GRADIENT_CLIPPING_DEFAULT); the other runs do not clip. The warm run partitions
+    # the two larger matrices (threshold 100) and keeps the rest persistent, so warm init
+    # must reach both kinds of working copy; the others keep every tensor persistent.
+    zero: dict[str, Any] = {"stage": 3}
+    if warm:
+        zero["stage3_param_persistence_threshold"] = 100
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-           "gradient_clipping": 0.0, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
-           "hdet": hdet_block(mode)}
-    engine, _, _, sched = initialize(model, cfg, optimizer=adamw(model.parameters()))
+           "gradient_clipping": 0.0, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+           "hdet": hdet_block(mode, controller, warm)}
+    calls: list = []
+    engine, _, _, sched = initialize(model, cfg, optimizer=adamw(model.parameters()), probe=_probe(calls, SHARDS))
     g = rank()
-    rec = Recorder(sched, lambda: engine.optimizer.param_groups)
-    for step in range(1, STEPS + 1):
+    params = list(engine.module.parameters())
+
+    def full() -> np.ndarray:  # the working copy the forward reads (collective on the shard group)
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return flat_numpy(params)
+
+    init = _init_record(engine, full)
+    init["master"] = flat_numpy(safe_get_full_fp32_param(p) for p in params)  # fp32 masters
+    rec = Recorder(sched, lambda: engine.optimizer.param_groups, calls, full if steps < STEPS else None)
+    for step in range(1, steps + 1):
         x, y = batch(g, step)
         loss = loss_of(engine, x, y)
         engine.backward(loss)
         engine.step(lr_kwargs={"loss": loss.detach()})
         rec.after_step()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        full = flat_numpy(params)
-    return rec.result(full)
+    return rec.result(full(), init)
+
+
+SHARDED = {"fsdp2": run_fsdp2, "fairscale": run_fairscale, "deepspeed": run_deepspeed}
 
 
 def launch_sharded(modes: list[str]) -> dict:
-    """4 ranks: FSDP2, fairscale OSS and DeepSpeed ZeRO-3 (2 x 2), each gradient mode."""
+    """4 ranks: FSDP2, fairscale OSS and DeepSpeed ZeRO-3 (2 x 2), each controller and
+    gradient mode (12 steps), then a warm-init run of each (to the first converge)."""
     warnings.filterwarnings("ignore")
     out = {}
-    for mode in modes:
-        out[("fsdp2", mode)] = run_fsdp2(mode)
-        out[("fairscale", mode)] = run_fairscale(mode)
-        out[("deepspeed", mode)] = run_deepspeed(mode)
+    for controller in CONTROLLERS:
+        for mode in modes:
+            for name, fn in SHARDED.items():
+                out[(name, controller, mode)] = fn(mode, controller)
+    for name, fn in SHARDED.items():
+        out[(name, "warm", WARM_MODE)] = fn(WARM_MODE, "log", warm=True, steps=SYNC)
     return out
 
 
 def launch_ddp(modes: list[str]) -> dict:
-    """2 ranks: DDP, one replica per rank, each gradient mode."""
+    """2 ranks: DDP, one replica per rank, each controller and gradient mode, and a
+    warm-init run to the first converge."""
     warnings.filterwarnings("ignore")
-    return {("ddp", mode): run_ddp(mode) for mode in modes}
+    out = {("ddp", c, m): run_ddp(m, c) for c in CONTROLLERS for m in modes}
+    out[("ddp", "warm", WARM_MODE)] = run_ddp(WARM_MODE, "log", warm=True, steps=SYNC)
+    return out

@@ -299,9 +299,14 @@ def _resume(out: dict, ckpt_dir: str) -> None:
     checkpoint before any collective."""
     from hdet_scale.backends.ddp import initialize, load_checkpoint, save_checkpoint
     from hdet_scale.errors import HDETStateError
-    cfg = mesh_cfg(auto={"enabled": True, "warmup_steps": 3, "temperature": 0.05},
+    # auto-LR on its default path: the "log" controller scored by the probe loss
+    cfg = mesh_cfg(auto={"enabled": True, "warmup_steps": 3},
                    schedule={"name": "onecycle", "total_steps": 10, "max_lr": 5e-3, "div_factor": 5.0,
                              "final_div_factor": 2.0})
+    probe = rank_tools.make_probe(rank() % S, S, d_in=D_IN, d_out=D_OUT)
+
+    def init(model, config=cfg):
+        return initialize(model, config, _adamw, probe=probe)
 
     def run(ddp, opt, sched, first, last, key):
         lrs = out.setdefault(f"{key}_lrs", {})
@@ -310,20 +315,16 @@ def _resume(out: dict, ckpt_dir: str) -> None:
             train_step(ddp, opt, sched, rank(), step)
 
     def state(ddp, opt, sched):
-        s = sched.state_dict()
         return {"params": flat_params(ddp.module), "buffers": buffers(ddp.module),
                 "exp_avg_sq": np.concatenate([opt.state[p]["exp_avg_sq"].reshape(-1).numpy()
                                               for p in ddp.module.parameters()]),
-                "sched": {"step": s["step"], "base": {str(k): v for k, v in s["base"].items()},
-                          "velocity": {str(k): v for k, v in s["velocity"].items()},
-                          "permutations": {str(k): v for k, v in s["permutations"].items()},
-                          "sync": s["sync"], "last_sync": clean_record(sched.last_sync)}}
+                "sched": {**rank_tools.sched_state(sched), "sync": sched.state_dict()["sync"]}}
 
-    ddp, opt, sched = initialize(build_model(), cfg, _adamw)
+    ddp, opt, sched = init(build_model())
     run(ddp, opt, sched, 1, RESUME_STEPS, "A")
     out["A"] = state(ddp, opt, sched)
 
-    ddp, opt, sched = initialize(build_model(), cfg, _adamw)
+    ddp, opt, sched = init(build_model())
     run(ddp, opt, sched, 1, RESUME_AT, "B")
     out["B_params"] = flat_params(ddp.module)
     written: list = []
@@ -331,14 +332,14 @@ def _resume(out: dict, ckpt_dir: str) -> None:
         out["tag"] = save_checkpoint(ddp, opt, sched, ckpt_dir)
     out["written"] = written
 
-    ddp, opt, sched = initialize(build_model(seed=1), cfg, _adamw)
+    ddp, opt, sched = init(build_model(seed=1))
     out["C_before_load"] = flat_params(ddp.module)
     out["C_loaded_tag"] = load_checkpoint(ddp, opt, sched, ckpt_dir)
     out["C_after_load"] = flat_params(ddp.module)
     run(ddp, opt, sched, RESUME_AT + 1, RESUME_STEPS, "C")
     out["C"] = state(ddp, opt, sched)
 
-    ddp, opt, sched = initialize(build_model(), {**cfg, "replicas": 4}, _adamw)
+    ddp, opt, sched = init(build_model(), {**cfg, "replicas": 4})
     out["D_error"] = rank_tools.error_text(lambda: load_checkpoint(ddp, opt, sched, ckpt_dir),
                                           (HDETStateError, AssertionError), device_mesh=True)
 

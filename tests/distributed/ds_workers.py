@@ -170,8 +170,9 @@ def equivalence_worker(steps: int = 7) -> dict:
 # ---- 3. every rank agrees on permutations and base values -------------------------------
 
 def agreement_worker(steps: int = 9) -> dict:
-    """Auto-LR on (warm-up 2, sync every 2 steps, spread 0.2) over two parameter groups,
-    plus a weight-decay axis (not auto): one permutation per (axis, group)."""
+    """Auto-LR on (the paper's controller and per-group exploration, warm-up 2, sync
+    every 2 steps, spread 0.2) over two parameter groups, plus a weight-decay axis (not
+    auto): one permutation per (axis, group)."""
     from hdet_scale.backends.deepspeed import initialize
     model = build_model()
     decay = [p for n, p in model.named_parameters() if n.endswith("weight") and not n.startswith("norm")]
@@ -180,7 +181,7 @@ def agreement_worker(steps: int = 9) -> dict:
     hdet = hdet_block(sync_interval=2, seed=3,
                       axes={"lr": {"spread_ratio": 0.2}, "weight_decay": {"spread_ratio": 0.5}},
                       schedule={"name": "onecycle", "total_steps": 20},
-                      auto={"enabled": True, "warmup_steps": 2, "temperature": 0.1})
+                      auto={"enabled": True, "warmup_steps": 2, "temperature": 0.1, "controller": "paper", "fitness": "train_loss", "groups": "independent"})
     engine, opt, _, sched = initialize(model, ds_config(hdet), model_parameters=groups)
     hist = []
     for step in range(1, steps + 1):
@@ -198,10 +199,11 @@ def agreement_worker(steps: int = 9) -> dict:
 def nan_worker() -> dict:
     """Auto-LR from the first sync; sync every 3 steps; gradient_sharing replica so the two
     replicas' weights differ at every sync. Replica 1 reports a NaN loss for the second
-    interval (steps 4-6; the real loss still drives backward); steps 7-9 are clean."""
+    interval (steps 4-6; the real loss still drives backward); steps 7-9 are clean. The
+    paper's controller, scored by the training loss (the reported NaN)."""
     from hdet_scale.backends.deepspeed import initialize
     hdet = hdet_block(gradient_sharing="replica", axes={"lr": {"spread_ratio": 0.2}},
-                      auto={"enabled": True, "warmup_steps": 0})
+                      auto={"enabled": True, "warmup_steps": 0, "controller": "paper", "fitness": "train_loss", "groups": "independent"})
     engine, opt, _, sched = initialize(build_model(), ds_config(hdet, threshold=0))
     captured: list = []
     capture_converge(engine, sched, captured)
@@ -225,7 +227,7 @@ RESUME_STEPS, RESUME_AT = 8, 4
 def _resume_hdet() -> dict:
     return hdet_block(gradient_sharing="replica", axes={"lr": {"spread_ratio": 0.3}},
                       schedule={"name": "onecycle", "total_steps": 10},
-                      auto={"enabled": True, "warmup_steps": 3})
+                      auto={"enabled": True, "warmup_steps": 3})  # default: "log", scored by the probe
 
 
 def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
@@ -237,6 +239,7 @@ def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
     from hdet_scale.errors import HDETStateError
     cfg = ds_config(_resume_hdet(), bf16=bf16, threshold=100)  # fc1/fc2 weights partitioned, rest persistent
     dtype = torch.bfloat16 if bf16 else torch.float32
+    probe = rank_tools.rank_probe()
     out: dict[str, Any] = {}
 
     def run(engine, opt, sched, first: int, last: int, key: str) -> None:
@@ -247,12 +250,12 @@ def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
             train_step(engine, step, dtype)
             out[f"{key}_perms"][step] = sched_state(sched)["permutations"]
 
-    engine, opt, _, sched = initialize(build_model(), cfg)
+    engine, opt, _, sched = initialize(build_model(), cfg, probe=probe)
     run(engine, opt, sched, 1, RESUME_STEPS, "A")
     out["A_master"], out["A_buffers"], out["A_state"] = full_master(engine), buffers(engine), sched_state(sched)
     out["A_working"], _ = full_working(engine)
 
-    engine, opt, _, sched = initialize(build_model(), cfg)
+    engine, opt, _, sched = initialize(build_model(), cfg, probe=probe)
     run(engine, opt, sched, 1, RESUME_AT, "B")
     out["B_master_at_save"] = full_master(engine)
     written: list = []
@@ -260,7 +263,7 @@ def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
         out["tag"] = save_checkpoint(engine, sched, ckpt_dir)
     out["written"] = written
 
-    engine, opt, _, sched = initialize(build_model(seed=1), cfg)
+    engine, opt, _, sched = initialize(build_model(seed=1), cfg, probe=probe)
     out["C_master_before_load"] = full_master(engine)
     load_checkpoint(engine, sched, ckpt_dir)
     out["C_step_after_load"] = sched.step_count
@@ -270,7 +273,7 @@ def resume_worker(ckpt_dir: str, bf16: bool = False) -> dict:
     out["C_working"], _ = full_working(engine)
 
     cfg4 = ds_config({**_resume_hdet(), "replicas": 4}, bf16=bf16, threshold=100)
-    engine, opt, _, sched = initialize(build_model(), cfg4)
+    engine, opt, _, sched = initialize(build_model(), cfg4, probe=probe)
     t0 = time.monotonic()
     out["D_error"] = rank_tools.error_text(lambda: load_checkpoint(engine, sched, ckpt_dir),
                                           (HDETStateError, AssertionError))

@@ -252,7 +252,7 @@ RESUME_STEPS, RESUME_AT = 8, 4
 def resume_cfg(sharing: str) -> dict:
     return hdet_block(gradient_sharing=sharing, axes={"lr": {"spread_ratio": 0.3}},
                       schedule={"name": "onecycle", "total_steps": 10, "cycle_momentum": True},
-                      auto={"enabled": True, "warmup_steps": 3})
+                      auto={"enabled": True, "warmup_steps": 3})  # default: "log", scored by the probe
 
 
 def snapshot(model, opt, sched) -> dict:
@@ -266,7 +266,7 @@ def _resume_case(ckpt_dir: str, sharing: str, ddp_kwargs: dict | None = None) ->
     C: fresh from *other* initial weights, load, steps 5-8. Auto-LR from step 3."""
     from hdet_scale.backends.fairscale import load_checkpoint, save_checkpoint
     cfg = resume_cfg(sharing)
-    kw = {"ddp_kwargs": ddp_kwargs}
+    kw = {"ddp_kwargs": ddp_kwargs, "probe": rank_tools.rank_probe()}
     out: dict[str, Any] = {}
 
     def run(model, opt, sched, first: int, last: int, key: str) -> None:
@@ -306,7 +306,7 @@ def _resume(root: str) -> dict:
     from hdet_scale.backends.fairscale import load_checkpoint
     from hdet_scale.errors import HDETStateError
     out: dict[str, Any] = {name: _resume_case(os.path.join(root, name), *case) for name, case in RESUME_CASES.items()}
-    model, opt, sched = hdet_init({**resume_cfg("replica"), "replicas": 4})  # 4 x 1 layout
+    model, opt, sched = hdet_init({**resume_cfg("replica"), "replicas": 4}, probe=rank_tools.rank_probe())  # 4 x 1
     out["layout_error"] = rank_tools.error_text(
         lambda: load_checkpoint(model, opt, sched, os.path.join(root, "replica")), (HDETStateError, AssertionError))
     return out

@@ -85,10 +85,10 @@ def bf16_policy():
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def init(config: Any, *, bf16: bool = False, reshard: bool | None = None, seed: int = 0):
+def init(config: Any, *, bf16: bool = False, reshard: bool | None = None, seed: int = 0, probe: Any = None):
     from hdet_scale.backends.fsdp2 import initialize
     return initialize(build_model(seed), config, make_optimizer, shard_modules=shard_blocks,
-                      mp_policy=bf16_policy() if bf16 else None, reshard_after_forward=reshard)
+                      mp_policy=bf16_policy() if bf16 else None, reshard_after_forward=reshard, probe=probe)
 
 
 # ---- reading a model -------------------------------------------------------------------
@@ -320,7 +320,7 @@ RESUME_CASES = {"global_bf16": ("global", True, False, RESUME_AT), "replica_fp32
 def _resume_hdet(sharing: str, replicas: int = REPLICAS) -> dict:
     return hdet_block(replicas=replicas, gradient_sharing=sharing, axes={"lr": {"spread_ratio": 0.3}},
                       schedule={"name": "onecycle", "total_steps": 10},
-                      auto={"enabled": True, "warmup_steps": 3})
+                      auto={"enabled": True, "warmup_steps": 3})  # default: "log", scored by the probe
 
 
 def _snapshot(model, opt, sched) -> dict:
@@ -343,16 +343,17 @@ def resume_worker(ckpt_root: str) -> dict:
     from hdet_scale.backends.fsdp2 import load_checkpoint, save_checkpoint
     from hdet_scale.errors import HDETStateError
     out: dict[str, Any] = {}
+    probe = rank_tools.rank_probe(d_in=D_IN, d_out=D_OUT)
     for name, (sharing, bf16, reshard, at) in RESUME_CASES.items():
         cfg = _resume_hdet(sharing)
         ckpt = os.path.join(ckpt_root, name)
         res: dict[str, Any] = {"A_lrs": {}, "B_lrs": {}, "C_lrs": {}}
 
-        model, opt, sched = init(cfg, bf16=bf16, reshard=reshard)
+        model, opt, sched = init(cfg, bf16=bf16, reshard=reshard, probe=probe)
         _run(model, opt, sched, 1, RESUME_STEPS, res["A_lrs"])
         res["A"] = _snapshot(model, opt, sched)
 
-        model, opt, sched = init(cfg, bf16=bf16, reshard=reshard)
+        model, opt, sched = init(cfg, bf16=bf16, reshard=reshard, probe=probe)
         _run(model, opt, sched, 1, at, res["B_lrs"])
         res["B_at_save"] = {"local": local_shards(model), "adam": adam_state(opt) if opt.state else None,
                             "loss_count": sched.sync_obj.state_dict()["loss_count"]}
@@ -361,7 +362,7 @@ def resume_worker(ckpt_root: str) -> dict:
             _run(model, opt, sched, 1, RESUME_STEPS, res["B_lrs"])
             res["B"] = _snapshot(model, opt, sched)
 
-        model, opt, sched = init(cfg, bf16=bf16, reshard=reshard, seed=1)
+        model, opt, sched = init(cfg, bf16=bf16, reshard=reshard, seed=1, probe=probe)
         res["C_before_load"] = local_shards(model)
         load_checkpoint(model, opt, sched, ckpt)
         res["C_after_load"] = {"local": local_shards(model), "adam": adam_state(opt) if opt.state else None,
@@ -371,7 +372,7 @@ def resume_worker(ckpt_root: str) -> dict:
         res["files"] = sorted(rank_tools.files_under(ckpt))
         out[name] = res
 
-    model, opt, sched = init(_resume_hdet("replica", replicas=4))
+    model, opt, sched = init(_resume_hdet("replica", replicas=4), probe=probe)
     t0 = time.monotonic()
     out["D_error"] = rank_tools.error_text(
         lambda: load_checkpoint(model, opt, sched, os.path.join(ckpt_root, "replica_fp32")),

@@ -119,6 +119,59 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seeded_batch(10_000 + 1_000 * rank + step, MICRO, D_IN, D_OUT)
 
 
+# Fixed probe batches (auto.fitness "probe"): PROBE_ROWS rows in all, split into S equal
+# slices; shard rank s of every replica evaluates slice s, so every replica is scored on
+# the same rows and the mean over a replica's S ranks is the loss on all of them.
+PROBE_ROWS, PROBE_SEED = 8, 30_000
+
+
+def probe_slice(shard: int, shards: int, d_in: int = D_IN, d_out: int = D_OUT, rows: int = PROBE_ROWS,
+                seed: int = PROBE_SEED) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice ``shard`` of ``shards`` equal slices of the fixed probe set ``(x, y)`` (``rows``
+    rows from a generator seeded with ``seed``; ``shards`` = 1: all of it)."""
+    assert rows % shards == 0, "equal slices: the mean of the slice means is the mean over all rows"
+    x, y = seeded_batch(seed, rows, d_in, d_out)
+    n = rows // shards
+    return x[shard * n:(shard + 1) * n], y[shard * n:(shard + 1) * n]
+
+
+def probe_loss(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """MSE of ``model`` on ``(x, y)`` in eval mode (training-time buffer updates off; the
+    mode is restored), without grad: the loss a probe returns."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return F.mse_loss(model(x.to(_param_dtype(model))).float(), y)
+    finally:
+        model.train(was)
+
+
+def _param_dtype(model: Any) -> torch.dtype:
+    p = next(iter(model.parameters()), None)
+    return p.dtype if p is not None and p.is_floating_point() else torch.float32
+
+
+def make_probe(shard: int, shards: int = S, calls: list | None = None, **slice_kw: Any) -> Callable[[Any], Any]:
+    """``probe(model) -> loss`` for ``initialize(..., probe=...)``: this rank's loss on slice
+    ``shard`` of the probe set; with ``calls``, each call appends ``{"shard", "loss",
+    "x_sum"}`` (the slice index, the loss as float, the sum of its inputs)."""
+    x, y = probe_slice(shard, shards, **slice_kw)
+
+    def probe(model: Any) -> torch.Tensor:
+        loss = probe_loss(model, x, y)
+        if calls is not None:
+            calls.append({"shard": shard, "loss": float(loss), "x_sum": float(x.double().sum())})
+        return loss
+
+    return probe
+
+
+def rank_probe(calls: list | None = None, **slice_kw: Any) -> Callable[[Any], Any]:
+    """``make_probe`` for this rank of the 2 x 2 layout (shard index ``rank() % S``)."""
+    return make_probe(rank() % S, S, calls, **slice_kw)
+
+
 def hdet_block(**overrides: Any) -> dict:
     """The per-backend tests' HDET block: ``REPLICAS`` replicas, sync every 3 steps, global
     gradients, LR spread 0.5, constant schedule over 100 steps; ``overrides`` replace
@@ -180,11 +233,15 @@ def clean_record(record: dict) -> dict:
 
 
 def sched_state(sched: Any) -> dict:
-    """The HDET scheduler's step, permutations, base values, velocities and last sync
-    record (without timing), as plain data with string keys."""
+    """The HDET scheduler's step, permutations, controller state (base values of the
+    "paper" controller, log multipliers of the "log" one, velocities, update count) and
+    last sync record (without timing), as plain data with string keys."""
+    ctl = sched.controller
     return {"step": sched.step_count, "permutations": {str(k): list(v) for k, v in sched.permutations.items()},
-            "base": {str(k): v for k, v in sched.base.items()},
-            "velocity": {str(k): v for k, v in sched.velocity.items()},
+            "base": {str(k): v for k, v in ctl.base.items()},
+            "log_m": {str(k): v for k, v in ctl.log_m.items()},
+            "velocity": {str(k): v for k, v in ctl.velocity.items()},
+            "updates": ctl.updates,
             "last_sync": clean_record(sched.last_sync)}
 
 

@@ -97,7 +97,8 @@ def test_plain_equals_onecycle_and_data_parallel(pair):
 
 def _simulator() -> Simulator:
     # The documented argument mapping, written out by hand: loss_scale -> temperature,
-    # lr_of_lr -> step_size, momentum_of_lr -> momentum, gamma derived ("auto").
+    # lr_of_lr -> step_size, momentum_of_lr -> momentum, gamma derived ("auto"); the
+    # paper's controller, fitness (training loss) and per-group exploration.
     k, a = W.HDET_KW, W.HDET_ARGS
     cfg = {"replicas": 2, "sync_interval": k["model_sync_interval"], "gradient_sharing": "global",
            "seed": k["seed"], "axes": {"lr": {"spread_ratio": k["ensemble_lr_spread_ratio"]}},
@@ -105,7 +106,8 @@ def _simulator() -> Simulator:
                         "div_factor": a["div_factor"], "final_div_factor": a["final_div_factor"],
                         "cycle_momentum": True},
            "auto": {"enabled": True, "warmup_steps": k["auto_lr_warmup_steps"], "temperature": k["loss_scale"],
-                    "momentum": k["momentum_of_lr"], "step_size": k["lr_of_lr"], "decay": "auto"}}
+                    "momentum": k["momentum_of_lr"], "step_size": k["lr_of_lr"], "decay": "auto",
+                    "controller": "paper", "fitness": "train_loss", "groups": "independent"}}
     return Simulator(W.build_model, lambda ps: torch.optim.AdamW(ps, **W.ADAMW), cfg)
 
 
@@ -251,7 +253,8 @@ def test_replica_groups_independent_and_converge_bit_identical(mesh):
 # ---- (d) ------------------------------------------------------------------------------
 
 def test_exact_resume_mid_interval(mesh):
-    """2 x 2, replica mode, auto-LR after step 3, syncs at 3 and 6. 8 steps uninterrupted
+    """2 x 2, replica mode, auto-LR after step 3 (the default "log" controller scored by
+    probe loss), syncs at 3 and 6. 8 steps uninterrupted
     vs 4 steps + save_checkpoint + load_checkpoint into a fresh initialize (other initial
     weights) + 4 steps: the same LR at every step and bit-identical parameters, buffers,
     Adam state and scheduler state. Every file has one writer: shard rank 0 of each
@@ -274,7 +277,10 @@ def test_exact_resume_mid_interval(mesh):
         for name in a["buffers"]:
             np.testing.assert_array_equal(c["buffers"][name], a["buffers"][name])
         assert c["sched"] == a["sched"], f"rank {rank}: scheduler state"
-    assert res[0]["A"]["sched"]["base"], "auto-LR did not start: the resume would not cover its state"
+    sched = res[0]["A"]["sched"]
+    assert sched["updates"] == 2 and sched["log_m"]["('lr', 0)"] != 0, \
+        "auto-LR did not start: the resume would not cover its state"
+    assert "hdet/fitness/replica_0" in sched["last_sync"], "the probe did not score the replicas"
 
     written = rank_tools.assert_single_writers(ckpt, [x["written"] for x in res])
     for rank in range(4):

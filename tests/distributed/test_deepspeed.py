@@ -147,7 +147,8 @@ def test_spread0_global_sharing_equals_plain_zero3():
 # ---- 3 -----------------------------------------------------------------------------------
 
 def test_ranks_agree_on_permutations_and_base_values():
-    """Auto-LR (warm-up 2, sync every 2 steps, spread 0.2) over two parameter groups plus a
+    """Auto-LR (the paper's controller: "paper", "train_loss", "independent"; warm-up 2,
+    sync every 2 steps, spread 0.2) over two parameter groups plus a
     weight-decay axis: every rank holds the same permutations, base values, velocities
     and sync record at every step; ranks of one replica share their LRs; the replicas'
     LRs are base * (1 -+ 0.2) as the shared permutation says."""
@@ -239,7 +240,8 @@ def test_nan_loss_on_one_replica():
 
 def test_exact_resume_and_checkpoint_layout(tmp_path):
     """bf16, persistence threshold 100 (Linear weights partitioned, the rest persistent),
-    replica gradients, auto-LR after step 3, syncs at 3 and 6. Uninterrupted 8 steps vs
+    replica gradients, auto-LR after step 3 (default "log" controller, probe fitness),
+    syncs at 3 and 6. Uninterrupted 8 steps vs
     4 steps + save + load into a fresh engine (other initial weights) + 4 steps: the same
     LR at every step, the same permutations, bit-identical final masters, working copy,
     buffers and scheduler state. Each replica has its own checkpoint folder, no file is
@@ -266,6 +268,9 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
         for name in r["A_buffers"]:
             np.testing.assert_array_equal(r["C_buffers"][name][0], r["A_buffers"][name][0])
         assert r["C_state"] == r["A_state"], f"rank {rank}: scheduler state"
+    state = res[0]["A_state"]  # the default "log" controller ran at 3 and 6, scored by the probe
+    assert state["updates"] == 2 and state["log_m"][str(("lr", 0))] != 0
+    assert "hdet/fitness/replica_1" in state["last_sync"]
 
     # Who wrote what: every rank (r, s) its own DeepSpeed shard files and HDET state in
     # replica_r/; rank 0 also DeepSpeed's recovery scripts, hdet_layout.json and latest.

@@ -216,7 +216,8 @@ def test_replica_mode_converge_leaves_optimizer_state_per_replica(training):
 
 @pytest.mark.parametrize("case", sorted(W.RESUME_CASES))
 def test_exact_resume(resume, case):
-    """Spread 0.3, auto-LR from the step-3 sync, syncs at 3 and 6. Uninterrupted 8 steps
+    """Spread 0.3, auto-LR from the step-3 sync (default "log" controller, probe fitness),
+    syncs at 3 and 6. Uninterrupted 8 steps
     vs save at step 5 (mid-interval: the HDET state carries 2 steps of loss) or at
     step 0 + load into a fresh model with other initial weights + the remaining steps:
     the same LR at every step, bit-identical final local shards, full parameters,
@@ -256,7 +257,9 @@ def test_exact_resume(resume, case):
     if at:
         assert np.abs(r0[0]["B_at_save"]["local"] - r0[2]["B_at_save"]["local"]).max() > 1e-4, \
             "replicas equal at the save step: the checkpoint would not prove per-replica state"
-        assert r0[0]["A"]["sched"]["base"], "auto-LR never ran"
+        state = r0[0]["A"]["sched"]  # the default "log" controller ran at 3 and 6, scored by the probe
+        assert state["updates"] == 2 and state["log_m"][str(("lr", 0))] != 0, "auto-LR never ran"
+        assert "hdet/fitness/replica_1" in state["last_sync"]
         assert np.abs(r0[0]["A"]["buffers"]["input_mean"] - r0[1]["A"]["buffers"]["input_mean"]).max() > 0
     else:
         assert all(x["C_after_load"]["adam"] is None for x in r0), "optimizer state appeared at step 0"
