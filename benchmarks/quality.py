@@ -53,12 +53,18 @@ def specs() -> list[dict]:
             for s in SEEDS:
                 out.append({"name": f"hdet {label}/{where}/s{s}", "group": f"HDET {label}, start {where}",
                             "kind": "hdet", "lr": starts[where], "seed": s, "hdet": over})
-    # Where plain training is fragile: no gradient clipping, high LR.
-    for lr in (3e-2, 1e-1):
+    # Why a start 10x too high is not recovered: plain runs whose LR is cut by hand once
+    # (what a perfect controller could do at its first syncs).
+    for at, f in ((10, 0.1), (25, 0.3), (50, 0.15)):
         for s in SEEDS:
-            out.append({"name": f"noclip plain/lr{lr:g}/s{s}", "group": f"no clipping: plain, lr {lr:g}",
+            out.append({"name": f"drop/at{at}x{f:g}/s{s}", "group": f"plain 10x high, LR x{f:g} from step {at}",
+                        "kind": "plain", "lr": starts["10x high"], "seed": s, "drop": {"at": at, "factor": f}})
+    # Where plain training is fragile: no gradient clipping, high LR.
+    for lr in (1e-1,):
+        for s in SEEDS:
+            out.append({"name": f"noclip plain/lr{lr:g}/s{s}", "group": "no clipping: plain",
                         "kind": "plain", "lr": lr, "seed": s, "clip": 0.0})
-            out.append({"name": f"noclip hdet/lr{lr:g}/s{s}", "group": f"no clipping: HDET full, start {lr:g}",
+            out.append({"name": f"noclip hdet/lr{lr:g}/s{s}", "group": "no clipping: HDET full",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": FULL, "clip": 0.0})
     return out
 

@@ -4,7 +4,8 @@ default model and corpus (docs/quality.md). Used by ``benchmarks/quality.py``.
 A run is a dict ``spec``::
 
     {"name": ..., "kind": "plain" | "hdet", "lr": peak LR, "seed": data seed,
-     "hdet": {...overrides of the hdet block...}, "steps": 200, "clip": 1.0}
+     "hdet": {...overrides of the hdet block...}, "steps": 200, "clip": 1.0,
+     "drop": {"at": step, "factor": f}  (plain only: the LR times f from that step on)}
 
 Layout: R = 4 replicas x 8 sequences of 128 bytes (global batch 32); plain data
 parallelism is one model on the same 32 sequences per step (R = 1, the mean gradient of
@@ -124,7 +125,13 @@ def run(spec: dict) -> dict:
     sim = Simulator(lambda: build_model(mcfg), lambda ps: ClippedAdamW(ps, clip, **opt_kw), block,
                     probe_fn=probe_fn if spec["kind"] == "hdet" else None)
     trace, diverged = [], False
+    drop = spec.get("drop")  # {"at": step, "factor": f}: the LR times f from that step on
     for step in range(steps):
+        if drop and step == drop["at"]:
+            # An "oracle" LR change for plain runs: the same multiplier that auto-LR moves,
+            # set by hand once (the schedule keeps its shape).
+            sim.scheduler.controller.log_m[("lr", 0)] = math.log(drop["factor"])
+            sim.scheduler._apply()
         losses = sim.step(lambda model, r: loss_fn(model, *batch(r, step)))
         if not all(math.isfinite(float(x)) for x in losses):
             diverged = True
