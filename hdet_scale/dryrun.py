@@ -7,6 +7,7 @@ checks the DeepSpeed keys HDET depends on; ``fsdp2``, ``ddp`` and ``fairscale`` 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from hdet_scale import axes as ax
@@ -50,7 +51,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             raise HDETConfigError(f"--total-steps {total_steps} differs from hdet.schedule.total_steps="
                                   f"{sched['total_steps']} in the file")
         sched["total_steps"] = total_steps
-    from hdet_scale.ensemble import build_schedule, decay_for
+    from hdet_scale.autolr import build_schedule, decay_for, drowning_warning, first_meta_step
     from hdet_scale.topology import Layout
 
     if backend == "deepspeed":
@@ -75,9 +76,30 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         else:
             off = [axis.spread_ratio * o for o in ax.spread_offsets(cfg.replicas)]
             lines.append(f"axis {name}: offsets {[round(o, 6) for o in off]}")
-        if cfg.auto.enabled and cfg.axis_auto(name):
-            lines.append(f"  auto-LR decay gamma per sync: {decay_for(cfg, schedule, name, 1.0):.6g}")
+        if cfg.auto.enabled and cfg.axis_auto(name) and cfg.auto.controller == "paper":
+            gamma = decay_for(cfg, schedule, name, 1.0)
+            lines.append(f"  auto-LR decay gamma per sync: {gamma:.6g}")
+            warn = drowning_warning(cfg, gamma) if name == "lr" else None
+            if warn:
+                lines.append(f"  warning: {warn}")
     lines.append(f"sync every {cfg.sync_interval} optimizer steps; gradient sharing: {cfg.gradient_sharing}")
+    a = cfg.auto
+    if a.enabled:
+        T, total = cfg.sync_interval, cfg.schedule.total_steps
+        n_meta = max((total - first_meta_step(cfg)) // T + 1, 0)
+        lines.append(f"auto-LR: controller {a.controller}, fitness {a.fitness}, groups {a.groups}, "
+                     f"temperature {a.resolved('temperature')}, momentum {a.resolved('momentum')}, "
+                     f"step_size {a.resolved('step_size')}; {n_meta} meta-updates (first at step "
+                     f"{first_meta_step(cfg)})")
+        if a.controller == "log":
+            reach = math.exp(min(n_meta * a.resolved("step_size"), math.log(a.max_factor)))
+            lines.append(f"  the multiplier can reach at most x{reach:.3g} / x{1 / reach:.3g} of the schedule "
+                         f"(bound max_factor {a.max_factor:g})")
+        if a.fitness == "probe":
+            lines.append("  fitness: probe batches, evaluated by every rank at each auto-LR sync "
+                         "(pass probe= to initialize)")
+    if cfg.warm_init.enabled:
+        lines.append(f"warm init: noise std nu={cfg.warm_init.nu:g} x RMS of the whole model, per replica")
     return "\n".join(lines)
 
 

@@ -61,3 +61,24 @@ def test_no_hdet_block_is_plain_deepspeed_and_total_steps_must_agree():
     with pytest.raises(HDETConfigError, match="--total-steps 500 differs"):
         describe(ZERO3, 8, total_steps=500)
     assert "world 8" in describe(ZERO3, 8, total_steps=1000)
+
+
+def test_auto_lr_summary_per_controller():
+    """The log controller: the number of meta-updates (syncs at 500 .. 1000: 6) and how far
+    the multiplier can move (6 x 0.5 in log units = x20.1). The paper controller over the
+    same 6 syncs: the derived decay 1 - (floor / value at step 500)^(1/6) (torch's OneCycle
+    defaults: 0.87 per sync) dwarfs step_size x spread = 0.15: the warning says so."""
+    from hdet_scale.schedules import OneCycle
+
+    text = describe(ZERO3, world_size=8)
+    assert "controller log, fitness probe, groups tied" in text
+    assert "6 meta-updates (first at step 500)" in text
+    assert "at most x20.1 / x0.0498" in text
+    paper = {**ZERO3, "hdet": {**BLOCK, "auto": {**BLOCK["auto"], "controller": "paper"}}}
+    text = describe(paper, world_size=8)
+    gamma = float(text.split("decay gamma per sync: ")[1].split()[0])
+    oc = OneCycle(1000)
+    assert gamma == pytest.approx(1 - (oc.floor(1.0) / oc.value(500, 1.0)) ** (1 / 6), rel=1e-5)
+    assert "warning: hdet.auto: the decay" in text and "at most 15.00%" in text
+    warm = {**ZERO3, "hdet": {**BLOCK, "warm_init": {"enabled": True, "nu": 0.02}}}
+    assert "warm init: noise std nu=0.02" in describe(warm, world_size=8)
