@@ -34,6 +34,7 @@ NO_AUTO = {"auto": {"enabled": False}}
 NO_WARM = {"warm_init": {"enabled": False}}
 TRAIN_LOSS = {"auto": {"fitness": "train_loss"}}
 PAPER = {"auto": {"controller": "paper", "fitness": "train_loss", "groups": "independent"}}
+REPLICA = {"gradient_sharing": "replica"}
 
 
 def specs() -> list[dict]:
@@ -47,12 +48,18 @@ def specs() -> list[dict]:
             out.append({"name": f"hdet full/{where}/s{s}", "group": f"HDET full, start {where}", "kind": "hdet",
                         "lr": lr, "seed": s, "hdet": FULL})
     ablations = {"without auto-LR": NO_AUTO, "without warm init": NO_WARM,
-                 "train-loss fitness": TRAIN_LOSS, "paper controller": PAPER}
+                 "train-loss fitness": TRAIN_LOSS, "paper controller": PAPER, "replica mode": REPLICA}
     for label, over in ablations.items():
         for where in ("3x low", "10x high"):
             for s in SEEDS:
                 out.append({"name": f"hdet {label}/{where}/s{s}", "group": f"HDET {label}, start {where}",
                             "kind": "hdet", "lr": starts[where], "seed": s, "hdet": over})
+    # Parameter groups: decay / no-decay groups explored tied (default) or independently.
+    for label, mode in (("tied", "tied"), ("independent", "independent")):
+        for s in SEEDS:
+            out.append({"name": f"hdet 2 groups {label}/3x low/s{s}", "group": f"HDET 2 groups {label}, start 3x low",
+                        "kind": "hdet", "lr": starts["3x low"], "seed": s, "two_groups": True,
+                        "hdet": {"auto": {"groups": mode}}})
     # Why a start 10x too high is not recovered: plain runs whose LR is cut by hand once
     # (what a perfect controller could do at its first syncs).
     for at, f in ((10, 0.1), (25, 0.3), (50, 0.15)):
