@@ -5,7 +5,8 @@ A run is a dict ``spec``::
 
     {"name": ..., "kind": "plain" | "hdet", "lr": peak LR, "seed": data seed,
      "hdet": {...overrides of the hdet block...}, "steps": 200, "clip": 1.0,
-     "drop": {"at": step, "factor": f}  (plain only: the LR times f from that step on)}
+     "drop": {"at": step, "factor": f}  (plain only: the LR times f from that step on),
+     "two_groups": true  (AdamW with decay / no-decay parameter groups)}
 
 Layout: R = 4 replicas x 8 sequences of 128 bytes (global batch 32); plain data
 parallelism is one model on the same 32 sequences per step (R = 1, the mean gradient of
@@ -122,7 +123,16 @@ def run(spec: dict) -> dict:
         return shards[r].batch(step)
 
     t0 = time.perf_counter()
-    sim = Simulator(lambda: build_model(mcfg), lambda ps: ClippedAdamW(ps, clip, **opt_kw), block,
+    def optimizer(params):
+        if not spec.get("two_groups"):
+            return ClippedAdamW(params, clip, **opt_kw)
+        # Decay / no-decay groups, as most pretraining code builds them.
+        kw = {k: v for k, v in opt_kw.items() if k != "weight_decay"}
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return ClippedAdamW(groups, clip, **kw)
+
+    sim = Simulator(lambda: build_model(mcfg), optimizer, block,
                     probe_fn=probe_fn if spec["kind"] == "hdet" else None)
     trace, diverged = [], False
     drop = spec.get("drop")  # {"at": step, "factor": f}: the LR times f from that step on
