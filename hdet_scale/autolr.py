@@ -121,7 +121,11 @@ class Controller:
         self.velocity: dict[Key, float] = {k: 0.0 for k in explored}
         self.decay = {(a, g): decay_for(config, schedule, a, peaks[g]) for a, g in explored}
         self.updates = 0
-        if self.auto.enabled and self.auto.controller == "paper":
+        if self.auto.enabled and not config.auto_can_move:
+            warnings.warn("hdet.auto.enabled: no axis it controls has a spread (spread_ratio > 0) over more than "
+                          "one replica, so the meta-update has no signal and leaves the LR to the schedule"
+                          + (" and the decay" if self.auto.controller == "paper" else ""), UserWarning, stacklevel=2)
+        elif self.auto.enabled and self.auto.controller == "paper":
             gammas = [v for (a, _), v in self.decay.items() if a == "lr"]
             msg = drowning_warning(config, max(gammas)) if gammas else None
             if msg:

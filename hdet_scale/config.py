@@ -196,6 +196,18 @@ class HDETConfig:
         axis = self.axes[name]
         return (name == "lr") if axis.auto is None else axis.auto
 
+    @property
+    def auto_can_move(self) -> bool:
+        """Auto-LR is on and some axis it controls has replicas to compare (R > 1 and a
+        spread > 0); otherwise the meta-update has no signal."""
+        return (self.auto.enabled and self.replicas > 1
+                and any(self.axis_auto(n) and a.spread_ratio > 0 for n, a in self.axes.items()))
+
+    @property
+    def uses_probe(self) -> bool:
+        """The auto-LR fitness is the probe loss and there is something to score."""
+        return self.auto_can_move and self.auto.fitness == "probe"
+
 
 def _type_ok(value: Any, annotation: str) -> bool:
     """Checks a JSON value against the (string) annotation of a field."""
@@ -333,14 +345,16 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
                "is a setting of controller 'paper' (the 'log' controller follows the schedule's own decay); "
                "remove it or set auto.controller='paper'")
     w = cfg.warm_init
-    _check(errors, math.isfinite(w.nu) and w.nu >= 0, f"{p}.warm_init.nu", f"must be finite and >= 0, got {w.nu}")
+    _check(errors, math.isfinite(w.nu) and 0 <= w.nu <= 1, f"{p}.warm_init.nu",
+           f"must be in [0, 1] (noise std relative to the weights' RMS; paper 0.01), got {w.nu}")
     if a.enabled and s.total_steps is not None:
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "
                f"lower it or set {k}.enabled=false")
-        _check(errors, cfg.sync_interval < 1 or a.warmup_steps + cfg.sync_interval <= s.total_steps,
-               f"{k}.warmup_steps", f"leaves no sync after warm-up: warmup_steps ({a.warmup_steps}) + "
-               f"sync_interval ({cfg.sync_interval}) > schedule.total_steps ({s.total_steps})")
+        first = max(math.ceil(a.warmup_steps / cfg.sync_interval), 1) * cfg.sync_interval if cfg.sync_interval >= 1 else 0
+        _check(errors, first <= s.total_steps, f"{k}.warmup_steps",
+               f"leaves no sync after warm-up: the first sync at or after warmup_steps ({a.warmup_steps}) is step "
+               f"{first} (sync_interval {cfg.sync_interval}), past schedule.total_steps ({s.total_steps})")
     lg = cfg.logging
     _check(errors, lg.every >= 1, f"{p}.logging.every", f"must be >= 1, got {lg.every}")
     _check(errors, lg.wandb.mode in (None, "online", "offline", "disabled"), f"{p}.logging.wandb.mode",

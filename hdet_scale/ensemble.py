@@ -184,11 +184,11 @@ class HDETScheduler:
     def check_probe(self) -> None:
         """Raise HDETConfigError when auto-LR scores replicas by probe loss but no probe
         is set (call before the first collective)."""
-        auto = self.config.auto
-        if auto.enabled and auto.fitness == "probe" and self.probe is None:
-            raise HDETConfigError("hdet.auto.fitness: 'probe' needs probe batches: pass probe=... to initialize "
-                                  "(a function returning this rank's loss on its slice of fixed probe batches, "
-                                  "the same batches for every replica), or set hdet.auto.fitness='train_loss'")
+        if self.config.uses_probe and self.probe is None:
+            raise HDETConfigError("hdet.auto.fitness: 'probe' needs probe batches: pass probe=... to a backend's "
+                                  "initialize (probe(model) -> this rank's loss on its slice of fixed probe "
+                                  "batches, the same batches for every replica) or probe_fn=... to the Simulator "
+                                  "(probe_fn(model, r)), or set hdet.auto.fitness='train_loss'")
 
     @property
     def topology(self) -> Any:
@@ -290,7 +290,7 @@ class HDETScheduler:
         auto = self.config.auto
         meta = auto.enabled and self.step_count >= auto.warmup_steps
         fitness = losses
-        if meta and auto.fitness == "probe":
+        if meta and self.config.uses_probe:
             self.check_probe()
             fitness = self.sync_obj.probe_losses(self.probe)
         # A replica whose training (or probe) loss is NaN/inf is left out of the average. A
@@ -366,6 +366,7 @@ class HDETScheduler:
             "step": self.step_count,
             "sync_count": self.sync_count,
             "controller": self.controller.state_dict(),
+            "auto": {"controller": self.config.auto.controller, "groups": self.config.auto.groups},
             "permutations": {k: list(v) for k, v in self.permutations.items()},
             "generator": self.generator.get_state(),
             "sync": self.sync_obj.state_dict() if self.sync_obj is not None else {},
@@ -384,6 +385,14 @@ class HDETScheduler:
             if state[key] != mine:
                 raise HDETStateError(f"checkpoint was written with hdet.{key}={state[key]} but this run has "
                                      f"hdet.{key}={mine}; resume with the same value")
+        saved = state.get("auto", {})
+        for key in ("controller", "groups"):
+            mine = getattr(self.config.auto, key)
+            if saved.get(key, mine) != mine:
+                # The controllers' states mean different things (a log multiplier's velocity
+                # is unitless, the paper's is an LR): never reinterpret one as the other.
+                raise HDETStateError(f"checkpoint was written with hdet.auto.{key}={saved[key]!r} but this run has "
+                                     f"{mine!r}; resume with the same value")
         if set(state["permutations"]) != set(self.permutations):
             raise HDETStateError("checkpoint explores different (axis, group) pairs than hdet.axes now does")
         self.step_count = state["step"]

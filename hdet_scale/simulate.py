@@ -52,6 +52,7 @@ from hdet_scale import warm_init as wi
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
+from hdet_scale.probe import check_callable, probe_value
 
 __all__ = ["SimulatedSync", "Simulator"]
 
@@ -156,12 +157,8 @@ class SimulatedSync:
         nats) under ``torch.no_grad``, for r = 0 .. R-1. It must score every replica on
         the same batches; on real ranks that is the mean over the replica's S shard ranks
         of their probe slices (``DistributedSync.probe_losses``)."""
-        out = []
         with torch.no_grad():
-            for r, model in enumerate(self.models):
-                loss = probe(model, r)
-                out.append(float(loss.detach().double()) if isinstance(loss, torch.Tensor) else float(loss))
-        return out
+            return [probe_value(probe(model, r)) for r, model in enumerate(self.models)]
 
     @torch.no_grad()
     def add_noise(self, nu: float, seed: int) -> None:
@@ -278,6 +275,8 @@ class Simulator:
         self.sync = SimulatedSync(self.models, self.optimizers, self.config.gradient_sharing)
         self.scheduler = HDETScheduler(self.config, LiveParamGroups(dict(enumerate(self.optimizers))))
         self.scheduler.attach(self.sync)
+        if probe_fn is not None:
+            check_callable(probe_fn, "probe_fn", "probe_fn(model, r) -> loss", 2)
         self.scheduler.set_probe(probe_fn)
         self.scheduler.check_probe()
         self.scheduler.warm_init()

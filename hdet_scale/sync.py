@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hdet_scale import warm_init as wi
 from hdet_scale.averaging import mean_all_reduce_
+from hdet_scale.probe import probe_value
 from hdet_scale.topology import Topology
 
 
@@ -112,9 +113,8 @@ class DistributedSync(LossAccumulator):
         Collective on the world group (one all-reduce of R float64 values); the forward
         passes inside ``probe`` may issue the engine's own collectives."""
         with torch.no_grad():
-            loss = probe()
+            value = probe_value(probe())
         t = torch.zeros(self.replicas, dtype=torch.float64, device=self.backend.device)
-        value = loss.detach().reshape(()).to(t) if isinstance(loss, torch.Tensor) else float(loss)
         t[self.topology.replica_index] = value / self.topology.shard_size
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
         return t.cpu().tolist()

@@ -21,6 +21,7 @@ from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.probe import check_callable
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
 
@@ -79,13 +80,12 @@ def make_logger(cfg: HDETConfig, topology: Topology, run_config: dict | None = N
 def check_probe(cfg: HDETConfig, probe: Any) -> None:
     """Before any collective, on every rank: ``auto.fitness = "probe"`` with auto-LR on
     needs a probe function. Raises HDETConfigError."""
-    auto = cfg.auto
-    if cfg.enabled and auto.enabled and auto.fitness == "probe" and probe is None:
+    if cfg.enabled and cfg.uses_probe and probe is None:
         raise HDETConfigError("hdet.auto.fitness: 'probe' (the default) needs probe batches: pass "
                               "probe=lambda model: <this rank's loss on its slice of fixed probe batches, the "
                               "same batches in every replica> to initialize, or set hdet.auto.fitness='train_loss'")
-    if probe is not None and not callable(probe):
-        raise HDETConfigError(f"probe: expected a function model -> loss, got {type(probe).__name__}")
+    if probe is not None:
+        check_callable(probe, "probe", "probe(model) -> loss", 1)
 
 
 def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any) -> None:

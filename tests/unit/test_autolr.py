@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -27,7 +28,7 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.controller import (Weights, auto_temperature, hypergradient, log_update, normalized_hypergradient,
                                    softmax_weights)
 from hdet_scale.ensemble import HDETScheduler, build_schedule
-from hdet_scale.errors import HDETConfigError
+from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.schedules import OneCycle
 
 NAN, INF = float("nan"), float("inf")
@@ -512,3 +513,74 @@ def test_drowning_warning_fires_for_short_paper_run_only():
         make(HDETConfig.from_dict({"replicas": 2, "sync_interval": 2, "axes": {"lr": {"spread_ratio": 0.2}},
                                    "schedule": {"name": "cosine", "total_steps": 10},
                                    "auto": {"enabled": True, "fitness": "train_loss"}}), lrs=(0.1,), wds=(0.0,))
+
+
+# ---- robustness of the probe and the auto-LR set-up -------------------------------------
+
+def _sim_block(**auto):
+    return {"replicas": 2, "sync_interval": 2, "axes": {"lr": {"spread_ratio": 0.2}},
+            "schedule": {"name": "constant", "total_steps": 8}, "auto": {"enabled": True, **auto}}
+
+
+def _tiny():
+    return torch.nn.Linear(2, 1)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("probe_fn,needle", [
+    (lambda model: 0.0, "probe_fn(model, r)"),      # the backends' one-argument form
+    (3.0, "expected a function"),
+])
+def test_simulator_probe_signature_checked_at_construction(probe_fn, needle):
+    from hdet_scale import Simulator
+
+    with pytest.raises(HDETConfigError, match=re.escape(needle)):
+        Simulator(_tiny, _sgd, _sim_block(), probe_fn=probe_fn)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "1.0", None, torch.ones(2)])
+def test_bad_probe_result_is_a_config_error_naming_the_probe(bad):
+    from hdet_scale import Simulator
+
+    sim = Simulator(_tiny, _sgd, _sim_block(), probe_fn=lambda model, r: bad)
+    x = torch.ones(4, 2)
+    sim.step(lambda m, r: m(x).pow(2).mean())
+    with pytest.raises(HDETConfigError, match="probe: must return"):
+        sim.step(lambda m, r: m(x).pow(2).mean())
+
+
+@pytest.mark.parametrize("block", [
+    {"axes": {"lr": {"spread_ratio": 0.0}}},
+    {"replicas": 1},
+])
+def test_auto_lr_without_signal_warns_and_needs_no_probe(block):
+    """Spread 0 or one replica: nothing to compare, so a warning and no probe needed
+    (the Simulator would otherwise refuse the missing probe_fn)."""
+    from hdet_scale import Simulator
+
+    with pytest.warns(UserWarning, match="no signal"):
+        sim = Simulator(_tiny, _sgd, {**_sim_block(), **block})
+    x = torch.ones(4, 2)
+    for _ in range(4):
+        sim.step(lambda m, r: m(x).pow(2).mean())
+    assert sim.scheduler.controller.log_m[("lr", 0)] == 0.0
+
+
+def test_resume_with_another_controller_or_group_mode_is_refused():
+    from hdet_scale import Simulator
+
+    probe = lambda model, r: float(r)  # noqa: E731
+    sim = Simulator(_tiny, _sgd, _sim_block(), probe_fn=probe)
+    x = torch.ones(4, 2)
+    for _ in range(3):
+        sim.step(lambda m, r: m(x).pow(2).mean())
+    state = sim.state_dict()
+    for other in ({"controller": "paper", "fitness": "train_loss"}, {"groups": "independent"}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fresh = Simulator(_tiny, _sgd, _sim_block(**other), probe_fn=probe)
+        with pytest.raises(HDETStateError, match="resume with the same value"):
+            fresh.load_state_dict(state)

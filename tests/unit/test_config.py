@@ -145,8 +145,12 @@ def test_auto_warmup_not_shorter_than_run(warm):
 
 
 def test_auto_warmup_leaving_no_sync():
-    msg = _error(_bad(**{"auto.warmup_steps": 4950}))  # 4950 + 100 > 5000
-    assert "hdet.auto.warmup_steps" in msg and "no sync" in msg
+    # Syncs every 300 steps: 4800 is the last before total_steps 5000; a warm-up of 4850
+    # would first meta-update at 5100.
+    msg = _error(_bad(**{"auto.warmup_steps": 4850, "sync_interval": 300}))
+    assert "hdet.auto.warmup_steps" in msg and "no sync" in msg and "step 5100" in msg
+    # Every 100 steps, a warm-up of 4950 still meets the sync at step 5000.
+    HDETConfig.from_dict(_bad(**{"auto.warmup_steps": 4950}))
 
 
 def test_auto_warmup_ignored_when_auto_disabled():
@@ -377,10 +381,11 @@ def test_decay_float_with_log_controller_refused():
     assert "hdet.auto.decay" in msg
 
 
-@pytest.mark.parametrize("value", [-0.01, float("inf"), float("nan")])
-def test_warm_init_nu_must_be_finite_and_non_negative(value):
+@pytest.mark.parametrize("value", [-0.01, 1.5, 1e3, float("inf"), float("nan")])
+def test_warm_init_nu_must_be_in_unit_interval(value):
+    # nu is the noise std relative to the weights' RMS: above 1 the noise swamps the weights.
     msg = _error(_bad(warm_init={"enabled": True, "nu": value}))
-    assert "hdet.warm_init.nu" in msg and ">= 0" in msg
+    assert "hdet.warm_init.nu" in msg and "[0, 1]" in msg
 
 
 def test_warm_init_block_parses_and_checks_types_and_keys():

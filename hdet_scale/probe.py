@@ -1,0 +1,40 @@
+"""Checks of the auto-LR probe function (``hdet.auto.fitness = "probe"``): its signature
+before any collective, its result before it enters one. Pure, no communication."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from hdet_scale.errors import HDETConfigError
+
+
+def check_callable(fn: Any, name: str, signature: str, nargs: int) -> None:
+    """Raise HDETConfigError unless ``fn`` can be called with ``nargs`` positional
+    arguments (checked without calling it, so before any collective)."""
+    if not callable(fn):
+        raise HDETConfigError(f"{name}: expected a function {signature}, got {type(fn).__name__}")
+    try:
+        inspect.signature(fn).bind(*([None] * nargs))
+    except TypeError as e:
+        raise HDETConfigError(f"{name}: must be callable as {signature} ({e})") from None
+    except ValueError:  # builtins without a signature: trust them
+        pass
+
+
+def probe_value(loss: Any) -> float:
+    """A probe's result as a float: a Python number or a one-element tensor.
+
+    Raises:
+        HDETConfigError: anything else (a list, a string, a batch of losses), naming the
+            probe, so the mistake is not reported as a shape error deep in a collective.
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach().double().reshape(()))
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return float(loss)
+    what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:80]
+    raise HDETConfigError(f"probe: must return this rank's mean probe loss as a number or a one-element tensor, "
+                          f"got {what}")
