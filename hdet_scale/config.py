@@ -106,7 +106,7 @@ class AutoConfig:
 # quality benchmark (docs/quality.md) selected.
 CONTROLLER_DEFAULTS = {
     "paper": {"temperature": 0.1, "momentum": 0.9, "step_size": 0.5},
-    "log": {"temperature": "auto", "momentum": 0.5, "step_size": 0.5},
+    "log": {"temperature": "auto", "momentum": 0.5, "step_size": 0.25},
 }
 
 

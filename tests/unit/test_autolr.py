@@ -78,7 +78,7 @@ def config(replicas=3, sync_interval=5, total_steps=40, spread=0.2, auto=None, s
     block = {"replicas": replicas, "sync_interval": sync_interval, "seed": seed,
              "axes": axes if axes is not None else {"lr": {"spread_ratio": spread}},
              "schedule": {"name": "onecycle", "total_steps": total_steps, **sched},
-             "auto": {"enabled": True, "warmup_steps": 0, **(auto or {})}}
+             "auto": {"enabled": True, "warmup_steps": 0, "step_size": 0.5, **(auto or {})}}
     return HDETConfig.from_dict(block)
 
 

@@ -81,7 +81,7 @@ def test_minimal_block_defaults():
     a = cfg.auto
     assert (a.controller, a.fitness, a.groups, a.max_factor) == ("log", "probe", "tied", 100.0)
     assert (a.temperature, a.momentum, a.step_size) == (None, None, None)
-    assert (a.resolved("temperature"), a.resolved("momentum"), a.resolved("step_size")) == ("auto", 0.5, 0.5)
+    assert (a.resolved("temperature"), a.resolved("momentum"), a.resolved("step_size")) == ("auto", 0.5, 0.25)
     assert (cfg.warm_init.enabled, cfg.warm_init.nu, cfg.warm_init.seed) == (False, 0.01, 0)
 
 
@@ -347,7 +347,7 @@ def test_temperature_auto_or_null_accepted_other_strings_refused():
     assert HDETConfig.from_dict(_bad(**{"auto.temperature": "auto"})).auto.temperature == "auto"
     cfg = HDETConfig.from_dict(_bad(**{"auto.temperature": None, "auto.momentum": None, "auto.step_size": None}))
     assert (cfg.auto.resolved("temperature"), cfg.auto.resolved("momentum"), cfg.auto.resolved("step_size")) == \
-        ("auto", 0.5, 0.5)  # CONTROLLER_DEFAULTS["log"]
+        ("auto", 0.5, 0.25)  # CONTROLLER_DEFAULTS["log"]
     msg = _error(_bad(**{"auto.temperature": "hot"}))
     assert "hdet.auto.temperature" in msg and "'auto'" in msg and "'hot'" in msg
 

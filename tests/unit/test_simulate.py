@@ -389,7 +389,7 @@ def _probe_vs_train_run(fitness):
         return loss
 
     cfg = hdet(replicas=R, sync_interval=T, total_steps=12, spread=0.5, sharing="replica",
-               auto={"enabled": True, "warmup_steps": 0, "fitness": fitness})
+               auto={"enabled": True, "warmup_steps": 0, "fitness": fitness, "step_size": 0.5})
     sim = Simulator(lambda: Tiny(seed=2), sgd, cfg, probe_fn=probe_fn if fitness == "probe" else None)
     holder["sim"] = sim
     for t in range(T):
