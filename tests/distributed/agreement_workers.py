@@ -109,6 +109,10 @@ def hdet_block(mode: str, controller: str = "paper", warm: bool = False) -> dict
     auto: dict[str, Any] = {"enabled": True, "warmup_steps": WARMUP}
     if controller == "paper":
         auto.update(controller="paper", fitness="train_loss", groups="independent", temperature=0.01)
+    else:
+        # Pinned (not the default): the fitness gaps this trajectory produces were measured
+        # with it, and must stay well above the fitness tolerance for the sign to be stable.
+        auto.update(step_size=0.5)
     block = {"replicas": REPLICAS, "sync_interval": SYNC, "gradient_sharing": mode, "seed": 7,
              "axes": {"lr": {"spread_ratio": 0.3}},
              "schedule": {"name": "onecycle", "total_steps": STEPS, "pct_start": 0.25,

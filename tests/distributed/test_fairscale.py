@@ -307,9 +307,15 @@ def test_resume_mid_interval(results, case):
             assert _diff(sync_c["loss_sum"], sync_a["loss_sum"]) <= 1e-6 * abs(sync_a["loss_sum"])
             last_a, last_c = A["sched"]["last_sync"], C["sched"]["last_sync"]
             assert last_c.keys() == last_a.keys()
+            fitness_scale = max(abs(x) for kk, x in last_a.items() if kk.startswith("hdet/fitness/"))
             for k, v in last_a.items():
                 scored = k.startswith(("hdet/loss/", "hdet/fitness/"))
-                assert _diff(last_c[k], v) <= (1e-6 * abs(v) if scored else 1e-9), f"rank {rank}: {k}"
+                tol = 1e-6 * abs(v) if scored else 1e-9
+                if k == "hdet/temperature":
+                    # the std of the fitness values: their last-bit differences in absolute
+                    # terms (a small gap makes the relative difference larger)
+                    tol = 1e-6 * fitness_scale
+                assert _diff(last_c[k], v) <= tol, f"rank {rank}: {k}"
     state = res[0]["A"]["sched"]  # auto-LR ran at 3 and 6, scored by the probe
     assert state["updates"] == 2 and state["log_m"][str(("lr", 0))] != 0
     assert "hdet/fitness/replica_1" in state["last_sync"]

@@ -114,7 +114,9 @@ BAD = [
     (["deepspeed.hdet.replicas=3"], "hdet.replicas"),
     (["train.steps=50", "deepspeed.hdet.auto.warmup_steps=50"], "hdet.auto.warmup_steps"),
     (["deepspeed.hdet.auto.decay=1.5"], "hdet.auto.decay"),
-    (["deepspeed.hdet.schedule.final_div_factor=0.01"], "hdet.auto.decay"),  # derived gamma < 0
+    # the paper controller's derived gamma < 0 (the log controller derives none)
+    (["deepspeed.hdet.auto.controller=paper", "deepspeed.hdet.auto.fitness=train_loss",
+      "deepspeed.hdet.schedule.final_div_factor=0.01"], "hdet.auto.decay"),
     (["deepspeed.hdet.sync_intervall=10"], "hdet.sync_intervall"),
     (["train.stepz=10"], "stepz"),
     (["data.path=/nonexistent/corpus"], "data.path"),
