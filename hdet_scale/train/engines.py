@@ -103,6 +103,11 @@ class DeepSpeedEngine:
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
         loss = loss_fn(self.engine, inputs, targets)
         self.engine.backward(loss)
+        if not last:
+            # DeepSpeed counts accumulation boundaries by calls to engine.step(): it must
+            # see one per micro-batch (off the boundary it only advances the count). The
+            # boundary's call is step(), with the step's mean loss for the scheduler.
+            self.engine.step()
         return loss.detach()
 
     def step(self, loss: torch.Tensor) -> None:

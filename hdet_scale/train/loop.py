@@ -60,7 +60,9 @@ def validate(run: dict, world_size: int):
     d = run["data"]
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
     micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
-    ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], 0, world_size, key="data (training split)")
+    gas = run["deepspeed"].get("gradient_accumulation_steps", 1)
+    gas = gas if isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1 else 1  # the engine names a bad one
+    ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size, key="data (training split)")
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     ckpt = os.path.join(run["run_dir"], "checkpoint")
     if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
@@ -157,7 +159,10 @@ def train(run: dict) -> dict:
     sched = engine.scheduler
     topo = sched.topology
     micro, gas = engine.micro_batch, engine.grad_accum
-    batches = ByteBatches(corpus.train, d["seq_len"], micro, run["seed"], rank, world)
+    # One draw per optimizer step (micro x accumulation windows per rank), split into the
+    # micro-batches: accumulation k over micro-batch m sees exactly the sequences of
+    # accumulation 1 over micro-batch k * m, so the two runs compute the same step.
+    batches = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], rank, world)
     if resuming:
         engine.load(ckpt)
     steps = run["train"]["steps"]
@@ -173,9 +178,10 @@ def train(run: dict) -> dict:
     while sched.step_count < steps:
         step = sched.step_count
         step_loss = 0.0
+        step_inputs, step_targets = batches.batch(step)
         for micro_step in range(gas):
-            inputs, targets = batches.batch(step * gas + micro_step)
-            inputs, targets = inputs.to(engine.device), targets.to(engine.device)
+            part = slice(micro_step * micro, (micro_step + 1) * micro)
+            inputs, targets = step_inputs[part].to(engine.device), step_targets[part].to(engine.device)
             step_loss = step_loss + engine.micro_step(inputs, targets, last=micro_step == gas - 1)
         loss = step_loss / gas  # the step's loss: mean over its micro-batches
         now = time.perf_counter()
