@@ -41,7 +41,9 @@ class MetricsLogger:
         config: the fully resolved run config, attached to the W&B run.
         enabled: ``False`` on every rank but global rank 0.
         append: keep an existing JSONL file's records (a resumed run); ``False`` starts
-            it anew.
+            it anew. The file is opened at the first record, not here: a trainer can
+            check its run folder on every rank after building the logger and before the
+            first collective, and no rank sees a file another rank just created.
     """
 
     def __init__(self, jsonl: str | None = None, wandb: WandbConfig | None = None,
@@ -49,11 +51,9 @@ class MetricsLogger:
         self.enabled = enabled
         self._file = None
         self._wandb_run = None
+        self._jsonl, self._append = jsonl, append
         if not enabled:
             return
-        if jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(jsonl)), exist_ok=True)
-            self._file = open(jsonl, "a" if append else "w", buffering=1)
         if wandb is not None and wandb.enabled:
             import wandb as wb
 
@@ -67,6 +67,9 @@ class MetricsLogger:
         """Write one record. ``step``: optimizer step (W&B's x axis)."""
         if not self.enabled:
             return
+        if self._file is None and self._jsonl:
+            os.makedirs(os.path.dirname(os.path.abspath(self._jsonl)), exist_ok=True)
+            self._file = open(self._jsonl, "a" if self._append else "w", buffering=1)
         if self._file is not None:
             out = {"step": step, **record} if step is not None else dict(record)
             self._file.write(json.dumps({k: _json_safe(v) for k, v in out.items()}) + "\n")
@@ -83,6 +86,7 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._jsonl = None  # a closed logger writes nothing more
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None

@@ -38,6 +38,7 @@ class TrainConfig:
     probe_batches: int = 2
     checkpoint: bool = True
     resume: bool = False
+    overwrite: bool = False
     progress: bool = True
 
 

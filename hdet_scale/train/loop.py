@@ -65,7 +65,14 @@ def validate(run: dict, world_size: int):
     ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size, key="data (training split)")
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     ckpt = os.path.join(run["run_dir"], "checkpoint")
-    if run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest")):
+    resuming = run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest"))
+    # Never replace a run the user already has (its metrics would be truncated at once).
+    held = [n for n in ("metrics.jsonl", "summary.json", "checkpoint") if os.path.exists(os.path.join(run["run_dir"], n))]
+    if held and not resuming and not run["train"]["overwrite"]:
+        raise HDETConfigError(f"run_dir: {run['run_dir']} already holds a run ({', '.join(held)}); continue it with "
+                              "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
+                              "train.overwrite=true to replace it")
+    if resuming:
         try:
             check_resumable(ckpt, world_size, hcfg.replicas, backend)
         except HDETStateError as e:

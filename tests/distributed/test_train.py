@@ -214,3 +214,20 @@ def test_resume_mismatch_refused_before_any_rank_starts(tmp_path, layout, args, 
     proc = hdet_train([f"run_dir={tmp_path / 'run'}", "train.resume=true", *args], timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_new_run_never_replaces_what_run_dir_holds(tmp_path):
+    """A run_dir with an earlier run's metrics is refused before any rank starts, and the
+    file is left as it was; train.overwrite=true lets validation through (checked here
+    without training: validate is what every rank and the launcher run first)."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    proc = hdet_train([f"run_dir={run_dir}", "wandb.enabled=false"], timeout=60)
+    assert proc.returncode == 2 and "already holds a run (metrics.jsonl)" in proc.stderr, proc.stderr[-2000:]
+    assert "train.overwrite=true" in proc.stderr and "Traceback" not in proc.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    validate(load_run_config(None, [f"run_dir={run_dir}", "train.overwrite=true"]), 4)
