@@ -185,12 +185,13 @@ class Controller:
                 # No spread, no signal: fitness gaps are then noise alone.
                 delta = (ctl.normalized_hypergradient(weights, [offsets[p] for p in permutations[key]])
                          if axis.spread_ratio > 0 else 0.0)
-                # Additive axes move in units of their spread; multiplicative ones in log units.
-                scale = axis.spread_ratio if axis.kind == "additive" else 1.0
-                bound = auto.max_factor if axis.kind == "multiplicative" else math.inf
-                new, self.velocity[key] = ctl.log_update(self.log_m[key] / scale if scale else 0.0,
-                                                         self.velocity[key], delta, momentum, step, bound)
-                self.log_m[key] = new * scale
+                if axis.kind == "multiplicative":  # log units, bounded by max_factor
+                    self.log_m[key], self.velocity[key] = ctl.log_update(
+                        self.log_m[key], self.velocity[key], delta, momentum, step, auto.max_factor)
+                else:  # a shift, in units of the axis' spread
+                    moved, self.velocity[key] = ctl.log_update(0.0, self.velocity[key], delta, momentum, step,
+                                                               math.inf)
+                    self.log_m[key] += axis.spread_ratio * moved
                 record[f"hdet/{a}/group_{g}/multiplier"] = (math.exp(self.log_m[key]) if axis.kind == "multiplicative"
                                                             else self.log_m[key])
             record[f"hdet/{a}/group_{g}/hypergradient"] = delta

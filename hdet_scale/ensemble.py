@@ -22,6 +22,7 @@ from hdet_scale import axes as ax
 from hdet_scale.autolr import Controller, build_schedule, check_config, decay_for  # noqa: F401 (re-exported)
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.probe import require_probe
 
 STATE_VERSION = 2
 
@@ -184,11 +185,7 @@ class HDETScheduler:
     def check_probe(self) -> None:
         """Raise HDETConfigError when auto-LR scores replicas by probe loss but no probe
         is set (call before the first collective)."""
-        if self.config.uses_probe and self.probe is None:
-            raise HDETConfigError("hdet.auto.fitness: 'probe' needs probe batches: pass probe=... to a backend's "
-                                  "initialize (probe(model) -> this rank's loss on its slice of fixed probe "
-                                  "batches, the same batches for every replica) or probe_fn=... to the Simulator "
-                                  "(probe_fn(model, r)), or set hdet.auto.fitness='train_loss'")
+        require_probe(self.config, self.probe, "probe")
 
     @property
     def topology(self) -> Any:

@@ -11,6 +11,25 @@ import torch
 from hdet_scale.errors import HDETConfigError
 
 
+def require_probe(cfg: Any, probe: Any, name: str, signature: str | None = None, nargs: int = 0) -> None:
+    """The one check of a probe against an ``HDETConfig``, before any collective and on
+    every rank alike: auto-LR scoring replicas by probe loss needs one, and a given probe
+    must be callable as ``signature`` (``nargs`` positional arguments; not checked when
+    ``signature`` is ``None``).
+
+    Raises:
+        HDETConfigError: a missing probe (naming ``hdet.auto.fitness``) or a wrong one
+            (naming ``name``).
+    """
+    if cfg.enabled and cfg.uses_probe and probe is None:
+        raise HDETConfigError("hdet.auto.fitness: 'probe' (the default) needs probe batches: pass probe=... to a "
+                              "backend's initialize (probe(model) -> this rank's loss on its slice of fixed probe "
+                              "batches, the same batches in every replica) or probe_fn=... to the Simulator "
+                              "(probe_fn(model, r)), or set hdet.auto.fitness='train_loss'")
+    if probe is not None and signature is not None:
+        check_callable(probe, name, signature, nargs)
+
+
 def check_callable(fn: Any, name: str, signature: str, nargs: int) -> None:
     """Raise HDETConfigError unless ``fn`` can be called with ``nargs`` positional
     arguments (checked without calling it, so before any collective)."""

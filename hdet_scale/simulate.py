@@ -52,7 +52,7 @@ from hdet_scale import warm_init as wi
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
-from hdet_scale.probe import check_callable, probe_value
+from hdet_scale.probe import probe_value, require_probe
 
 __all__ = ["SimulatedSync", "Simulator"]
 
@@ -275,10 +275,8 @@ class Simulator:
         self.sync = SimulatedSync(self.models, self.optimizers, self.config.gradient_sharing)
         self.scheduler = HDETScheduler(self.config, LiveParamGroups(dict(enumerate(self.optimizers))))
         self.scheduler.attach(self.sync)
-        if probe_fn is not None:
-            check_callable(probe_fn, "probe_fn", "probe_fn(model, r) -> loss", 2)
+        require_probe(self.config, probe_fn, "probe_fn", "probe_fn(model, r) -> loss", 2)
         self.scheduler.set_probe(probe_fn)
-        self.scheduler.check_probe()
         self.scheduler.warm_init()
 
     @property

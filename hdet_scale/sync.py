@@ -23,7 +23,6 @@ class Backend(Protocol):
 
     device: torch.device
     shares_gradients: bool  # True: the engine averages gradients over all W ranks itself
-    sharded_masters: bool  # True: master_tensors are this rank's 1/S shard (ZeRO-3, FSDP2)
 
     def master_tensors(self) -> Sequence[torch.Tensor]: ...  # local tensors the optimizer updates
     def buffers(self) -> Sequence[torch.Tensor]: ...  # floating buffers to average
@@ -32,8 +31,8 @@ class Backend(Protocol):
     # Backends whose engine already averages gradients over all W ranks in "global" mode
     # (DDP over the world, FSDP2 HSDP) set ``shares_gradients = True``: install_grad_hook
     # is then never called and may be absent.
-    # Optional ``noise_parts() -> (sharded, full)``: masters that mix this rank's shard
-    # with tensors held whole by every rank of the replica (fairscale OSS), for warm init.
+    # noise_parts() -> (sharded, full): the masters that are this rank's shard of its
+    # replica, and those it holds whole like every rank of the replica (warm init).
 
 
 class LossAccumulator:
@@ -122,48 +121,31 @@ class DistributedSync(LossAccumulator):
     def add_noise(self, nu: float, seed: int) -> None:
         """Warm noisy initialisation (:mod:`hdet_scale.warm_init`): add
         ``N(0, (nu * RMS)^2)`` to this rank's masters, RMS over the whole model, then
-        refresh the working copies. Sharded masters: the sum of squares is all-reduced
-        over the shard group and each shard draws its own noise (seed from replica and
-        shard index), so the draws depend on S, not their distribution. Full copies:
-        every rank of a replica draws the same noise. A backend whose masters are both
-        (fairscale OSS: this rank's bucket partition, plus the parameters outside the
-        optimizer, whole on every rank) says which are which with ``noise_parts()``; its
-        full copies then draw from a stream of their own (shard index S, which no shard
-        uses), so that they are independent of every shard's draws. Collective on the
-        shard group."""
-        sharded, full = self._noise_parts()
+        refresh the working copies. The backend's ``noise_parts()`` says which masters
+        are this rank's shard of its replica (their sum of squares is all-reduced over the
+        shard group, and each shard draws its own noise: the draws depend on S, not their
+        distribution) and which it holds whole, like every rank of its replica (drawn from
+        one stream that no shard uses, the same on all of them). With S = 1 everything is
+        whole and drawn from the simulator's stream. Collective on the shard group."""
+        sharded, full = (list(x) for x in self.backend.noise_parts())
+        S, r = self.topology.shard_size, self.topology.replica_index
+        if S == 1:
+            sharded, full = [], sharded + full
         sumsq, count = wi.sum_of_squares(sharded)
-        S = self.topology.shard_size
-        split = S > 1 and self._shards_masters()  # the same on every rank of the group
-        if split:
+        if S > 1:
             t = torch.tensor([sumsq, float(count)], dtype=torch.float64, device=self.backend.device)
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.shard_group)
             sumsq, count = t.tolist()
         full_sumsq, full_count = wi.sum_of_squares(full)
         sumsq, count = sumsq + full_sumsq, count + full_count
         std = nu * (sumsq / count) ** 0.5 if count else 0.0
-        r = self.topology.replica_index
         if sharded:
             gen = torch.Generator().manual_seed(wi.noise_seed(seed, r, self.topology.shard_index))
             wi.add_noise_(sharded, std, gen)
         if full:
-            gen = torch.Generator().manual_seed(wi.noise_seed(seed, r, S if split else 0))
+            gen = torch.Generator().manual_seed(wi.noise_seed(seed, r, S if S > 1 else 0))
             wi.add_noise_(full, std, gen)
         self.backend.refresh()
-
-    def _shards_masters(self) -> bool:
-        return bool(getattr(self.backend, "sharded_masters", False)) or hasattr(self.backend, "noise_parts")
-
-    def _noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``(sharded, full)``: the masters that are this rank's part of its replica's
-        model, and those it holds whole (as every rank of the replica does)."""
-        if self.topology.shard_size > 1 and hasattr(self.backend, "noise_parts"):
-            sharded, full = self.backend.noise_parts()
-            return list(sharded), list(full)
-        masters = list(self.backend.master_tensors())
-        if self.topology.shard_size > 1 and self._shards_masters():
-            return masters, []
-        return [], masters
 
     def converge(self, finite: list[bool]) -> None:
         """Average the local masters and buffers over the replica group, leaving out the

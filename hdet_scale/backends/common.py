@@ -21,7 +21,7 @@ from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
-from hdet_scale.probe import check_callable
+from hdet_scale.probe import require_probe
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
 
@@ -78,14 +78,9 @@ def make_logger(cfg: HDETConfig, topology: Topology, run_config: dict | None = N
 
 
 def check_probe(cfg: HDETConfig, probe: Any) -> None:
-    """Before any collective, on every rank: ``auto.fitness = "probe"`` with auto-LR on
-    needs a probe function. Raises HDETConfigError."""
-    if cfg.enabled and cfg.uses_probe and probe is None:
-        raise HDETConfigError("hdet.auto.fitness: 'probe' (the default) needs probe batches: pass "
-                              "probe=lambda model: <this rank's loss on its slice of fixed probe batches, the "
-                              "same batches in every replica> to initialize, or set hdet.auto.fitness='train_loss'")
-    if probe is not None:
-        check_callable(probe, "probe", "probe(model) -> loss", 1)
+    """A backend's ``probe=`` argument (``probe(model) -> loss``) against the config,
+    before any collective (:func:`hdet_scale.probe.require_probe`)."""
+    require_probe(cfg, probe, "probe", "probe(model) -> loss", 1)
 
 
 def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any) -> None:
@@ -188,7 +183,6 @@ class FullParamsBackend:
     """
 
     shares_gradients = True
-    sharded_masters = False  # every rank of a replica holds the full parameters
 
     def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
         self.module = module
@@ -199,6 +193,10 @@ class FullParamsBackend:
 
     def install_grad_hook(self, hook: Any) -> None:
         raise NotImplementedError("the engine shares gradients itself (shares_gradients)")
+
+    def noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every rank of the replica holds the whole model: nothing is sharded."""
+        return [], list(self.master_tensors())
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.module)

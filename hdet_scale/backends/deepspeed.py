@@ -55,7 +55,6 @@ class DeepSpeedBackend:
     """
 
     shares_gradients = False  # ZeRO reduces inside the shard group only: HDET's hook crosses replicas
-    sharded_masters = True  # master_tensors are this rank's shard of the replica
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -68,6 +67,10 @@ class DeepSpeedBackend:
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.engine.module)
+
+    def noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The fp32 master partitions are this rank's shard; nothing is whole."""
+        return list(self.master_tensors()), []
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -99,7 +99,6 @@ class FSDP2Backend:
 
     # "global" mode: HSDP's all-reduce over the replica dim; "replica" mode shares nothing.
     shares_gradients = True
-    sharded_masters = True  # master_tensors are this rank's shard of the replica
 
     def __init__(self, module: nn.Module, device: torch.device) -> None:
         self.module = module
@@ -116,6 +115,10 @@ class FSDP2Backend:
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.module)
+
+    def noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The DTensors' local shards are this rank's part; nothing is whole."""
+        return list(self.master_tensors()), []
 
     @torch.no_grad()
     def refresh(self) -> None:
