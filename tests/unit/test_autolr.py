@@ -29,49 +29,16 @@ from hdet_scale.controller import (Weights, auto_temperature, hypergradient, log
                                    softmax_weights)
 from hdet_scale.ensemble import HDETScheduler, build_schedule
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from test_scheduler import LocalSync  # noqa: E402  (tests/unit is on sys.path under pytest)
 from hdet_scale.schedules import OneCycle
 
 NAN, INF = float("nan"), float("inf")
 PAPER = {"controller": "paper", "fitness": "train_loss", "groups": "independent"}
 
 
-class FitnessSync:
-    def __init__(self, replicas: int) -> None:
-        self.replicas = replicas
-        self.local_replicas = list(range(replicas))
-        self._sum = [0.0] * replicas
-        self._count = [0] * replicas
-        self.converge_calls: list[list[bool]] = []
-        self.probe_calls = 0
-
-    def add_loss(self, loss) -> None:
-        assert len(loss) == self.replicas
-        for r, x in enumerate(loss):
-            self._sum[r] += float(x)
-            self._count[r] += 1
-
-    def interval_losses(self):
-        losses = [s / c if c else NAN for s, c in zip(self._sum, self._count)]
-        counts = list(self._count)
-        self._sum = [0.0] * self.replicas
-        self._count = [0] * self.replicas
-        return losses, counts
-
-    def probe_losses(self, probe) -> list[float]:
-        self.probe_calls += 1
-        out = [float(x) for x in probe()]
-        assert len(out) == self.replicas
-        return out
-
-    def converge(self, finite: list[bool]) -> None:
-        self.converge_calls.append(list(finite))
-
-    def state_dict(self) -> dict:
-        return {"sum": list(self._sum), "count": list(self._count)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._sum = list(state["sum"])
-        self._count = list(state["count"])
+# The scheduler tests' hand-made sync: per-replica loss sums, recorded converges, and
+# probe_losses(probe) returning probe() (R fitness values).
+FitnessSync = LocalSync
 
 
 def config(replicas=3, sync_interval=5, total_steps=40, spread=0.2, auto=None, seed=0, axes=None, **sched):

@@ -249,19 +249,18 @@ def test_auto_lr_base_stays_positive_with_derived_decay():
 
 
 # ---- (e) state_dict round trip, mid-interval, exact --------------------------------------
-@pytest.mark.filterwarnings("ignore:hdet.auto. the derived decay:UserWarning")  # short paper run, on purpose
-def test_state_dict_round_trip_continues_identically_mid_interval():
-    R, T, N, stop = 3, 3, 12, 5  # stop after step 5: mid-interval (syncs at 3, 6, ...)
-    data = make_data(N, R)
-    cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
-               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, **PAPER})
-    a = Simulator(lambda: Tiny(seed=4), adamw, cfg)
+def _stop_save_load_continue(cfg, data, stop, N, R, check_at_stop, probe_fn=None):
+    """Run A for ``stop`` steps (``check_at_stop(A)`` must hold then), save it through
+    torch.save, load it into B built with a different init (everything must come from the
+    state), then step both to N: every step's losses and every replica's LR bit-identical.
+    Returns ``(A, B)`` for the caller's own checks."""
+    a = Simulator(lambda: Tiny(seed=4), adamw, cfg, probe_fn=probe_fn)
     for t in range(stop):
         a.step(loss_for(data, t))
-    assert a.sync.state_dict()["loss_count"] == [stop - T] * R  # accumulators are mid-interval
+    assert check_at_stop(a)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
-    b = Simulator(lambda: Tiny(seed=99), adamw, cfg)  # different init: everything must come from the state
+    b = Simulator(lambda: Tiny(seed=99), adamw, cfg, probe_fn=probe_fn)
     buf.seek(0)
     b.load_state_dict(torch.load(buf))
     for t in range(stop, N):
@@ -269,6 +268,18 @@ def test_state_dict_round_trip_continues_identically_mid_interval():
         assert [x.item() for x in la] == [x.item() for x in lb]
         for r in range(R):
             assert a.optimizers[r].param_groups[0]["lr"] == b.optimizers[r].param_groups[0]["lr"]
+    return a, b
+
+
+
+@pytest.mark.filterwarnings("ignore:hdet.auto. the derived decay:UserWarning")  # short paper run, on purpose
+def test_state_dict_round_trip_continues_identically_mid_interval():
+    R, T, N, stop = 3, 3, 12, 5  # stop after step 5: mid-interval (syncs at 3, 6, ...)
+    data = make_data(N, R)
+    cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.2, sharing="replica",
+               auto={"enabled": True, "warmup_steps": 0, "temperature": 0.1, **PAPER})
+    a, b = _stop_save_load_continue(cfg, data, stop, N, R,
+                                    lambda a: a.sync.state_dict()["loss_count"] == [stop - T] * R)  # mid-interval
     assert a.scheduler.base == b.scheduler.base and a.scheduler.velocity == b.scheduler.velocity
     assert a.scheduler.auto_active
     for ma, mb in zip(a.models, b.models):
@@ -553,20 +564,9 @@ def test_log_controller_state_dict_round_trip_continues_identically():
     cfg = hdet(replicas=R, sync_interval=T, total_steps=N, spread=0.3, sharing="replica",
                auto={"enabled": True, "warmup_steps": 0})
     cfg["warm_init"] = {"enabled": True, "nu": 0.05, "seed": 1}
-    a = Simulator(lambda: Tiny(seed=4), adamw, cfg, probe_fn=probe_fn)
-    for t in range(stop):
-        a.step(loss_for(data, t))
-    assert a.scheduler.controller.updates == 2 and a.scheduler.controller.log_m[("lr", 0)] != 0.0
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    b = Simulator(lambda: Tiny(seed=99), adamw, cfg, probe_fn=probe_fn)
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf))
-    for t in range(stop, N):
-        la, lb = a.step(loss_for(data, t)), b.step(loss_for(data, t))
-        assert [x.item() for x in la] == [x.item() for x in lb]
-        for r in range(R):
-            assert a.optimizers[r].param_groups[0]["lr"] == b.optimizers[r].param_groups[0]["lr"]
+    a, b = _stop_save_load_continue(
+        cfg, data, stop, N, R,
+        lambda a: a.scheduler.controller.updates == 2 and a.scheduler.controller.log_m[("lr", 0)] != 0.0, probe_fn)
     assert a.scheduler.controller.log_m == b.scheduler.controller.log_m
     assert a.scheduler.velocity == b.scheduler.velocity and a.scheduler.controller.updates == 4
     assert a.scheduler.last_sync == {**b.scheduler.last_sync, "hdet/converge_s": a.scheduler.last_sync["hdet/converge_s"]}
