@@ -39,13 +39,6 @@ def build_schedule(cfg: HDETConfig) -> Schedule:
     return Constant(s.total_steps, s.warmup_steps)
 
 
-def first_meta_step(cfg: HDETConfig) -> int:
-    """Optimizer step of the first meta-update: the first sync at or after
-    ``auto.warmup_steps`` (and at least the first sync)."""
-    T = cfg.sync_interval
-    return max(math.ceil(cfg.auto.warmup_steps / T), 1) * T
-
-
 def decay_for(cfg: HDETConfig, schedule: Schedule, axis: str, peak: float) -> float:
     """gamma of one explored (axis, group) under the ``"paper"`` controller:
     ``hdet.auto.decay`` if given, else derived (``controller.derive_decay``) so that the
@@ -65,7 +58,7 @@ def decay_for(cfg: HDETConfig, schedule: Schedule, axis: str, peak: float) -> fl
     if axis != "lr":
         return 0.0
     T, total = cfg.sync_interval, cfg.schedule.total_steps
-    first = first_meta_step(cfg)
+    first = cfg.first_meta_step
     k_syncs = (total - first) // T + 1 if first <= total else 0
     return ctl.derive_decay(schedule.value(min(first, total), peak), schedule.floor(peak), k_syncs)
 

@@ -197,6 +197,13 @@ class HDETConfig:
         return (name == "lr") if axis.auto is None else axis.auto
 
     @property
+    def first_meta_step(self) -> int:
+        """Optimizer step of the first auto-LR meta-update: the first sync at or after
+        ``auto.warmup_steps`` (and at least the first sync). Needs ``sync_interval >= 1``."""
+        T = self.sync_interval
+        return max(math.ceil(self.auto.warmup_steps / T), 1) * T
+
+    @property
     def auto_can_move(self) -> bool:
         """Auto-LR is on and some axis it controls has replicas to compare (R > 1 and a
         spread > 0); otherwise the meta-update has no signal."""
@@ -351,7 +358,7 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "
                f"lower it or set {k}.enabled=false")
-        first = max(math.ceil(a.warmup_steps / cfg.sync_interval), 1) * cfg.sync_interval if cfg.sync_interval >= 1 else 0
+        first = cfg.first_meta_step if cfg.sync_interval >= 1 else 0
         _check(errors, first <= s.total_steps, f"{k}.warmup_steps",
                f"leaves no sync after warm-up: the first sync at or after warmup_steps ({a.warmup_steps}) is step "
                f"{first} (sync_interval {cfg.sync_interval}), past schedule.total_steps ({s.total_steps})")

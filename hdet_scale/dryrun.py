@@ -51,7 +51,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             raise HDETConfigError(f"--total-steps {total_steps} differs from hdet.schedule.total_steps="
                                   f"{sched['total_steps']} in the file")
         sched["total_steps"] = total_steps
-    from hdet_scale.autolr import build_schedule, decay_for, drowning_warning, first_meta_step
+    from hdet_scale.autolr import build_schedule, decay_for, drowning_warning
     from hdet_scale.topology import Layout
 
     if backend == "deepspeed":
@@ -86,11 +86,11 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     a = cfg.auto
     if a.enabled:
         T, total = cfg.sync_interval, cfg.schedule.total_steps
-        n_meta = max((total - first_meta_step(cfg)) // T + 1, 0)
+        n_meta = max((total - cfg.first_meta_step) // T + 1, 0)
         lines.append(f"auto-LR: controller {a.controller}, fitness {a.fitness}, groups {a.groups}, "
                      f"temperature {a.resolved('temperature')}, momentum {a.resolved('momentum')}, "
                      f"step_size {a.resolved('step_size')}; {n_meta} meta-updates (first at step "
-                     f"{first_meta_step(cfg)})")
+                     f"{cfg.first_meta_step})")
         if a.controller == "log":
             reach = math.exp(min(n_meta * a.resolved("step_size"), math.log(a.max_factor)))
             lines.append(f"  the multiplier can reach at most x{reach:.3g} / x{1 / reach:.3g} of the schedule "

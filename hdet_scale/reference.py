@@ -350,8 +350,7 @@ class OneCycleAutoLR(HDETScheduler):
         nxt = self.step_count + 1
         auto = self.config.auto
         if loss is None and auto.enabled:
-            T = self.config.sync_interval
-            first = max(math.ceil(auto.warmup_steps / T), 1) * T
+            T, first = self.config.sync_interval, self.config.first_meta_step
             if nxt > first - T:
                 raise ValueError(f"OneCycleAutoLR.step: auto-LR needs the training loss from step {first - T + 1} "
                                  f"on (first meta-update at step {first}); call scheduler.step(loss)")
