@@ -2,6 +2,8 @@
 DeepSpeed ZeRO-3, PyTorch FSDP2, DDP and fairscale OSS.
 
 Public API: :func:`initialize` (``deepspeed.initialize`` with HDET),
+:func:`build_topology` and :func:`zero_init` (the layout first, then the model built
+partitioned over its shard groups),
 :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed), the other engines'
 ``initialize`` / ``save_checkpoint`` / ``load_checkpoint`` in ``hdet_scale.backends.fsdp2``,
 ``.ddp`` and ``.fairscale``, :class:`OneCycleAutoLR` (the paper's drop-in scheduler on
@@ -25,6 +27,20 @@ def initialize(*args, **kwargs):
     return _initialize(*args, **kwargs)
 
 
+def build_topology(*args, **kwargs):
+    """See :func:`hdet_scale.backends.deepspeed.build_topology`."""
+    from hdet_scale.backends.deepspeed import build_topology as _build
+
+    return _build(*args, **kwargs)
+
+
+def zero_init(*args, **kwargs):
+    """See :func:`hdet_scale.backends.deepspeed.zero_init`."""
+    from hdet_scale.backends.deepspeed import zero_init as _zero_init
+
+    return _zero_init(*args, **kwargs)
+
+
 def save_checkpoint(*args, **kwargs):
     """See :func:`hdet_scale.backends.deepspeed.save_checkpoint`."""
     from hdet_scale.backends.deepspeed import save_checkpoint as _save
@@ -40,4 +56,4 @@ def load_checkpoint(*args, **kwargs):
 
 
 __all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
-           "initialize", "load_checkpoint", "save_checkpoint"]
+           "build_topology", "initialize", "load_checkpoint", "save_checkpoint", "zero_init"]

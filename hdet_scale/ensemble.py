@@ -2,8 +2,10 @@
 
 ``HDETScheduler`` is what the training loop sees. It behaves like a torch LR scheduler
 (``step``, ``get_last_lr``, ``state_dict``) and is handed to ``deepspeed.initialize`` as
-``lr_scheduler``, so ``engine.step(lr_kwargs={"loss": loss})`` drives it (DeepSpeed skips
-it on fp16-overflow steps: the schedule position counts applied optimizer steps only).
+``lr_scheduler``, so ``engine.step(lr_kwargs={"loss": loss})`` drives it. A step the engine
+skips (a non-finite gradient; DeepSpeed then does not call the scheduler) still counts, on
+every backend (the DeepSpeed backend steps the scheduler itself): every rank stays at the
+same step, which each sync checks.
 
 Communication is delegated to a *sync* object (``DistributedSync`` for real ranks,
 the simulator's for R replicas in one process); the arithmetic here is the same for all.
@@ -34,7 +36,9 @@ class Sync(Protocol):
     local_replicas: list[int]  # replica indices whose param groups this process sets
 
     def add_loss(self, loss: Any) -> None: ...
-    def interval_losses(self) -> tuple[list[float], list[int]]: ...  # collective; resets
+    # Collective; resets. ``step``: this process's HDET step; a multi-rank sync checks
+    # that every rank is at the same one (raises HDETStepMismatchError on every rank).
+    def interval_losses(self, step: int) -> tuple[list[float], list[int]]: ...
     def probe_losses(self, probe: Any) -> list[float]: ...  # collective; fitness per replica
     def converge(self, finite: list[bool]) -> None: ...  # collective
     def state_dict(self) -> dict: ...
@@ -83,6 +87,10 @@ class HDETScheduler:
     ``auto.warmup_steps`` likewise. Raises HDETConfigError for a parameter-group index
     out of range, a missing hyperparameter, or a derived decay outside [0, 1).
     """
+
+    # Auto-LR scored by the training loss needs a loss in every interval: each sync
+    # without one raises (OneCycleAutoLR relaxes it to the reference's rule).
+    loss_every_interval = True
 
     def __init__(self, config: HDETConfig, param_groups: dict[int, list[dict]], sync: Sync | None = None,
                  logger: Any = None) -> None:
@@ -248,12 +256,19 @@ class HDETScheduler:
 
         Args:
             loss: the step's training loss on this rank (0-dim tensor or float, nats);
-                in the simulator, a sequence of R losses. ``None`` records nothing; the
-                auto-LR controller then raises at the first meta-update.
+                in the simulator, a sequence of R losses. ``None`` records nothing. With
+                auto-LR on and ``auto.fitness = "train_loss"``, a sync whose interval
+                recorded no loss on any rank raises HDETConfigError (the first sync, on
+                every rank, before converge); the probe fitness needs none. A step whose
+                optimizer update the engine skipped (non-finite gradient) is still a
+                step: call this with its loss as on any step (the DeepSpeed backend and
+                ``hdet_scale.backends.torch_step.optimizer_step`` do).
 
         Raises:
             ValueError: a step past ``schedule.total_steps`` (as ``OneCycleLR``), before
                 any state change or collective.
+            HDETStepMismatchError: at a sync, the ranks are at different steps (every
+                rank raises; see :meth:`sync`).
         """
         self.check_can_step()
         if isinstance(loss, torch.Tensor):
@@ -282,9 +297,23 @@ class HDETScheduler:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at
         the same step. With ``auto.fitness = "probe"`` the probe runs first (before
         converge makes the replicas equal). Returns the published record (also in
-        ``self.last_sync``)."""
-        losses, counts = self.sync_obj.interval_losses()
+        ``self.last_sync``).
+
+        Raises (on every rank, before converge changes anything):
+            HDETStepMismatchError: the ranks are at different steps (found by the
+                interval-loss all-reduce itself, no extra collective).
+            HDETConfigError: auto-LR scored by the training loss, and no rank recorded a
+                loss in the interval.
+        """
+        losses, counts = self.sync_obj.interval_losses(step=self.step_count)
         auto = self.config.auto
+        if auto.enabled and auto.fitness == "train_loss" and self.loss_every_interval and not any(counts):
+            # Now, not at the first meta-update (possibly hours later, after warm-up):
+            # counts come from the all-reduce, so every rank decides alike.
+            raise HDETConfigError("hdet.auto.fitness: 'train_loss' scores replicas by the training loss, but no "
+                                  f"rank recorded one in the interval ending at step {self.step_count}; pass it "
+                                  "to the scheduler: engine.step(lr_kwargs={'loss': loss}) or "
+                                  "scheduler.step(loss), or use auto.fitness 'probe'")
         meta = auto.enabled and self.step_count >= auto.warmup_steps
         fitness = losses
         if meta and self.config.uses_probe:
@@ -309,9 +338,6 @@ class HDETScheduler:
         if not all(finite):
             record["hdet/nonfinite_replicas"] = [r for r, ok in enumerate(finite) if not ok]
         if meta:
-            if auto.fitness == "train_loss" and not any(counts):
-                raise HDETConfigError("hdet.auto.enabled: auto-LR needs the training loss; pass it to the "
-                                      "scheduler: engine.step(lr_kwargs={'loss': loss}) or scheduler.step(loss)")
             scored = [f if ok else float("nan") for f, ok in zip(fitness, finite)]
             # Before the first update, the paper controller starts from the schedule's value now.
             self.controller.update(scored, self.permutations, self.applied,
@@ -339,7 +365,11 @@ class HDETScheduler:
     def converge(self) -> None:
         """Average the replicas now (every rank must call it), without a meta-update,
         a new permutation or touching the interval's losses: e.g. to end a run with
-        one model. The next forward pass uses the averaged weights."""
+        one model. The next forward pass uses the averaged weights. Unlike :meth:`sync`
+        it does not check that the ranks are at the same step: its only collectives are
+        the replica-group all-reduces of the weights (model dtype, one replica group per
+        shard index), which cannot carry every rank's step without changing what is
+        averaged; the last :meth:`sync` checked it."""
         self.sync_obj.converge([True] * self.replicas)
 
     def replica_record(self) -> dict[str, float]:

@@ -11,4 +11,14 @@ class HDETConfigError(ValueError):
 
 
 class HDETStateError(RuntimeError):
-    """A checkpoint cannot be resumed with the current layout or configuration."""
+    """HDET state that cannot go on: a checkpoint that cannot be resumed with the current
+    layout or configuration, or ranks at different steps (:class:`HDETStepMismatchError`)."""
+
+
+class HDETStepMismatchError(HDETStateError):
+    """Ranks reached a sync at different HDET steps (``scheduler.step_count``).
+
+    Found by the interval-loss all-reduce every sync runs (no extra collective). Every
+    rank sees the same reduced values, so every rank raises it at the same sync and none
+    is left waiting in a collective. The message names each step and the ranks at it.
+    """

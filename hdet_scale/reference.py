@@ -34,8 +34,8 @@ class _LocalSync(LossAccumulator):
     replicas = 1
     local_replicas = [0]
 
-    def interval_losses(self) -> tuple[list[float], list[int]]:
-        s, c = self.take()
+    def interval_losses(self, step: int | None = None) -> tuple[list[float], list[int]]:
+        s, c = self.take()  # one process, one replica: no other step to compare
         return [s / c if c else float("nan")], [c]
 
     def converge(self, finite: list[bool]) -> None:
@@ -146,6 +146,10 @@ class OneCycleAutoLR(HDETScheduler):
     Raises:
         HDETConfigError (a ValueError): every invalid argument, listed at once.
     """
+
+    # The reference takes step() without a loss until the interval that ends at the first
+    # meta-update; step() itself refuses a missing loss from then on.
+    loss_every_interval = False
 
     def __init__(self, optimizer: torch.optim.Optimizer, max_lr: float | Sequence[float],
                  total_steps: int | None = None, epochs: int | None = None, steps_per_epoch: int | None = None,

@@ -143,9 +143,11 @@ class SimulatedSync:
             self._sum[r] = self._sum[r] + x
             self._count[r] += 1
 
-    def interval_losses(self) -> tuple[list[float], list[int]]:
+    def interval_losses(self, step: int | None = None) -> tuple[list[float], list[int]]:
         """Per-replica mean loss since the last call (sum / count, NaN for a replica that
-        recorded none) and the counts; resets the accumulators."""
+        recorded none) and the counts; resets the accumulators. ``step`` is accepted for
+        the ``Sync`` protocol: one process drives every replica, so they cannot be at
+        different steps."""
         sums = [float(s) for s in self._sum]
         counts = list(self._count)
         self._sum = [0.0] * self.replicas

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hdet_scale import warm_init as wi
 from hdet_scale.averaging import mean_all_reduce_
+from hdet_scale.errors import HDETStepMismatchError
 from hdet_scale.probe import probe_value
 from hdet_scale.topology import Topology
 
@@ -33,6 +34,27 @@ class Backend(Protocol):
     # is then never called and may be absent.
     # noise_parts() -> (sharded, full): the masters that are this rank's shard of its
     # replica, and those it holds whole like every rank of the replica (warm init).
+
+
+def check_steps(steps: Sequence[int]) -> None:
+    """Raise :class:`HDETStepMismatchError` unless every rank is at the same HDET step.
+
+    Args:
+        steps: ``steps[g]`` = global rank g's ``scheduler.step_count`` at this sync.
+    """
+    if len(set(steps)) <= 1:
+        return
+    at: dict[int, list[int]] = {}
+    for g, s in enumerate(steps):
+        at.setdefault(s, []).append(g)
+    where = "; ".join(f"step {s}: rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                      for s, r in sorted(at.items()))
+    raise HDETStepMismatchError(
+        f"ranks reached an HDET sync at different steps ({where}). Every rank must call scheduler.step "
+        "once per optimizer step, skipped or not. Likely causes: a rank resumed from another checkpoint "
+        "than the others; an engine skipped an optimizer step (non-finite gradient) without counting it "
+        "on some ranks; the training loop calls scheduler.step (or scheduler.sync) unevenly across ranks. "
+        "Every rank raises this error at this sync.")
 
 
 class LossAccumulator:
@@ -90,16 +112,28 @@ class DistributedSync(LossAccumulator):
     def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         mean_all_reduce_(grads, self.topology.replica_group, self.bucket_bytes)
 
-    def interval_losses(self) -> tuple[list[float], list[int]]:
+    def interval_losses(self, step: int) -> tuple[list[float], list[int]]:
         """Mean loss of every replica over the interval (mean over its S ranks and
-        steps); NaN for a replica that recorded none. Collective on the world group.
-        Resets the accumulators."""
-        t = torch.zeros(self.replicas, 2, dtype=torch.float64, device=self.backend.device)
-        t[self.topology.replica_index, 0] = self._sum
-        t[self.topology.replica_index, 1] = self._count
+        steps); NaN for a replica that recorded none. Collective on the world group: one
+        all-reduce (SUM) of ``2 R + W`` float64 values, ``R x 2`` (loss sum, count) then
+        one slot per global rank holding that rank's HDET ``step`` (exact in float64 up
+        to 2^53), so every rank checks every rank's step at no extra collective.
+        Resets the accumulators.
+
+        Raises:
+            HDETStepMismatchError: the ranks' steps differ; raised on every rank (all see
+                the same reduced tensor), after the collective, so none is left waiting.
+        """
+        R, W = self.replicas, self.topology.world_size
+        t = torch.zeros(2 * R + W, dtype=torch.float64, device=self.backend.device)
+        t[2 * self.topology.replica_index] = self._sum
+        t[2 * self.topology.replica_index + 1] = self._count
+        t[2 * R + self.topology.rank] = step
         self._sum, self._count = 0.0, 0
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
         t = t.cpu()
+        check_steps([int(x) for x in t[2 * R:].tolist()])
+        t = t[:2 * R].view(R, 2)
         counts = [int(c) for c in t[:, 1].tolist()]
         losses = [s / c if c > 0 else float("nan") for s, c in zip(t[:, 0].tolist(), counts)]
         return losses, counts

@@ -13,6 +13,13 @@
 #   GPUS         GPUs per node (default: the slots of the first host in HOSTFILE).
 #   MASTER_ADDR  address of the first node (default: inferred by deepspeed).
 #   MASTER_PORT  port (default 29500).
+#   MAX_RESTARTS reruns after a failure (default 3; 0: none). The deepspeed launcher has no
+#                restart of its own (no --max-restarts, unlike torchrun), so this script
+#                reruns it with train.resume=true: the run continues from its newest
+#                checkpoint (set train.checkpoint_every). A failure before the first
+#                checkpoint is then refused (exit 2: run_dir holds the failed attempt's
+#                metrics; replace them with train.overwrite=true). Exit code 2 (bad
+#                config, or a refused run_dir) is never retried.
 # Env vars needed on remote hosts (NCCL_*, PYTHONPATH, ...) go in ~/.deepspeed_env or
 # ./.deepspeed_env as KEY=VALUE lines (DeepSpeed exports them via pdsh).
 #
@@ -39,4 +46,16 @@ if [[ -n "${MASTER_ADDR:-}" ]]; then
   args+=(--master_addr "${MASTER_ADDR}")
 fi
 
-exec deepspeed "${args[@]}" --no_local_rank --module hdet_scale.train.cli "$@"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+attempt=0
+resume=()
+while true; do
+  rc=0
+  deepspeed "${args[@]}" --no_local_rank --module hdet_scale.train.cli "$@" ${resume[@]+"${resume[@]}"} || rc=$?
+  if (( rc == 0 || rc == 2 || attempt >= MAX_RESTARTS )); then
+    exit "${rc}"
+  fi
+  attempt=$((attempt + 1))
+  resume=(train.resume=true)
+  echo "deepspeed_hostfile.sh: the run failed (exit ${rc}); restart ${attempt}/${MAX_RESTARTS} with train.resume=true" >&2
+done

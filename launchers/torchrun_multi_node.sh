@@ -16,6 +16,11 @@
 #   MASTER_PORT  free TCP port on MASTER_ADDR (default 29500).
 #   GPUS         processes per node (default: GPUs listed by `nvidia-smi -L`, else 1).
 #   RDZV_ID      rendezvous/job id shared by all nodes (default: hdet-$MASTER_ADDR-$MASTER_PORT).
+#                It also tells a restarted hdet-train that run_dir holds this job's run:
+#                give every job its own (e.g. a scheduler's job id).
+#   MAX_RESTARTS when a rank fails, torchrun restarts every rank up to this many times
+#                (default 3); hdet-train then resumes from the newest checkpoint by itself
+#                (set train.checkpoint_every), without train.resume. 0: no restarts.
 #
 # All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`
 # (console script `hdet-train`): an optional YAML config, then key=value overrides.
@@ -32,11 +37,15 @@ if [[ -z "${GPUS:-}" ]]; then
   [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# torch's shared rendezvous store breaks restarts (a restarted rank reads the dead
+# attempt's addresses: pytorch issue 135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 exec torchrun \
   --nnodes="${NNODES}" \
   --node_rank="${NODE_RANK}" \
   --nproc_per_node="${GPUS}" \
+  --max-restarts="${MAX_RESTARTS:-3}" \
   --rdzv_backend=c10d \
   --rdzv_endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
   --rdzv_id="${RDZV_ID}" \

@@ -8,11 +8,15 @@
 # Environment:
 #   GPUS   processes (GPUs) on this node; default: number of GPUs `nvidia-smi -L`
 #          lists, or 1 if none are found.
+#   MAX_RESTARTS  when a rank fails, torchrun restarts every rank up to this many times
+#          (default 3); hdet-train then resumes from the newest checkpoint by itself
+#          (set train.checkpoint_every), without train.resume. 0: no restarts.
 #   Any other env (NCCL_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) is passed through.
 #
 # All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`
 # (console script `hdet-train`): an optional YAML config, then key=value overrides.
-# torchrun --standalone runs its own local rendezvous, so no MASTER_ADDR/PORT is needed.
+# torchrun --standalone runs its own local rendezvous, so no MASTER_ADDR/PORT is needed,
+# and gives the job a random id: a restart resumes this job's run, never another's.
 set -euo pipefail
 
 if [[ -z "${GPUS:-}" ]]; then
@@ -20,6 +24,9 @@ if [[ -z "${GPUS:-}" ]]; then
   [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# torch's shared rendezvous store breaks restarts (a restarted rank reads the dead
+# attempt's addresses: pytorch issue 135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
-exec torchrun --standalone --nnodes=1 --nproc_per_node="${GPUS}" \
+exec torchrun --standalone --nnodes=1 --nproc_per_node="${GPUS}" --max-restarts="${MAX_RESTARTS:-3}" \
   -m hdet_scale.train.cli "$@"

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import _buckets, persistent_float_buffers
+from hdet_scale.backends.checkpoint_io import commit, latest_step, read_latest, retire_tag, rng_state, set_rng_state
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -108,6 +109,48 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def build_topology(config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
+                   device: torch.device | str | None = None) -> Topology:
+    """The process groups of the ``R x S`` layout, built *before the model*, so that the
+    model can be constructed sharded over the shard group (FSDP2 on the meta device,
+    :func:`hdet_scale.backends.deepspeed.zero_init`) and handed to ``initialize(...,
+    topology=...)`` with the same groups.
+
+    Args:
+        config: whatever :func:`resolve_config` accepts.
+        device: the device type of the mesh (default :func:`default_device`; ``cuda``
+            binds this process to ``cuda:$LOCAL_RANK`` first).
+
+    The config is checked first, without communication, identically on every rank; then
+    ``torch.distributed`` is initialised from the launcher's environment if needed (nccl
+    on CUDA, gloo on CPU) and the DeviceMesh is built. Collective: every rank calls it.
+
+    Raises:
+        HDETConfigError: an invalid config or ``replicas`` not dividing the world size.
+    """
+    cfg = resolve_config(config)
+    device = torch.device(device) if device is not None else default_device()
+    init_process_group(device)
+    return Topology(cfg.replicas, device_type=device.type)
+
+
+def use_topology(cfg: HDETConfig, topology: Topology | None, device_type: str) -> Topology:
+    """``topology`` (from :func:`build_topology`) checked against ``cfg``, or a new one.
+    The check reads only the topology's sizes, the same on every rank, so a mismatch
+    fails everywhere before the next collective.
+
+    Raises:
+        HDETConfigError: ``topology`` has another number of replicas than ``hdet.replicas``.
+    """
+    if topology is None:
+        return Topology(cfg.replicas, device_type=device_type)
+    if not isinstance(topology, Topology) or topology.replicas != cfg.replicas:
+        got = topology.replicas if isinstance(topology, Topology) else type(topology).__name__
+        raise HDETConfigError(f"topology: built for {got} replicas but hdet.replicas={cfg.replicas}; build it "
+                              "from the same config (build_topology(config))")
+    return topology
 
 
 def init_process_group(device: torch.device) -> None:
@@ -216,7 +259,10 @@ def replica_dir(save_dir: str, topology: Topology, tag: str) -> str:
 
 def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) -> tuple[Topology, str, str]:
     """``(topology, tag, replica folder)`` for a save; creates the folder. The default tag
-    is ``global_step<step>``.
+    is ``global_step<step>``. A folder already there for the tag (a save cut short by a
+    crash, or an earlier save under the same tag) is removed first, and ``latest`` moved
+    off it (``checkpoint_io.retire_tag``). Collective (one barrier on the world group):
+    every rank calls it at the start of a save.
 
     Raises:
         ValueError: the scheduler has no process groups (not built by a backend).
@@ -226,6 +272,9 @@ def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) 
         raise ValueError("this scheduler has no process groups (not built by a backend's initialize): save "
                          "torch.save(scheduler.state_dict()) next to the model instead")
     tag = tag or f"global_step{scheduler.step_count}"
+    if t.rank == 0:
+        retire_tag(save_dir, t.replicas, tag)
+    dist.barrier(group=t.world_group)  # no rank writes into a folder being removed
     rdir = replica_dir(save_dir, t, tag)
     os.makedirs(rdir, exist_ok=True)
     return t, tag, rdir
@@ -233,28 +282,31 @@ def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) 
 
 def finish_checkpoint(save_dir: str, topology: Topology, scheduler: HDETScheduler, tag: str,
                       backend: str) -> None:
-    """After every rank has written its files: rank 0 writes ``hdet_layout.json`` and
-    ``latest``. Collective (two barriers on the world group)."""
+    """After every rank has written its files (the first barrier proves it): rank 0
+    writes ``hdet_layout.json`` (with ``tag`` added to its index of complete checkpoints),
+    then ``latest``, each atomically (``checkpoint_io.commit``): a crash at any point
+    leaves ``latest`` naming a complete checkpoint. Collective (two barriers on the world
+    group)."""
     dist.barrier(group=topology.world_group)
     if topology.rank == 0:
-        with open(os.path.join(save_dir, LAYOUT_FILE), "w") as f:
-            json.dump({"world_size": topology.world_size, "replicas": topology.replicas,
-                       "shard_size": topology.shard_size, "step": scheduler.step_count,
-                       "total_steps": scheduler.total_steps, "backend": backend}, f)
-        with open(os.path.join(save_dir, "latest"), "w") as f:
-            f.write(tag)
+        commit(save_dir, {"world_size": topology.world_size, "replicas": topology.replicas,
+                          "shard_size": topology.shard_size, "step": scheduler.step_count,
+                          "total_steps": scheduler.total_steps, "backend": backend}, tag)
     dist.barrier(group=topology.world_group)
 
 
 def read_layout(load_dir: str) -> dict:
-    """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step,
-    total_steps, backend (absent in checkpoints of hdet_scale 0.1: DeepSpeed). Raises
+    """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step (of
+    the checkpoint ``latest`` names), total_steps, backend (absent in checkpoints of
+    hdet_scale 0.1: DeepSpeed), checkpoints (``{tag: step}``, oldest first). Raises
     HDETStateError when there is none."""
     path = os.path.join(load_dir, LAYOUT_FILE)
     if not os.path.exists(path):
         raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no {LAYOUT_FILE})")
     with open(path) as f:
-        return json.load(f)
+        layout = json.load(f)
+    step = latest_step(layout, read_latest(load_dir))
+    return layout if step is None else {**layout, "step": step}
 
 
 def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str, tag: str | None = None) -> str:
@@ -299,11 +351,17 @@ def _hdet_state_path(rdir: str, topology: Topology) -> str:
 
 
 def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
-    """This rank's scheduler state (with its interval-loss accumulator) into the replica
-    folder ``rdir``, as ``hdet_shard_<s>.pt``."""
-    torch.save({"scheduler": scheduler.state_dict()}, _hdet_state_path(rdir, topology))
+    """This rank's scheduler state (with its interval-loss accumulator) and torch RNG
+    state (dropout: ``checkpoint_io.rng_state``) into the replica folder ``rdir``, as
+    ``hdet_shard_<s>.pt``."""
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, _hdet_state_path(rdir, topology))
 
 
 def load_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
-    """Restore what :func:`save_hdet_state` wrote; re-applies the current values."""
-    scheduler.load_state_dict(torch.load(_hdet_state_path(rdir, topology), weights_only=False)["scheduler"])
+    """Restore what :func:`save_hdet_state` wrote; re-applies the current values and
+    sets this process's torch RNG to the saved rank's (when the file has it), so dropout
+    continues as if the run had not stopped. Backends call it last in a load."""
+    state = torch.load(_hdet_state_path(rdir, topology), weights_only=False)
+    scheduler.load_state_dict(state["scheduler"])
+    if "rng" in state:
+        set_rng_state(state["rng"])

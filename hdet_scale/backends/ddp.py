@@ -26,15 +26,16 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, check_probe, check_resumable, checkpoint_target,
+from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target,
                                         default_device, finish_checkpoint, init_process_group, load_hdet_state,
-                                        make_logger, replica_dir, resolve_config, save_hdet_state, unwrap, wrap_ddp)
+                                        make_logger, replica_dir, resolve_config, save_hdet_state, unwrap, use_topology,
+                                        wrap_ddp)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Topology
 
-__all__ = ["initialize", "load_checkpoint", "save_checkpoint"]
+__all__ = ["build_topology", "initialize", "load_checkpoint", "save_checkpoint"]
 
 MODEL_FILE = "model_optim.pt"
 
@@ -44,7 +45,7 @@ MODEL_FILE = "model_optim.pt"
 def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
                optimizer_fn: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], *,
                device: torch.device | None = None, logger: Any = None, ddp_kwargs: dict | None = None,
-               probe: Callable[[Any], Any] | None = None
+               probe: Callable[[Any], Any] | None = None, topology: Topology | None = None
                ) -> tuple[DistributedDataParallel, torch.optim.Optimizer, HDETScheduler]:
     """Wrap ``model`` in DDP for an ``R x S`` HDET world and build its scheduler.
 
@@ -68,6 +69,9 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
             same slice s), run under ``torch.no_grad`` at each auto-LR sync before
             converge; the replica's fitness is the mean over its S ranks. Needed when
             ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on.
+        topology: the process groups from
+            :func:`~hdet_scale.backends.common.build_topology` (same config), when the
+            caller built them before the model; default: built here.
 
     Returns:
         ``(ddp_model, optimizer, scheduler)``. Drive it as usual and pass the loss to the
@@ -94,7 +98,7 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
     # The scheduler's own checks against the optimizer, run here without a sync so that a
     # mismatch fails on every rank before the mesh below issues its first collective.
     HDETScheduler.check_param_groups(cfg, optimizer.param_groups)
-    topology = Topology(cfg.replicas, device_type=device.type)
+    topology = use_topology(cfg, topology, device.type)
     ddp_model = wrap_ddp(model, cfg, topology, device, ddp_kwargs)
     if logger is None:
         logger = make_logger(cfg, topology)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.common import (attach_sync, check_probe, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
+from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.config import HDETConfig
@@ -61,6 +61,39 @@ class DeepSpeedBackend:
         self.optimizer = engine.optimizer
         _check_zero3(self.optimizer)
         self.device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
+        self._count_skipped_steps()
+
+    def _count_skipped_steps(self) -> None:
+        """A step the engine skips still counts as an HDET step, on every rank.
+
+        ZeRO-3 treats a non-finite gradient norm as an overflow for every dtype: it
+        skips the update, and ``DeepSpeedEngine`` then skips ``lr_scheduler.step``. In
+        "replica" gradient mode only the replica that saw it skips: its HDET step would
+        fall behind and its next sync would pair with the others' later collectives (a
+        hang). The rule is torch AMP's (the scheduler steps while GradScaler skips
+        ``optimizer.step``): after ``engine.step`` at an accumulation boundary whose
+        update was not applied (public ``was_step_applied()``), make the scheduler call
+        the engine skipped, with the same ``lr_kwargs``. The engine calls it only when
+        the update was applied: never twice a step.
+        """
+        engine = self.engine
+        original = engine.step
+
+        def step(lr_kwargs: dict | None = None) -> Any:
+            boundary = engine.is_gradient_accumulation_boundary()  # before step() advances the count
+            out = original(lr_kwargs=lr_kwargs)
+            scheduler = engine.lr_scheduler
+            if boundary and not engine.was_step_applied() and isinstance(scheduler, HDETScheduler):
+                # The loss passed is recorded as on any step, not replaced by NaN: fp16 loss
+                # scaling skips steps routinely (a loss-scale overflow says nothing about
+                # the replica's hyperparameters, and NaN would exclude the replica from
+                # every interval holding one). A forward that was itself non-finite passes
+                # a NaN loss, and the rules for a non-finite interval loss then apply
+                # (softmax weight 0, left out of converge).
+                scheduler.step(**(lr_kwargs or {}))
+            return out
+
+        engine.step = step
 
     def master_tensors(self) -> Sequence[torch.Tensor]:
         return list(self.optimizer.fp32_partitioned_groups_flat)
@@ -183,9 +216,80 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
     return cfg, ds
 
 
+def _init_distributed(dist_backend: str | None) -> str:
+    """``deepspeed.init_distributed`` (gloo on CPU) unless done; bind this process to
+    ``$LOCAL_RANK``'s accelerator (the DeviceMesh is built before DeepSpeed's engine picks
+    the device). Returns the accelerator's device name."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist_backend or ("gloo" if accel.device_name() == "cpu" else None))
+    if accel.device_name() != "cpu":
+        accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return accel.device_name()
+
+
+def build_topology(config: str | dict, dist_backend: str | None = None) -> Topology:
+    """The process groups of the ``R x S`` layout from a DeepSpeed config's ``"hdet"``
+    block, built before the model so that it can be constructed partitioned
+    (:func:`zero_init`) and handed to :func:`initialize` ``(..., topology=...)``.
+
+    The config is validated first (:func:`prepare_config`, no communication, the same
+    verdict on every rank); then ``torch.distributed`` is initialised if needed
+    (``deepspeed.init_distributed``; gloo on CPU) and the DeviceMesh built. Collective.
+
+    Raises:
+        HDETConfigError: an invalid config, or ``hdet`` disabled (plain DeepSpeed needs
+            no layout of ours).
+    """
+    cfg, _ = prepare_config(config)
+    if not cfg.enabled:
+        raise HDETConfigError("hdet.enabled: false; build_topology is for HDET runs (plain DeepSpeed: use "
+                              "deepspeed.zero.Init and deepspeed.initialize)")
+    return Topology(cfg.replicas, device_type=_init_distributed(dist_backend))
+
+
+def zero_init(topology: Topology, config: str | dict, **kwargs: Any) -> Any:
+    """``deepspeed.zero.Init`` partitioned over ``topology``'s shard group: build the model
+    inside it and no rank holds more than one module's full parameters at a time; each
+    rank keeps its ``1/S`` partition of every parameter (``p.ds_tensor``), which
+    :func:`initialize` with the same ``topology`` then trains::
+
+        topology = hdet_scale.build_topology("ds_config.json")
+        with hdet_scale.zero_init(topology, "ds_config.json"):
+            model = MyModel(...)          # constructors run; parameters are partitioned
+        engine, opt, _, scheduler = hdet_scale.initialize(model, config="ds_config.json",
+                                                          topology=topology, ...)
+
+    Parameters are partitioned as each module's ``__init__`` returns, so initialisation
+    code that runs later (e.g. a ``post_init`` re-drawing weights) sees empty tensors:
+    initialise in the constructors, write the partitions (``p.ds_tensor``) yourself, or
+    use ``deepspeed.zero.GatheredParameters(..., modifier_rank=0)``. With the same seed,
+    weights drawn in the constructors equal an unpartitioned build's.
+
+    ``kwargs`` go to ``deepspeed.zero.Init`` (e.g. ``remote_device="cpu"``); the config
+    (without its ``hdet`` block, batch keys per replica) sets the dtype.
+
+    Raises:
+        HDETConfigError: an invalid config.
+    """
+    import deepspeed
+    # zero.Init replaces torch's tensor constructors while it is open; torch._dynamo's
+    # first import (which transformers triggers lazily) checks their signatures and fails
+    # under the replacement. Import it before the context opens.
+    import torch._dynamo  # noqa: F401
+
+    _, ds = prepare_config(config, world_size=topology.world_size)
+    return deepspeed.zero.Init(data_parallel_group=topology.shard_group, mpu=topology.mpu(),
+                               config_dict_or_path=ds, **kwargs)
+
+
 def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, collate_fn: Any = None, logger: Any = None,
-               dist_backend: str | None = None, probe: Any = None, **kwargs: Any):
+               dist_backend: str | None = None, probe: Any = None, topology: Topology | None = None,
+               **kwargs: Any):
     """``deepspeed.initialize`` with HDET set up from the config's ``"hdet"`` block.
 
     ``logger``: a :class:`~hdet_scale.logging.MetricsLogger`; by default one is built
@@ -204,10 +308,15 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     by ``engine.step(lr_kwargs={"loss": loss})``. The dataloader (when ``training_data``
     is given) shards the data over all W ranks, not over the shard group DeepSpeed sees.
 
+    ``topology``: the process groups from :func:`build_topology` (same config), needed
+    when ``model`` was built under :func:`zero_init` (its partitions live on that shard
+    group); default: built here.
+
     Validation happens before ``torch.distributed`` is touched, identically on every rank.
 
     Raises:
-        HDETConfigError: invalid ``"hdet"`` block or incompatible DeepSpeed keys.
+        HDETConfigError: invalid ``"hdet"`` block, incompatible DeepSpeed keys, or a
+            ``topology`` of another layout.
     """
     import deepspeed
 
@@ -219,16 +328,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
                                                           training_data=training_data, collate_fn=collate_fn,
                                                           **kwargs)
         return engine, opt, loader, sched
-    if not dist.is_initialized():
-        from deepspeed.accelerator import get_accelerator
-        backend = dist_backend or ("gloo" if get_accelerator().device_name() == "cpu" else None)
-        deepspeed.init_distributed(dist_backend=backend)
-    from deepspeed.accelerator import get_accelerator
-    accel = get_accelerator()
-    if accel.device_name() != "cpu":
-        # The DeviceMesh below is built before DeepSpeed's engine picks the device.
-        accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    topology = Topology(cfg.replicas, device_type=accel.device_name())
+    topology = use_topology(cfg, topology, _init_distributed(dist_backend))
     if logger is None:
         logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "deepspeed": ds})
     holder: dict[str, HDETScheduler] = {}

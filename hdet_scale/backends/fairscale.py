@@ -44,6 +44,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.backends.common import (
+    build_topology,
+    use_topology,
     FullParamsBackend,
     build_scheduler,
     check_probe,
@@ -185,7 +187,7 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
                optim_kwargs: dict | None = None, *, device: torch.device | None = None, logger: Any = None,
                ddp_kwargs: dict | None = None,
                params: Iterable[torch.Tensor] | Iterable[dict] | None = None,
-               probe: Callable[[nn.Module], Any] | None = None
+               probe: Callable[[nn.Module], Any] | None = None, topology: Topology | None = None
                ) -> tuple[nn.Module, OSS, HDETScheduler]:
     """Wrap ``model`` for HDET with OSS-sharded optimizer state and torch DDP.
 
@@ -208,6 +210,9 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
         probe: ``probe(ddp_model) -> loss``: this rank's loss on its slice of fixed probe
             batches (as in :func:`hdet_scale.backends.ddp.initialize`); needed when
             ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on.
+        topology: the process groups from
+            :func:`~hdet_scale.backends.common.build_topology` (same config), when the
+            caller built them before the model; default: built here.
 
     Returns:
         ``(ddp_model, optimizer, scheduler)``: the DDP-wrapped model, the ``OSS``
@@ -239,7 +244,7 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
     _check_kwargs(optim_kwargs, ddp_kwargs)
     device = default_device() if device is None else torch.device(device)
     init_process_group(device)
-    topology = Topology(cfg.replicas, device_type=device.type)
+    topology = use_topology(cfg, topology, device.type)
     model = model.to(device)
     # DDP before OSS: OSS re-points each parameter's .data into its flat buckets, which
     # keeps the Parameter objects DDP registered.

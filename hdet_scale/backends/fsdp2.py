@@ -46,18 +46,19 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.common import (build_scheduler, check_probe, check_resumable, checkpoint_target, default_device,
+from hdet_scale.backends.common import (build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target, default_device,
                                         finish_checkpoint,
                                         init_process_group, load_hdet_state, make_logger, replica_dir,
-                                        resolve_config, save_hdet_state)
+                                        resolve_config, save_hdet_state, use_topology)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Topology
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["FSDP2Backend", "initialize", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FSDP2Backend", "build_topology", "initialize", "load_checkpoint", "save_checkpoint"]
 
 BACKEND_NAME = "fsdp2"
 
@@ -126,6 +127,19 @@ class FSDP2Backend:
             m.reshard()
 
 
+@torch.no_grad()
+def _materialize(model: nn.Module, device: torch.device, init_weights: Callable[[nn.Module], None]) -> None:
+    # to_empty allocates this rank's shards (FSDP2 sharded the meta parameters without
+    # touching data) but also re-allocates every buffer, dropping values that were
+    # computed at construction: keep those and put them back.
+    kept = {name: b.detach().to(device, copy=True) for name, b in model.named_buffers() if not b.is_meta}
+    model.to_empty(device=device)
+    for name, b in model.named_buffers():
+        if name in kept:
+            b.copy_(kept[name])
+    init_weights(model)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return t.to_local() if hasattr(t, "to_local") else t
@@ -136,14 +150,18 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
                shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool | int | None = None,
                device: torch.device | None = None, logger: Any = None,
-               probe: Callable[[nn.Module], Any] | None = None
+               probe: Callable[[nn.Module], Any] | None = None, topology: Topology | None = None,
+               init_weights: Callable[[nn.Module], None] | None = None
                ) -> tuple[nn.Module, Optimizer, HDETScheduler]:
     """Shard ``model`` with FSDP2 on HDET's ``(replica, shard)`` mesh and attach HDET.
 
     Args:
-        model: the unsharded model (on CPU or on ``device``); sharded in place. Every
-            rank must build the same initial weights (same seed), as FSDP2 itself
-            assumes: each rank keeps its own chunk of its own copy, nothing is broadcast.
+        model: the model, sharded in place. Either built with its parameters on the
+            ``meta`` device (no rank ever holds the full model: the path for large
+            models; ``init_weights`` then fills them after sharding), or built whole on
+            CPU or on ``device``; then every rank must build the same initial weights
+            (same seed), as FSDP2 itself assumes: each rank keeps its own chunk of its
+            own copy, nothing is broadcast.
         config: whatever :func:`~hdet_scale.backends.common.resolve_config` accepts: an
             :class:`HDETConfig`, the ``"hdet"`` block, a DeepSpeed-style dict holding
             one under ``"hdet"``, or a path to such a JSON file.
@@ -169,6 +187,17 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
             slice s), run under ``torch.no_grad`` at each auto-LR sync before converge;
             the replica's fitness is the mean over its S ranks. Needed when
             ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on.
+        topology: the process groups from :func:`build_topology` (same config), when
+            the caller built them first; default: built here.
+        init_weights: ``init_weights(model)``, called under ``torch.no_grad`` after
+            ``fully_shard`` and ``model.to_empty(device=device)`` when ``model`` has
+            parameters on the meta device (required then, ignored otherwise). It must
+            write every parameter's local shard (``p.to_local()`` of the DTensor; its
+            place in the full tensor: ``torch.distributed.tensor._utils.
+            compute_local_shape_and_global_offset``) and any buffer left on the meta
+            device; buffers built off the meta device (e.g. RoPE tables) are kept as
+            they were (``to_empty`` would drop them). Its values must not depend on the
+            rank beyond the shard's place, or the replicas would start apart.
 
     Returns:
         ``(model, optimizer, scheduler)``. The loop: ``loss.backward();
@@ -179,16 +208,21 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     launcher's environment if needed), identically on every rank.
 
     Raises:
-        HDETConfigError: an invalid config, ``hdet.enabled`` false, or ``hdet.replicas``
-            not dividing the world size.
+        HDETConfigError: an invalid config, ``hdet.enabled`` false, ``hdet.replicas``
+            not dividing the world size, a ``topology`` of another layout, or a model
+            on the meta device without ``init_weights`` (all before any collective).
     """
     from torch.distributed.fsdp import fully_shard
 
     cfg = resolve_config(config)
     check_probe(cfg, probe)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init_weights is None:
+        raise HDETConfigError("init_weights: the model has parameters on the meta device; pass "
+                              "init_weights(model) to fill their shards after sharding")
     device = torch.device(device) if device is not None else default_device()
     init_process_group(device)
-    topology = Topology(cfg.replicas, device.type)
+    topology = use_topology(cfg, topology, device.type)
     share = cfg.gradient_sharing == "global"
     # HSDP needs a replica axis to all-reduce over; with R = 1 the shard mesh is the same
     # run without a size-1 all-reduce.
@@ -196,12 +230,15 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    model.to(device)
+    if not on_meta:
+        model.to(device)
     if shard_modules is not None:
         for sub in shard_modules(model):
             if sub is not model:
                 fully_shard(sub, **kwargs)
     fully_shard(model, **kwargs)
+    if on_meta:
+        _materialize(model, device, init_weights)
     optimizer = optimizer_fn(list(model.parameters()))
     backend = FSDP2Backend(model, device)
     logger = logger if logger is not None else make_logger(cfg, topology)

@@ -37,6 +37,8 @@ class TrainConfig:
     eval_batches: int = 16
     probe_batches: int = 2
     checkpoint: bool = True
+    checkpoint_every: int | None = 0
+    keep_checkpoints: int = 2
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
@@ -123,6 +125,11 @@ def _validate(run: dict) -> None:
         errors.append(f"train.steps: must be >= 1 (optimizer steps), got {t['steps']}")
     if t["eval_batches"] < 1:
         errors.append(f"train.eval_batches: must be >= 1, got {t['eval_batches']}")
+    if t["checkpoint_every"] is not None and t["checkpoint_every"] < 0:
+        errors.append(f"train.checkpoint_every: must be an integer >= 0 (optimizer steps; 0 or null: off), "
+                      f"got {t['checkpoint_every']}")
+    if t["keep_checkpoints"] < 1:
+        errors.append(f"train.keep_checkpoints: must be >= 1 (the newest checkpoints kept), got {t['keep_checkpoints']}")
     if t["probe_batches"] < 1:
         errors.append(f"train.probe_batches: must be >= 1 (micro-batches per shard rank), got {t['probe_batches']}")
     if run["wandb"]["mode"] not in (None, "online", "offline", "disabled"):

@@ -21,7 +21,9 @@ import torch
 from hdet_scale.backends import BACKENDS
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.train.model import loss_fn, param_count
+from hdet_scale.train.memory import peak_host_mb
+from hdet_scale.train.model import (ModelConfig, apply_activation_checkpointing, build_model, init_model_weights,
+                                    loss_fn, param_count)
 
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
@@ -90,11 +92,23 @@ class DeepSpeedEngine:
     accumulation steps, clips, steps the optimizer and calls the scheduler."""
 
     backend = "deepspeed"
+    #: Backward passes and input tokens (positions) this rank has run, counted where they
+    #: happen (``micro_step``): the trainer logs them, so accumulation that runs a batch
+    #: twice, or k x k backward passes per step, shows.
+    backward_passes = 0
+    tokens = 0
 
-    def __init__(self, model: torch.nn.Module, run: dict, logger: Any, probe: Any = None) -> None:
-        from hdet_scale.backends.deepspeed import initialize
+    def __init__(self, mcfg: ModelConfig, run: dict, logger: Any, probe: Any = None) -> None:
+        from hdet_scale.backends.deepspeed import build_topology, initialize, zero_init
 
-        self.engine, _, _, self.scheduler = initialize(model, run["deepspeed"], logger=logger, probe=probe)
+        ds = run["deepspeed"]
+        # The layout first, then the model partitioned over its shard group as it is built
+        # (model.sharded_init): no rank ever holds the whole model.
+        topology = build_topology(ds)
+        with zero_init(topology, ds) if mcfg.sharded_init else contextlib.nullcontext():
+            model = apply_activation_checkpointing(build_model(mcfg), mcfg)
+        self.model_built_mb = peak_host_mb()  # the construction's peak (benchmarks/memory.py)
+        self.engine, _, _, self.scheduler = initialize(model, ds, logger=logger, probe=probe, topology=topology)
         self.model = self.engine
         self.device = self.engine.device
         self.micro_batch = self.engine.train_micro_batch_size_per_gpu()
@@ -103,6 +117,8 @@ class DeepSpeedEngine:
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, last: bool) -> torch.Tensor:
         loss = loss_fn(self.engine, inputs, targets)
         self.engine.backward(loss)
+        self.backward_passes += 1
+        self.tokens += inputs.numel()
         if not last:
             # DeepSpeed counts accumulation boundaries by calls to engine.step(): it must
             # see one per micro-batch (off the boundary it only advances the count). The
@@ -141,7 +157,10 @@ class TorchEngine:
     "global" mode it clips the gradient every replica applies), the optimizer step and
     ``scheduler.step(loss)``."""
 
-    def __init__(self, backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any,
+    backward_passes = 0  # as DeepSpeedEngine's
+    tokens = 0
+
+    def __init__(self, backend: str, mcfg: ModelConfig, run: dict, hcfg: HDETConfig, logger: Any,
                  probe: Any = None) -> None:
         ds = run["deepspeed"]
         self.backend = backend
@@ -165,13 +184,23 @@ class TorchEngine:
             mp = None
             if ds.get("bf16", {}).get("enabled", False):
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            # model.sharded_init: parameters on the meta device, sharded, then each rank
+            # draws its own shard (the whole build's values; hdet_scale/train/init.py).
+            model = apply_activation_checkpointing(build_model(mcfg, params_on_meta=mcfg.sharded_init), mcfg)
+            # Sharded construction allocates inside initialize (to_empty), which this
+            # value then misses; the engine's own peak follows in the summary.
+            self.model_built_mb = peak_host_mb()
             self.model, self.optimizer, self.scheduler = fsdp2.initialize(
-                model.to(device), hcfg, lambda p: cls(p, **kwargs), shard_modules=lambda m: m.model.layers,
-                mp_policy=mp, device=device, logger=logger, probe=probe)
+                model, hcfg, lambda p: cls(p, **kwargs), shard_modules=lambda m: m.model.layers,
+                mp_policy=mp, device=device, logger=logger, probe=probe,
+                init_weights=(lambda m: init_model_weights(m, mcfg)) if mcfg.sharded_init else None)
             self._module = self.model
             self._lib = fsdp2
         elif backend == "ddp":
             from hdet_scale.backends import ddp
+
+            model = apply_activation_checkpointing(build_model(mcfg), mcfg)  # whole on every rank
+            self.model_built_mb = peak_host_mb()
 
             self.model, self.optimizer, self.scheduler = ddp.initialize(
                 model.to(device), hcfg, lambda p: cls(p, **kwargs), device=device, logger=logger, probe=probe)
@@ -179,6 +208,9 @@ class TorchEngine:
             self._lib = ddp
         else:
             from hdet_scale.backends import fairscale
+
+            model = apply_activation_checkpointing(build_model(mcfg), mcfg)  # whole on every rank
+            self.model_built_mb = peak_host_mb()
 
             self.model, self.optimizer, self.scheduler = fairscale.initialize(
                 model.to(device), hcfg, cls, kwargs, device=device, logger=logger, probe=probe)
@@ -196,14 +228,17 @@ class TorchEngine:
         with self._sync_context(last):
             loss = loss_fn(self.model, inputs, targets)
             (loss / self.grad_accum).backward()
+        self.backward_passes += 1
+        self.tokens += inputs.numel()
         return loss.detach()
 
     def step(self, loss: torch.Tensor) -> None:
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step(loss)
+        """Clip, step the optimizer, then ``scheduler.step(loss)``; a non-finite gradient
+        norm skips the update but still counts as an HDET step, as on DeepSpeed
+        (:func:`~hdet_scale.backends.torch_step.optimizer_step`)."""
+        from hdet_scale.backends.torch_step import optimizer_step
+
+        optimizer_step(self.model.parameters(), self.optimizer, self.scheduler, loss, self.clip)
 
     def eval(self) -> None:
         self.model.eval()
@@ -221,12 +256,13 @@ class TorchEngine:
         return param_count(self._module)
 
 
-def build_engine(backend: str, model: torch.nn.Module, run: dict, hcfg: HDETConfig, logger: Any,
+def build_engine(backend: str, mcfg: ModelConfig, run: dict, hcfg: HDETConfig, logger: Any,
                  probe: Any = None):
-    """The engine of ``backend`` (one of :data:`BACKENDS`) around ``model``; ``probe`` is
-    handed to the backend's ``initialize`` (auto-LR fitness)."""
+    """The engine of ``backend`` (one of :data:`BACKENDS`) with the model of ``mcfg``
+    built inside it (sharded as it is built when ``mcfg.sharded_init``, on deepspeed and
+    fsdp2); ``probe`` is handed to the backend's ``initialize`` (auto-LR fitness)."""
     if backend == "deepspeed":
-        return DeepSpeedEngine(model, run, logger, probe)
+        return DeepSpeedEngine(mcfg, run, logger, probe)
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    return TorchEngine(backend, model, run, hcfg, logger, probe)
+    return TorchEngine(backend, mcfg, run, hcfg, logger, probe)

@@ -2,8 +2,10 @@
 
 Flow: validate everything (no communication) -> the backend's engine (``engines.py``:
 DeepSpeed ZeRO-3, FSDP2, DDP or fairscale OSS, chosen by the ``backend`` key) -> train,
-handing every step's loss to the HDET scheduler -> final converge -> validation loss ->
-checkpoint and ``summary.json``.
+handing every step's loss to the HDET scheduler, a checkpoint every
+``train.checkpoint_every`` steps -> final converge -> validation loss -> checkpoint and
+``summary.json``. How a run starts in its ``run_dir`` (fresh, resumed, refused) and the
+fault-injection hook: ``rundir.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.engines import build_engine, check_engine_config
-from hdet_scale.train.model import ModelConfig, build_model, loss_fn
+from hdet_scale.train import rundir
+from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
+from hdet_scale.train.model import ModelConfig, loss_fn
 
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
@@ -64,14 +68,10 @@ def validate(run: dict, world_size: int):
     gas = gas if isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1 else 1  # the engine names a bad one
     ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size, key="data (training split)")
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
-    ckpt = os.path.join(run["run_dir"], "checkpoint")
-    resuming = run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest"))
-    # Never replace a run the user already has (its metrics would be truncated at once).
-    held = [n for n in ("metrics.jsonl", "summary.json", "checkpoint") if os.path.exists(os.path.join(run["run_dir"], n))]
-    if held and not resuming and not run["train"]["overwrite"]:
-        raise HDETConfigError(f"run_dir: {run['run_dir']} already holds a run ({', '.join(held)}); continue it with "
-                              "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
-                              "train.overwrite=true to replace it")
+    rundir.fault_point()  # a malformed test hook fails here, on every rank alike
+    ckpt = rundir.checkpoint_dir(run)
+    # Never replace a run the user already has: resume it, or refuse naming train.overwrite.
+    resuming = rundir.start_mode(run) == "resume"
     if resuming:
         try:
             check_resumable(ckpt, world_size, hcfg.replicas, backend)
@@ -147,6 +147,9 @@ def train(run: dict) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     hcfg, corpus = validate(run, world)
+    # Dropout draws from the global RNG, which torch seeds at random in every process: seed
+    # it per rank, so a run repeats (a resumed run restores it from its checkpoint).
+    torch.manual_seed(run["seed"] * 1_000_003 + rank)
     _quiet_deepspeed()
     run_dir = run["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
@@ -154,15 +157,23 @@ def train(run: dict) -> dict:
     w = run["wandb"]
     wandb_cfg = WandbConfig(**{**w, "group": w["group"] or name, "name": w["name"] or name,
                                "dir": w["dir"] or run_dir})
-    ckpt = os.path.join(run_dir, "checkpoint")
-    resuming = run["train"]["resume"] and os.path.exists(os.path.join(ckpt, "latest"))
+    ckpt = rundir.checkpoint_dir(run)
+    # The verdict validate reached: whatever rank 0 already removed cannot turn it into or
+    # out of "resume" on another rank (rundir.start_mode).
+    start = rundir.start_mode(run)
+    resuming = start == "resume"
+    if rank == 0:
+        rundir.prepare_run_dir(run, start)  # before the logger opens metrics.jsonl
+    fault = rundir.fault_point()
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
                            append=resuming)
-    model = build_model(ModelConfig(**run["model"]))
     d = run["data"]
     micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
     probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world)
-    engine = build_engine(run["backend"], model, run, hcfg, logger, probe)
+    # The engine builds the model: after the process groups, so that it can be sharded as
+    # it is built (model.sharded_init).
+    engine = build_engine(run["backend"], ModelConfig(**run["model"]), run, hcfg, logger, probe)
+    built_mb = peak_host_mb()  # the construction's peak (docs/benchmarks.md, memory)
     sched = engine.scheduler
     topo = sched.topology
     micro, gas = engine.micro_batch, engine.grad_accum
@@ -173,6 +184,7 @@ def train(run: dict) -> dict:
     if resuming:
         engine.load(ckpt)
     steps = run["train"]["steps"]
+    every, keep = run["train"]["checkpoint_every"] or 0, run["train"]["keep_checkpoints"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks
     bar = None
     if rank == 0 and run["train"]["progress"]:
@@ -181,6 +193,7 @@ def train(run: dict) -> dict:
     t_start = time.perf_counter()
     start_step = sched.step_count
     t_last = t_start
+    checkpoint_s = 0.0
     loss = torch.tensor(float("nan"))
     while sched.step_count < steps:
         step = sched.step_count
@@ -192,9 +205,21 @@ def train(run: dict) -> dict:
             step_loss = step_loss + engine.micro_step(inputs, targets, last=micro_step == gas - 1)
         loss = step_loss / gas  # the step's loss: mean over its micro-batches
         now = time.perf_counter()
-        sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9)}
+        # Counted by the engine where they happen, not derived from the step count; this
+        # process's (a resumed run counts from its restart); rank 0's, every rank runs alike.
+        sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
+                       "train/backward_passes": engine.backward_passes, "train/tokens_seen": engine.tokens * world}
         t_last = now
         engine.step(loss)
+        rundir.maybe_kill(fault, rank, sched.step_count)
+        # Data (ByteBatches.batch(step)), the LR schedule and the HDET state are keyed by the
+        # step, the RNG is saved per rank: a resume from here continues this run exactly.
+        if every and sched.step_count % every == 0 and sched.step_count < steps:  # the last: below
+            t0 = time.perf_counter()
+            rundir.save(engine, ckpt, keep)
+            saving = time.perf_counter() - t0
+            checkpoint_s += saving
+            t_last += saving  # tokens/s counts training time only
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
@@ -207,7 +232,12 @@ def train(run: dict) -> dict:
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
     if run["train"]["checkpoint"]:
-        engine.save(ckpt)
+        rundir.save(engine, ckpt, keep)
+    device = engine.device if dist.get_backend() != "gloo" else "cpu"
+    memory = {"peak_host_mb": every_rank(peak_host_mb(), device),  # per global rank, MiB
+              "peak_host_mb_after_model": every_rank(engine.model_built_mb, device),
+              "peak_host_mb_after_build": every_rank(built_mb, device),
+              "peak_device_mb": every_rank(peak_device_mb(), device)}
     summary = {
         "val_loss": val_loss,
         "val_ppl": math.exp(val_loss),
@@ -217,13 +247,18 @@ def train(run: dict) -> dict:
         "world_size": world,
         "replicas": topo.replicas,
         "shard_size": topo.shard_size,
-        "tokens_per_s": tokens_per_step * (sched.step_count - start_step) / wall,
+        "tokens_per_s": tokens_per_step * (sched.step_count - start_step) / max(wall - checkpoint_s, 1e-9),
         "wall_s": wall,
+        "checkpoint_s": checkpoint_s,  # periodic saves (train.checkpoint_every), inside wall_s
+        "resumed_from_step": start_step if resuming else None,
         "params": engine.param_count(),
+        "backward_passes": engine.backward_passes,  # this rank's, this process's
+        "tokens_seen": engine.tokens * world,
         "final_train_loss": float(loss.item()) if math.isfinite(loss.item()) else None,
         "train_bytes": int(corpus.train.numel()),
         "val_bytes": int(corpus.val.numel()),
         "data_source": corpus.source,
+        **memory,
     }
     if rank == 0:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:

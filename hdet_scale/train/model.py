@@ -12,6 +12,7 @@ and GPU (and is ~3x faster than ``"eager"`` on CPU for the default size).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 from hdet_scale.errors import HDETConfigError
 
-__all__ = ["VOCAB_SIZE", "ModelConfig", "build_model", "param_count", "loss_fn"]
+__all__ = ["VOCAB_SIZE", "ModelConfig", "build_model", "init_model_weights", "apply_activation_checkpointing",
+           "param_count", "loss_fn"]
 
 #: Bytes.
 VOCAB_SIZE = 256
@@ -43,6 +45,16 @@ class ModelConfig:
         tie_embeddings: share the input embedding and the LM head.
         dropout: attention-probability dropout (Llama has no other dropout).
         init_seed: seed of the weight init; the same seed gives identical weights.
+        activation_checkpointing: recompute each decoder layer's activations in the
+            backward pass instead of keeping them (:func:`apply_activation_checkpointing`):
+            activation memory of one layer instead of all, for about one more forward
+            pass of compute. Gradients are unchanged (the recompute replays the same
+            operations with the same RNG state, so dropout too).
+        sharded_init: build the model sharded, so that no rank ever holds all of it:
+            under ``deepspeed.zero.Init`` on the shard group (backend ``deepspeed``) or
+            with its parameters on the meta device, filled after ``fully_shard``
+            (``fsdp2``). The weights equal the whole build's bit for bit. ``ddp`` and
+            ``fairscale`` keep the whole model on every rank and ignore it.
     """
 
     hidden_size: int = 128
@@ -55,6 +67,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     init_seed: int = 0
+    activation_checkpointing: bool = False
+    sharded_init: bool = True
 
     def validate(self) -> None:
         """Raise :class:`HDETConfigError` naming the ``model.*`` key of a bad value."""
@@ -77,6 +91,11 @@ class ModelConfig:
             raise HDETConfigError(f"model.rope_theta must be > 0; got {self.rope_theta!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise HDETConfigError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
+        if not isinstance(self.sharded_init, bool):
+            raise HDETConfigError(f"model.sharded_init must be true or false; got {self.sharded_init!r}")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise HDETConfigError("model.activation_checkpointing must be true or false; got "
+                                  f"{self.activation_checkpointing!r}")
 
 
 def _llama_config(cfg: ModelConfig):
@@ -101,14 +120,22 @@ def _llama_config(cfg: ModelConfig):
     )
 
 
-def build_model(cfg: ModelConfig) -> torch.nn.Module:
+def build_model(cfg: ModelConfig, params_on_meta: bool = False) -> torch.nn.Module:
     """Build a randomly initialised ``LlamaForCausalLM`` with a 256-byte vocabulary.
 
-    The init is a function of ``cfg`` only: the CPU RNG (and, if CUDA is already
-    initialised, the current CUDA device's RNG) is seeded with ``cfg.init_seed`` inside
-    :func:`torch.random.fork_rng`, so the caller's global RNG state is unchanged
-    afterwards. Weights are created on the default device (CPU unless the caller
-    changed it); CPU and CUDA inits of the same seed differ.
+    The init is a function of ``cfg`` only (:func:`init_model_weights`: every
+    parameter from its own stream seeded by ``cfg.init_seed``), and the same whether the
+    model is built whole or partitioned: built under
+    :func:`hdet_scale.backends.deepspeed.zero_init`, each rank writes only its ZeRO-3
+    partitions, with the values of the unpartitioned build. The caller's global RNG
+    state is unchanged afterwards (construction runs inside
+    :func:`torch.random.fork_rng`).
+
+    Args:
+        cfg: the model shape.
+        params_on_meta: build the parameters on the meta device (no memory, no init;
+            buffers such as the RoPE tables are real) for FSDP2 to shard first; then
+            call :func:`init_model_weights` on the sharded model.
 
     Returns:
         The model in ``float32``, train mode, ``config.use_cache=False``.
@@ -119,6 +146,8 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     cfg.validate()
     from transformers import LlamaForCausalLM
 
+    from hdet_scale.train.init import params_on_meta as meta_params
+
     hf_cfg = _llama_config(cfg)
     devices: list[int] = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -127,9 +156,21 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
         torch.random.default_generator.manual_seed(int(cfg.init_seed))
         if devices:
             torch.cuda.manual_seed(int(cfg.init_seed))
-        model = LlamaForCausalLM(hf_cfg)
+        with meta_params() if params_on_meta else contextlib.nullcontext():
+            model = LlamaForCausalLM(hf_cfg)
+    if not params_on_meta:
+        init_model_weights(model, cfg)
     model.train()
     return model
+
+
+def init_model_weights(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """(Re-)initialise ``model``'s parameters from ``cfg.init_seed``, whole, FSDP2-sharded
+    or ZeRO-3-partitioned alike (:func:`hdet_scale.train.init.init_weights`), with
+    Llama's ``initializer_range`` (0.02) as the standard deviation."""
+    from hdet_scale.train.init import init_weights
+
+    init_weights(model, int(cfg.init_seed), _llama_config(cfg).initializer_range)
 
 
 def param_count(model: torch.nn.Module) -> int:
@@ -158,3 +199,23 @@ def loss_fn(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor)
     return F.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(torch.int64)
     )
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
+    """Turn on Hugging Face activation checkpointing of every decoder layer when
+    ``cfg.activation_checkpointing`` (otherwise leave ``model`` as it is); returns ``model``.
+
+    Non-reentrant ``torch.utils.checkpoint`` (``use_reentrant=False``): it works with
+    ZeRO-3's and FSDP2's parameter gathering and with inputs that need no gradient. Call
+    it on the built model before the backend wraps it (it only sets flags on the layers
+    and hooks the input embedding, so a meta-device or ZeRO-3-partitioned model is fine).
+    transformers >= 5 renamed ``gradient_checkpointing_enable`` (now a deprecated alias)
+    to ``activation_checkpointing_enable``; the new name is used where it exists.
+    """
+    if cfg.activation_checkpointing:
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model

@@ -49,35 +49,6 @@ def test_default_job_on_every_backend(tmp_path, backend):
     check_run(run_dir, proc, backend, steps=20, warmup=10)
 
 
-def test_accumulation_matches_one_big_micro_batch_on_deepspeed(tmp_path):
-    """Gradient accumulation 2 over micro-batches of 4 against accumulation 1 over
-    micro-batches of 8: the same sequences every optimizer step (the trainer splits one
-    draw per step), so the same gradient up to float summation order, the same updates
-    and the same per-step losses. Auto-LR off and converge every 5 steps: the comparison is
-    deterministic. Tolerance: the step-1 loss sees identical weights and data, so it differs
-    only by the order of the float32 mean (rel 1e-6); later steps add Adam updates of weights
-    that differ in the last bits (measured: 9.2e-8 over 10 steps; rel 1e-5 allowed). When
-    DeepSpeed saw one step() call per optimizer step, accumulation 2 ran 4 backward passes
-    per step on repeated data with twice the gradient: the losses part by > 1e-2 from step 2."""
-    # Adam with eps 1 and no clipping updates by about lr x gradient, so a gradient of the
-    # wrong scale shows (plain Adam with clipping would normalise it away).
-    common = ["deepspeed.optimizer.params.eps=1.0", "deepspeed.optimizer.params.lr=0.5", "deepspeed.gradient_clipping=0",
-              "train.steps=10", "deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.enabled=false",
-              "train.eval_batches=4", "wandb.enabled=false", "train.progress=false", "train.checkpoint=false"]
-    losses = {}
-    for micro, gas in ((4, 2), (8, 1)):
-        run_dir = tmp_path / f"gas{gas}"
-        proc = hdet_train([f"run_dir={run_dir}", f"deepspeed.train_micro_batch_size_per_gpu={micro}",
-                           f"deepspeed.gradient_accumulation_steps={gas}", *common], timeout=400)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        losses[gas] = [r["hdet/loss"] for r in records if "hdet/loss" in r]
-    assert len(losses[1]) == len(losses[2]) == 10
-    assert losses[2][0] == pytest.approx(losses[1][0], rel=1e-6)
-    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
-    assert losses[1][-1] < losses[1][0] - 0.1  # it trained
-
-
 def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -134,7 +105,8 @@ def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) ->
         names = os.listdir(ckpt / f"replica_{r}" / tag)
         assert {"hdet_shard_0.pt", "hdet_shard_1.pt"} <= set(names)
     assert json.loads((ckpt / "hdet_layout.json").read_text()) == {
-        "world_size": 4, "replicas": 2, "shard_size": 2, "step": steps, "total_steps": steps, "backend": backend}
+        "world_size": 4, "replicas": 2, "shard_size": 2, "step": steps, "total_steps": steps, "backend": backend,
+        "checkpoints": {f"global_step{steps}": steps}}  # the index of complete checkpoints (checkpoint_io)
 
 
 BAD = [

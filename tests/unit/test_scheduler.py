@@ -52,7 +52,7 @@ class LocalSync:
             self._sum[r] += float(x)
             self._count[r] += 1
 
-    def interval_losses(self) -> tuple[list[float], list[int]]:
+    def interval_losses(self, step: int | None = None) -> tuple[list[float], list[int]]:
         losses = [s / c if c else float("nan") for s, c in zip(self._sum, self._count)]
         counts = list(self._count)
         self._sum = [0.0] * self.replicas

@@ -1,0 +1,165 @@
+"""The bookkeeping of a checkpoint folder, so that a crash at any moment leaves ``latest``
+naming a complete checkpoint, and the per-rank RNG state a checkpoint carries.
+
+A folder holds ``replica_<r>/<tag>/...`` (the engines' files, one folder per replica and
+tag), ``hdet_layout.json`` and ``latest`` (the tag to resume from). The layout's
+``"checkpoints"`` entry is the *index*: ``{tag: optimizer step}`` of the complete
+checkpoints, oldest first; its ``"step"`` is the step of the newest save. A save
+(``common.checkpoint_target`` ... ``common.finish_checkpoint``) runs:
+
+1. rank 0 *retires* the tag (:func:`retire_tag`): a tag saved before is dropped from the
+   index, ``latest`` moved off it first, and any folder of that tag (complete, or partial
+   from a crash) removed, so no stale file survives into the new save. Barrier.
+2. every rank writes its files into ``replica_<r>/<tag>``.
+3. a barrier proves every rank wrote; rank 0 then :func:`commit` s: the layout with the tag
+   added to the index, then ``latest``, each a temp file + ``os.replace`` (atomic on
+   POSIX: a reader sees the old file or the new one, never a torn one). Barrier.
+4. optionally :func:`prune_checkpoints` (after ``latest`` moved): keep the newest N.
+
+A crash between the two replaces of step 3 leaves ``latest`` on the previous (complete)
+checkpoint while the layout's ``"step"`` is already the new one; readers therefore take
+the step of the tag ``latest`` names from the index (:func:`latest_step`).
+
+Rank 0 removes every replica's folders: this assumes one filesystem seen by all ranks,
+as resuming a multi-replica checkpoint does anyway (``common.check_resumable``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LAYOUT_FILE = "hdet_layout.json"
+LATEST_FILE = "latest"
+# The default tag (``global_step<step>``): only folders named so are removed as crash leftovers.
+DEFAULT_TAG = re.compile(r"global_step\d+")
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag in ``save_dir/latest``, or ``None`` when there is none."""
+    path = os.path.join(save_dir, LATEST_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _read_layout(save_dir: str) -> dict[str, Any]:
+    path = os.path.join(save_dir, LAYOUT_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_index(layout: dict[str, Any], latest: str | None) -> dict[str, int]:
+    """``{tag: step}`` of the complete checkpoints, oldest first. A layout written before
+    the index existed (hdet_scale <= 0.2) knows only ``latest`` at its ``"step"``."""
+    if "checkpoints" in layout:
+        return dict(layout["checkpoints"])
+    return {latest: layout["step"]} if latest is not None and "step" in layout else {}
+
+
+def latest_step(layout: dict[str, Any], latest: str | None) -> int | None:
+    """The optimizer step of the checkpoint ``latest`` names (the layout's ``"step"`` when
+    the index does not list it)."""
+    return checkpoint_index(layout, latest).get(latest, layout.get("step"))
+
+
+def _remove_tag_folders(save_dir: str, replicas: int, tag: str) -> None:
+    for r in range(replicas):
+        shutil.rmtree(os.path.join(save_dir, f"replica_{r}", tag), ignore_errors=True)
+
+
+def retire_tag(save_dir: str, replicas: int, tag: str) -> None:
+    """Rank 0, before a save under ``tag``: take ``tag`` out of the index (``latest``
+    first moved to the newest other complete checkpoint, or removed when there is none)
+    and remove its folders. No step leaves ``latest`` naming a folder being removed."""
+    layout, latest = _read_layout(save_dir), read_latest(save_dir)
+    index = checkpoint_index(layout, latest)
+    if tag in index:
+        del index[tag]
+        if latest == tag:
+            if index:
+                write_atomic(os.path.join(save_dir, LATEST_FILE), list(index)[-1])
+            else:
+                os.remove(os.path.join(save_dir, LATEST_FILE))
+        layout["checkpoints"] = index
+        write_atomic(os.path.join(save_dir, LAYOUT_FILE), json.dumps(layout))
+    _remove_tag_folders(save_dir, replicas, tag)
+
+
+def commit(save_dir: str, layout: dict[str, Any], tag: str) -> None:
+    """Rank 0, after every rank wrote its files for ``tag``: the layout (``layout``, whose
+    ``"step"`` is the save's step, plus the index with ``tag`` added), then ``latest``."""
+    index = checkpoint_index(_read_layout(save_dir), read_latest(save_dir))
+    index.pop(tag, None)
+    index[tag] = layout["step"]
+    write_atomic(os.path.join(save_dir, LAYOUT_FILE), json.dumps({**layout, "checkpoints": index}))
+    write_atomic(os.path.join(save_dir, LATEST_FILE), tag)
+
+
+def prune(save_dir: str, replicas: int, keep: int) -> list[str]:
+    """Rank 0: remove all but the newest ``keep`` (>= 1) checkpoints of the index, and
+    folders named ``global_step<N>`` that the index does not list (saves cut short by a
+    crash). Never the one ``latest`` names. Returns the tags removed."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    layout, latest = _read_layout(save_dir), read_latest(save_dir)
+    index = checkpoint_index(layout, latest)
+    drop = [t for t in list(index)[:-keep] if t != latest]
+    if drop:
+        layout["checkpoints"] = {t: s for t, s in index.items() if t not in drop}
+        write_atomic(os.path.join(save_dir, LAYOUT_FILE), json.dumps(layout))
+    leftovers = set()
+    for r in range(replicas):
+        rdir = os.path.join(save_dir, f"replica_{r}")
+        if os.path.isdir(rdir):
+            leftovers |= {n for n in os.listdir(rdir) if DEFAULT_TAG.fullmatch(n) and n not in index}
+    for tag in drop + sorted(leftovers):
+        _remove_tag_folders(save_dir, replicas, tag)
+    return drop + sorted(leftovers)
+
+
+def prune_checkpoints(save_dir: str, topology: Any, keep: int | None) -> None:
+    """Keep the newest ``keep`` complete checkpoints in ``save_dir`` (:func:`prune`);
+    ``None`` keeps all. Call it after a backend's ``save_checkpoint`` returned (``latest``
+    has moved). Collective: every rank calls it (rank 0 removes, then a world barrier)."""
+    if keep is None:
+        return
+    if topology.rank == 0:
+        prune(save_dir, topology.replicas, keep)
+    dist.barrier(group=topology.world_group)
+
+
+# ---- RNG ------------------------------------------------------------------------------
+# Dropout draws from the process's global torch RNG; a resumed rank restores its own so
+# its masks continue as if it had not stopped.
+
+def rng_state() -> dict[str, Any]:
+    """This process's torch RNG: CPU, and the current CUDA device's once CUDA is in use."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned (the CUDA part only when CUDA is there)."""
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

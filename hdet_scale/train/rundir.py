@@ -1,0 +1,156 @@
+"""How a run starts in its ``run_dir`` (fresh, resumed, or refused), what a resumed run
+keeps of the one that died, checkpoints during the run, and the fault-injection hook.
+
+A new run never destroys an earlier run in the same ``run_dir``: :func:`start_mode`
+resumes it (``train.resume=true``, or automatically when ``torchrun`` restarted this same
+job), or refuses and names ``train.overwrite``, the key that allows a fresh start. Every
+rank reaches the same verdict from the same files and environment, before any
+collective; only rank 0 changes the folder afterwards (:func:`prepare_run_dir`), and never
+in a way that turns another rank's "resume" into something else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from typing import Any
+
+from hdet_scale.backends.checkpoint_io import prune_checkpoints, write_atomic
+from hdet_scale.backends.common import read_layout
+from hdet_scale.errors import HDETConfigError
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
+JOB_FILE = "job.json"  # which torchrun job (TORCHELASTIC_RUN_ID) last started in this run_dir
+FAULT_ENV = "HDET_FAULT_KILL"
+
+
+def checkpoint_dir(run: dict) -> str:
+    return os.path.join(run["run_dir"], "checkpoint")
+
+
+def _restart_count() -> int:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def restarted_job(run_dir: str) -> bool:
+    """Whether this process is a ``torchrun`` restart (``TORCHELASTIC_RESTART_COUNT`` > 0)
+    of the job that wrote ``run_dir/job.json`` (same ``TORCHELASTIC_RUN_ID``, torchrun's
+    ``--rdzv-id``; a random one under ``--standalone``). An id of ``none`` (torchrun's
+    default without ``--rdzv-id``) identifies no job: then nothing is automatic."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if _restart_count() == 0 or run_id in ("", "none"):
+        return False
+    try:
+        with open(os.path.join(run_dir, JOB_FILE)) as f:
+            return json.load(f).get("torchelastic_run_id") == run_id
+    except (OSError, ValueError):
+        return False
+
+
+def start_mode(run: dict) -> str:
+    """``"resume"`` (from ``checkpoint/latest``: ``train.resume=true``, or a torchrun
+    restart of this job), ``"replace"`` (``run_dir`` holds files this run may replace:
+    ``train.overwrite=true``, or the same job's crashed attempt from before its first
+    checkpoint) or ``"fresh"``. Reads files only; the same on every rank.
+
+    Raises:
+        HDETConfigError: ``run_dir`` holds another run and neither resuming nor
+            ``train.overwrite`` applies (the message names both keys).
+    """
+    run_dir, t = run["run_dir"], run["train"]
+    has_latest = os.path.exists(os.path.join(checkpoint_dir(run), "latest"))
+    auto = restarted_job(run_dir)
+    if (t["resume"] or auto) and has_latest:
+        return "resume"
+    if auto:
+        return "replace"
+    held = [n for n in RUN_FILES if os.path.exists(os.path.join(run_dir, n))]
+    if held and not t["overwrite"]:
+        raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); continue it with "
+                              "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
+                              "train.overwrite=true to replace it")
+    return "replace" if held else "fresh"
+
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Drop the records of ``path`` (JSONL) past optimizer step ``step`` (those of the run
+    that died after its checkpoint) and a torn last line, atomically. Returns how many
+    records were dropped."""
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            if record.get("step") is not None and record["step"] > step:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    write_atomic(path, "".join(kept))
+    return dropped
+
+
+def prepare_run_dir(run: dict, mode: str) -> None:
+    """Rank 0, after :func:`start_mode` and before the metrics logger opens its file:
+    a resumed run keeps the metrics up to its checkpoint's step, so ``metrics.jsonl``
+    reads like one uninterrupted run; a replacing run removes the files of the run it
+    replaces (an old ``checkpoint/latest`` must never mix with the new run's). Records
+    the torchrun job id (:data:`JOB_FILE`)."""
+    run_dir = run["run_dir"]
+    os.makedirs(run_dir, exist_ok=True)
+    if mode == "resume":
+        truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), read_layout(checkpoint_dir(run))["step"])
+        _remove(os.path.join(run_dir, "summary.json"))
+    elif mode == "replace":
+        for name in RUN_FILES:
+            _remove(os.path.join(run_dir, name))
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id not in ("", "none"):
+        write_atomic(os.path.join(run_dir, JOB_FILE), json.dumps({"torchelastic_run_id": run_id}))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def save(engine: Any, path: str, keep: int) -> None:
+    """The backend's checkpoint of ``engine`` (``engines.py`` ``save``: atomic, ``latest``
+    moves last), then keep the newest ``keep``. Collective."""
+    engine.save(path)
+    prune_checkpoints(path, engine.scheduler.topology, keep)
+
+
+def fault_point() -> tuple[int, int] | None:
+    """The fault-injection hook for tests, ``HDET_FAULT_KILL="<rank>:<step>"``: that global
+    rank kills itself with SIGKILL right after finishing that optimizer step (before a
+    checkpoint due at that step). Only in a first attempt: a torchrun restart
+    (``TORCHELASTIC_RESTART_COUNT`` > 0) ignores it, so the restarted job can finish.
+
+    Raises:
+        HDETConfigError: the variable is set but not two integers ``rank:step``.
+    """
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or _restart_count() > 0:
+        return None
+    try:
+        rank, step = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise HDETConfigError(f"{FAULT_ENV}: expected '<rank>:<step>' (test hook), got {spec!r}") from None
+    return rank, step
+
+
+def maybe_kill(fault: tuple[int, int] | None, rank: int, step: int) -> None:
+    if fault is not None and fault == (rank, step):
+        os.kill(os.getpid(), signal.SIGKILL)

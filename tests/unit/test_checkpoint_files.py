@@ -1,0 +1,153 @@
+"""The checkpoint folder's bookkeeping (``backends/checkpoint_io.py``) and how a trainer run
+starts in its ``run_dir`` (``train/rundir.py``): file operations only, no process group.
+
+The multi-rank saves, the kill and the resume themselves: tests/distributed/test_resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hdet_scale.backends.checkpoint_io import commit, prune, read_latest, retire_tag
+from hdet_scale.backends.common import read_layout
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.train import rundir
+from hdet_scale.train.config import load_run_config
+
+REPLICAS = 2
+
+
+def save(ckpt, step, tag=None):
+    """What a 2-replica save leaves: each replica's folder with a file, then rank 0's commit."""
+    tag = tag or f"global_step{step}"
+    retire_tag(str(ckpt), REPLICAS, tag)
+    for r in range(REPLICAS):
+        (ckpt / f"replica_{r}" / tag).mkdir(parents=True)
+        (ckpt / f"replica_{r}" / tag / "hdet_shard_0.pt").write_bytes(b"x")
+    commit(str(ckpt), {"world_size": 4, "replicas": REPLICAS, "shard_size": 2, "step": step, "total_steps": 20,
+                       "backend": "ddp"}, tag)
+    return tag
+
+
+def tags(ckpt, r=0):
+    return sorted(p.name for p in (ckpt / f"replica_{r}").iterdir())
+
+
+def test_keep_the_newest_and_latest_moves_last(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step in (4, 8, 12):
+        save(ckpt, step)
+        prune(str(ckpt), REPLICAS, keep=2)
+    assert read_latest(str(ckpt)) == "global_step12"
+    assert tags(ckpt, 0) == tags(ckpt, 1) == ["global_step12", "global_step8"]
+    layout = read_layout(str(ckpt))
+    assert layout["checkpoints"] == {"global_step8": 8, "global_step12": 12} and layout["step"] == 12
+    assert not [p for p in ckpt.iterdir() if ".tmp" in p.name]  # temp files were all replaced
+
+    # A save cut short at 16 (one replica's folder written, no commit), and a folder under a
+    # tag of the user's own: the next prune removes the leftover, keeps the user's tag.
+    (ckpt / "replica_0" / "global_step16").mkdir()
+    (ckpt / "replica_0" / "best").mkdir()
+    assert read_latest(str(ckpt)) == "global_step12"
+    prune(str(ckpt), REPLICAS, keep=2)
+    assert tags(ckpt, 0) == ["best", "global_step12", "global_step8"]
+
+
+def test_a_crash_between_layout_and_latest_reads_the_step_of_latest(tmp_path):
+    """commit() replaces hdet_layout.json first, then latest: a crash in between leaves
+    latest on the previous (complete) checkpoint, and the step read is latest's."""
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, 4)
+    save(ckpt, 8)
+    (ckpt / "latest").write_text("global_step4")  # as if the crash came before latest's replace
+    assert read_layout(str(ckpt))["step"] == 4
+    # a layout of hdet_scale <= 0.2 (no index): its "step" is latest's
+    (ckpt / "hdet_layout.json").write_text(json.dumps({"replicas": 2, "shard_size": 2, "step": 8}))
+    assert read_layout(str(ckpt))["step"] == 8
+
+
+def test_saving_a_tag_again_never_leaves_latest_on_a_folder_being_rewritten(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, 4)
+    save(ckpt, 8, tag="last")
+    retire_tag(str(ckpt), REPLICAS, "last")  # the start of a second save under "last"
+    assert read_latest(str(ckpt)) == "global_step4"  # the newest other complete checkpoint
+    assert not (ckpt / "replica_0" / "last").exists() and read_layout(str(ckpt))["step"] == 4
+    save(ckpt, 12, tag="last")
+    assert read_latest(str(ckpt)) == "last" and read_layout(str(ckpt))["checkpoints"] == {"global_step4": 4, "last": 12}
+    retire_tag(str(ckpt), REPLICAS, "global_step4")
+    retire_tag(str(ckpt), REPLICAS, "last")  # nothing else complete: no latest at all
+    assert read_latest(str(ckpt)) is None
+
+
+def test_truncated_metrics_read_like_one_run(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 7, "a": 1}\n{"step": 8, "a": 2}\n{"step": 8, "hdet/sync": 1}\n{"step": 9, "a": 3}\n'
+                    '{"step": 10, "a"')  # the dead run's records after its checkpoint, and a torn line
+    assert rundir.truncate_metrics(str(path), 8) == 2
+    assert path.read_text() == '{"step": 7, "a": 1}\n{"step": 8, "a": 2}\n{"step": 8, "hdet/sync": 1}\n'
+
+
+def _run_dir_with_a_run(tmp_path, latest=True):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint" / "replica_0" / "global_step4").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 4}\n{"step": 5}\n')
+    (run_dir / "summary.json").write_text("{}")
+    if latest:
+        (run_dir / "checkpoint" / "latest").write_text("global_step4")
+        (run_dir / "checkpoint" / "hdet_layout.json").write_text(json.dumps({"step": 4}))
+    return run_dir
+
+
+def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tmp_path, monkeypatch):
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    run_dir = _run_dir_with_a_run(tmp_path)
+    cfg = lambda *o: load_run_config(None, [f"run_dir={run_dir}", *o])  # noqa: E731
+    with pytest.raises(HDETConfigError, match="train.resume=true.*train.overwrite=true"):
+        rundir.start_mode(cfg())
+    assert rundir.start_mode(cfg("train.resume=true")) == "resume"
+    assert rundir.start_mode(cfg("train.resume=true", "train.overwrite=true")) == "resume"  # resuming wins
+
+    rundir.prepare_run_dir(cfg("train.resume=true"), "resume")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 4}\n' and not (run_dir / "summary.json").exists()
+
+    assert rundir.start_mode(cfg("train.overwrite=true")) == "replace"
+    rundir.prepare_run_dir(cfg("train.overwrite=true"), "replace")
+    assert sorted(p.name for p in run_dir.iterdir()) == []  # no old latest to mix with the new run's
+
+
+def test_a_torchrun_restart_resumes_only_its_own_job(tmp_path, monkeypatch):
+    """TORCHELASTIC_RESTART_COUNT > 0 with the run id in run_dir/job.json: this job's
+    crashed attempt, resumed (or, before its first checkpoint, replaced) without
+    train.resume. Another job's files (another or no id, or torchrun's default id "none")
+    are refused as without a restart: a job refused at its first attempt stays refused."""
+    run_dir = _run_dir_with_a_run(tmp_path)
+    cfg = load_run_config(None, [f"run_dir={run_dir}"])
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    rundir.prepare_run_dir(cfg, "fresh")  # what the first attempt's rank 0 records
+    with pytest.raises(HDETConfigError, match="already holds a run"):
+        rundir.start_mode(cfg)  # a first attempt never resumes by itself
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert rundir.start_mode(cfg) == "resume"
+    (run_dir / "checkpoint" / "latest").unlink()
+    assert rundir.start_mode(cfg) == "replace"
+    for other in ("job-b", "none"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", other)
+        with pytest.raises(HDETConfigError, match="train.overwrite=true"):
+            rundir.start_mode(cfg)
+
+
+def test_the_fault_hook_is_checked_and_fires_in_a_first_attempt_only(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv(rundir.FAULT_ENV, "3:10")
+    assert rundir.fault_point() == (3, 10)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert rundir.fault_point() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(rundir.FAULT_ENV, "3")
+    with pytest.raises(HDETConfigError, match=rundir.FAULT_ENV):
+        rundir.fault_point()
