@@ -27,9 +27,9 @@ from hdet_scale.backends.deepspeed import prepare_config
 from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger
+from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.engines import build_engine, check_engine_config
-from hdet_scale.train import rundir
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, loss_fn
 

@@ -96,7 +96,7 @@ def test_accumulation_matches_one_big_micro_batch(tmp_path, backend):
     from gradients summed in another order (two halves vs one batch): per-step losses
     within rel 1e-5 and final weights within 1e-5 absolute (measured on all four
     backends: losses rel <= 1.9e-7, weights <= 1.7e-7, against |w| up to 0.82). With the
-    1/k scaling dropped (a gradient k = 2 times too large; tried on ddp and deepspeed)
+    1/k scaling dropped (a gradient k = 2 times too large; tried on all four backends)
     the losses part by up to rel 0.44 and the weights by 0.25. The backward passes
     (engine counter, model hook, metrics) equal steps x k on every rank: the old
     DeepSpeed loop (one ``engine.step()`` per k micro-batches) ran 40 instead of 20.

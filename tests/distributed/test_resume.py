@@ -14,8 +14,7 @@ losses, absolute for val_loss). Measured: all bitwise equal, on DeepSpeed and on
 same float operations in the same order: data keyed by the step, optimizer, HDET and RNG
 state restored); the slack allows only for last-bit reorderings elsewhere. What the
 bound catches, measured: without the RNG restore the losses after the resume part by up
-to 8.5e-5 (relative) and val_loss by 1.1e-5; a lost interval-loss accumulator or
-optimizer state moves them by far more.
+to 8.5e-5 (relative) and val_loss by 1.1e-5.
 """
 
 from __future__ import annotations

@@ -105,7 +105,10 @@ def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tm
     for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     run_dir = _run_dir_with_a_run(tmp_path)
-    cfg = lambda *o: load_run_config(None, [f"run_dir={run_dir}", *o])  # noqa: E731
+
+    def cfg(*overrides):
+        return load_run_config(None, [f"run_dir={run_dir}", *overrides])
+
     with pytest.raises(HDETConfigError, match="train.resume=true.*train.overwrite=true"):
         rundir.start_mode(cfg())
     assert rundir.start_mode(cfg("train.resume=true")) == "resume"
