@@ -13,7 +13,7 @@ process). DeepSpeed and fairscale are imported only by their backends.
 
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
-from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.errors import HDETConfigError, HDETStateError, HDETStepMismatchError
 from hdet_scale.reference import OneCycleAutoLR
 from hdet_scale.simulate import SimulatedSync, Simulator
 
@@ -55,5 +55,5 @@ def load_checkpoint(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
+__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "HDETStepMismatchError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
            "build_topology", "initialize", "load_checkpoint", "save_checkpoint", "zero_init"]
