@@ -12,7 +12,7 @@ Two controllers (``hdet.auto.controller``; docs/quality.md measures both):
   ``controller.log_update``. The user's schedule keeps its shape, warm-up and decay.
 - ``"paper"`` (paper Sec. 3.3, Alg. 1): after the first meta-update the base value is
   ``h <- h (1 - gamma) + lambda v``, piecewise constant between syncs, floored at the
-  schedule's final LR.
+  schedule's final LR or ``peak / max_factor``, whichever is lower (:func:`lr_lower_bound`).
 """
 
 from __future__ import annotations
@@ -77,10 +77,24 @@ def drowning_warning(cfg: HDETConfig, gamma: float) -> str | None:
             "auto.controller='log' (follows the schedule), or a longer run / later warm-up / explicit auto.decay")
 
 
+def lr_lower_bound(schedule: Schedule, peak: float, max_factor: float) -> float:
+    """The lowest base LR the ``"paper"`` controller may set for a group whose peak LR
+    is ``peak``: the schedule's final LR (``schedule.floor``), or ``peak / max_factor``
+    when that is lower. A schedule that does not decay (``constant``; ``cosine`` with
+    ``min_ratio`` 1) ends at its peak: flooring there would let auto-LR raise the LR but
+    never lower it. ``max_factor`` bounds the ``"log"`` controller's multiplier the same
+    way (``[1/max_factor, max_factor]``)."""
+    return min(schedule.floor(peak), peak / max_factor)
+
+
 def check_config(cfg: HDETConfig) -> None:
     """Checks that need the schedule (the derived decay) without an optimizer: the ratio
     floor/start does not depend on the peak, so peak 1.0 stands for every group. Pure;
-    raises HDETConfigError."""
+    raises HDETConfigError. Warns (``UserWarning``) when one replica is asked to do what
+    takes two (:attr:`HDETConfig.single_replica_warning`)."""
+    msg = cfg.single_replica_warning
+    if msg:
+        warnings.warn(msg, UserWarning, stacklevel=2)
     schedule = build_schedule(cfg)
     for axis in cfg.axes:
         decay_for(cfg, schedule, axis, 1.0)
@@ -166,9 +180,9 @@ class Controller:
                 new_base, self.velocity[key] = ctl.meta_update(current(key), self.velocity[key], delta, momentum,
                                                                step, self.decay[key])
                 # The velocity remembers larger, older bases; under a strong decay it can
-                # outweigh base * (1 - gamma) and send the LR below zero. Floor: the
-                # schedule's final LR (0 for other multiplicative axes).
-                floor = self.schedule.floor(self.peaks[g]) if a == "lr" else 0.0
+                # outweigh base * (1 - gamma) and send the LR below zero. Floor: see
+                # lr_lower_bound (0 for other multiplicative axes).
+                floor = lr_lower_bound(self.schedule, self.peaks[g], auto.max_factor) if a == "lr" else 0.0
                 if self.config.axes[a].kind == "multiplicative" and new_base < floor:
                     new_base = floor
                     record[f"hdet/{a}/group_{g}/floored"] = 1

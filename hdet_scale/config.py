@@ -79,8 +79,9 @@ class AutoConfig:
     for ``"paper"``, lambda. ``decay``: ``"paper"`` only, gamma per sync or ``"auto"``.
     ``groups``: ``"tied"`` (one multiplier and one permutation per axis, so the user's
     ratios between parameter groups are kept) or ``"independent"`` (the paper: each group
-    explored on its own). ``max_factor``: ``"log"`` only, bound of ``m`` to
-    ``[1/max_factor, max_factor]``. ``None`` values take the controller's default
+    explored on its own). ``max_factor``: ``"log"``: bound of ``m`` to
+    ``[1/max_factor, max_factor]``; ``"paper"``: the base LR stays at or above
+    ``min(schedule floor, peak / max_factor)``. ``None`` values take the controller's default
     (:data:`CONTROLLER_DEFAULTS`).
     """
 
@@ -211,6 +212,23 @@ class HDETConfig:
                 and any(self.axis_auto(n) and a.spread_ratio > 0 for n, a in self.axes.items()))
 
     @property
+    def single_replica_warning(self) -> str | None:
+        """A message when ``replicas`` is 1 but the block asks for what needs two or more
+        (a spread, auto-LR): that one replica gets the spread's centre, converge has
+        nothing to average and auto-LR nothing to compare, so the run is plain data
+        parallelism. ``None`` otherwise (also for R = 1 without them: a deliberate
+        baseline)."""
+        if not self.enabled or self.replicas != 1:
+            return None
+        spread = sorted(f"axes.{n}.spread_ratio={a.spread_ratio:g}" for n, a in self.axes.items() if a.spread_ratio > 0)
+        wants = spread + (["auto.enabled=true"] if self.auto.enabled else [])
+        if not wants:
+            return None
+        return (f"hdet.replicas: 1 replica with {', '.join(wants)}: HDET does nothing (the one replica gets "
+                "multiplier 1, converge has nothing to average, auto-LR nothing to compare): this is plain data "
+                "parallelism. Set hdet.replicas >= 2 (it must divide the world size)")
+
+    @property
     def uses_probe(self) -> bool:
         """The auto-LR fitness is the probe loss and there is something to score."""
         return self.auto_can_move and self.auto.fitness == "probe"
@@ -303,6 +321,10 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         if axis.groups is not None:
             _check(errors, len(axis.groups) > 0 and all(g >= 0 for g in axis.groups), f"{k}.groups",
                    f"must be a non-empty list of parameter-group indices >= 0 or null, got {axis.groups}")
+            # A repeated index would run that group's meta-update twice per sync.
+            twice = sorted({g for g in axis.groups if axis.groups.count(g) > 1})
+            _check(errors, not twice, f"{k}.groups", f"lists parameter group(s) {twice} more than once: "
+                   f"each index once, got {axis.groups}")
     s, k = cfg.schedule, f"{p}.schedule"
     _check(errors, s.name in SCHEDULES, f"{k}.name", f"must be one of {', '.join(SCHEDULES)}, got {s.name!r}")
     _check(errors, s.total_steps is not None and s.total_steps >= 1, f"{k}.total_steps",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 
 from hdet_scale import axes as ax
 from hdet_scale.backends import BACKENDS
@@ -37,6 +38,11 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}") from None
     if not isinstance(config, dict):
         raise HDETConfigError(f"the config must be a JSON object, got {type(config).__name__}")
+    # Strict, unlike the library (see hdet_scale.ds_keys): a dry run exists to find what
+    # a 30-hour run would silently ignore, such as an "hdett" block or a misspelled key.
+    from hdet_scale.ds_keys import check_deepspeed_keys
+
+    check_deepspeed_keys(config, strict=True, optimizer_params=backend == "deepspeed")
     if not isinstance(config.get("hdet", {}), dict):
         raise HDETConfigError(f"hdet: expected an object, got {config['hdet']!r}")
     if "hdet" not in config:
@@ -54,15 +60,20 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     from hdet_scale.autolr import build_schedule, decay_for, drowning_warning
     from hdet_scale.topology import Layout
 
-    if backend == "deepspeed":
-        cfg, ds = prepare_config(config, world_size=world_size)
-        if not cfg.enabled:
-            return "hdet.enabled is false: plain DeepSpeed"
-    else:
-        from hdet_scale.backends.common import resolve_config
+    with warnings.catch_warnings():
+        # Reported below as a line of the report, not twice.
+        warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
+        if backend == "deepspeed":
+            cfg, ds = prepare_config(config, world_size=world_size)
+            if not cfg.enabled:
+                return "hdet.enabled is false: plain DeepSpeed"
+        else:
+            from hdet_scale.backends.common import resolve_config
 
-        cfg = resolve_config(config, world_size)
+            cfg = resolve_config(config, world_size)
     lines = [Layout(world_size, cfg.replicas).describe()]
+    if cfg.single_replica_warning:
+        lines.append(f"warning: {cfg.single_replica_warning}")
     lines.append(f"{backend}, inside each replica (shard group of {world_size // cfg.replicas} ranks): "
                  f"{INSIDE_REPLICA[backend]}")
     if backend == "deepspeed":

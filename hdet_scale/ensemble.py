@@ -14,6 +14,7 @@ the simulator's for R replicas in one process); the arithmetic here is the same 
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
@@ -41,6 +42,8 @@ class Sync(Protocol):
     def interval_losses(self, step: int) -> tuple[list[float], list[int]]: ...
     def probe_losses(self, probe: Any) -> list[float]: ...  # collective; fitness per replica
     def converge(self, finite: list[bool]) -> None: ...  # collective
+    # Optional: ``synchronize()`` waits for the device work converge queued (timing);
+    # without it the scheduler synchronizes ``sync.backend.device`` when not the CPU.
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -250,7 +253,7 @@ class HDETScheduler:
         return [g["lr"] for g in next(iter(self.param_groups.values()))]
 
     # ---- step and sync ------------------------------------------------------------------
-    def step(self, loss: Any = None, **_: Any) -> None:
+    def step(self, loss: Any = None, **kwargs: Any) -> None:
         """Close one optimizer step: record its loss, sync every ``sync_interval`` steps,
         then set the values for the next step.
 
@@ -267,14 +270,21 @@ class HDETScheduler:
         Raises:
             ValueError: a step past ``schedule.total_steps`` (as ``OneCycleLR``), before
                 any state change or collective.
+            HDETConfigError: a keyword other than ``loss``, or a loss that is not a
+                float or a one-element floating-point tensor (:meth:`check_step_args`),
+                before any state change or collective.
             HDETStepMismatchError: at a sync, the ranks are at different steps (every
                 rank raises; see :meth:`sync`).
         """
+        self.check_step_args(loss, **kwargs)
         self.check_can_step()
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         if loss is not None:
-            self.sync_obj.add_loss(loss)
+            try:
+                self.sync_obj.add_loss(loss)
+            except TypeError as e:  # not a TypeError: DeepSpeed would retry (see check_step_args)
+                raise HDETConfigError(f"HDETScheduler.step: cannot record the loss {loss!r}: {e}") from e
         self.step_count += 1
         if self.logger is not None and self.logger.enabled and self.step_count % self.config.logging.every == 0:
             if isinstance(loss, (list, tuple)):  # the simulator passes one loss per replica
@@ -285,6 +295,41 @@ class HDETScheduler:
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
         self._apply()
+
+    def check_step_args(self, loss: Any = None, **kwargs: Any) -> None:
+        """Refuse what :meth:`step` cannot use, before any state change.
+
+        The loss is a float (not an int or bool) or a one-element floating-point tensor,
+        in nats; the simulator (which drives several replicas) takes a sequence of them,
+        one per replica. No other keyword is accepted: a misspelt ``lr_kwargs`` key would
+        otherwise leave the loss unrecorded without a word. Errors are HDETConfigError,
+        never TypeError: DeepSpeed's engine catches a TypeError from
+        ``lr_scheduler.step(**lr_kwargs)`` and calls ``lr_scheduler.step(train_batch_size)``
+        instead, which would record the batch size as the loss (an int is refused for
+        that reason too).
+        """
+        if kwargs:
+            raise HDETConfigError(f"HDETScheduler.step: unexpected argument(s) {sorted(kwargs)}; it takes the step's "
+                                  "training loss only: engine.step(lr_kwargs={'loss': loss}) or scheduler.step(loss)")
+        if loss is None:
+            return
+        from hdet_scale.simulate import SimulatedSync  # here: simulate imports this module
+
+        many = len(getattr(self.sync_obj, "local_replicas", ())) > 1 or isinstance(self.sync_obj, SimulatedSync)
+        values = list(loss) if many and isinstance(loss, (list, tuple)) else [loss]
+        for x in values:
+            if isinstance(x, torch.Tensor):
+                ok = x.is_floating_point() and (x.numel() == 1 or (many and x.dim() == 1))
+            else:
+                ok = isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral)
+            if not ok:
+                hint = (" (an int is what DeepSpeed passes, its train_batch_size, after lr_scheduler.step(**lr_kwargs) "
+                        "raised a TypeError: the error above this one says why)"
+                        if isinstance(x, numbers.Integral) and not isinstance(x, bool) else "")
+                what = (f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor)
+                        else f"{type(x).__name__} {x!r}")
+                raise HDETConfigError("HDETScheduler.step: the loss must be a float or a one-element floating-point "
+                                      f"tensor (the step's training loss, nats), got {what}{hint}")
 
     def check_can_step(self) -> None:
         """Raise ``ValueError`` (``OneCycleLR``'s message) if one more step would pass
@@ -323,8 +368,10 @@ class HDETScheduler:
         # replica that recorded no training loss (step() without one) is not suspect: the
         # probe alone needs none.
         finite = [(math.isfinite(x) or c == 0) and math.isfinite(f) for x, c, f in zip(losses, counts, fitness)]
+        self._wait_for_device()
         t0 = time.perf_counter()
         self.sync_obj.converge(finite)
+        self._wait_for_device()
         converge_s = time.perf_counter() - t0
         self.sync_count += 1
         record: dict[str, Any] = {"hdet/step": self.step_count, "hdet/sync": self.sync_count,
@@ -350,6 +397,19 @@ class HDETScheduler:
         if self.logger is not None:
             self.logger.log(record, step=self.step_count)
         return record
+
+    def _wait_for_device(self) -> None:
+        """Wait until the device work queued so far has run, so that the wall clock
+        around converge (``hdet/converge_s``) measures it: CUDA kernels and NCCL calls
+        return before they execute. The sync's own ``synchronize()`` when it has one,
+        else its backend's device when it is not the CPU (nothing to wait for there)."""
+        wait = getattr(self.sync_obj, "synchronize", None)
+        if wait is not None:
+            wait()
+            return
+        device = getattr(getattr(self.sync_obj, "backend", None), "device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            torch.accelerator.synchronize(torch.device(device))
 
     def warm_init(self) -> bool:
         """Warm noisy initialisation (``hdet.warm_init``): each replica adds its own noise

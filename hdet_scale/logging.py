@@ -38,6 +38,12 @@ class MetricsLogger:
     Args:
         jsonl: path of the JSONL file, one record per line (``None``: no file).
         wandb: W&B settings; ``mode=None`` picks online with credentials, else offline.
+            When this process already has a W&B run open (``wandb.run``, the user's),
+            records go into that run (its settings here are then unused), the config is
+            added under the keys it does not have yet, the step travels as ``hdet/step``
+            (the x axis of the logged key namespaces) instead of W&B's own step, and
+            :meth:`close` leaves the run open. Otherwise the logger opens its own run
+            and finishes it at :meth:`close`.
         config: the fully resolved run config, attached to the W&B run.
         enabled: ``False`` on every rank but global rank 0.
         append: keep an existing JSONL file's records (a resumed run); ``False`` starts
@@ -51,16 +57,27 @@ class MetricsLogger:
         self.enabled = enabled
         self._file = None
         self._wandb_run = None
+        self._defined: set[str] = set()  # key namespaces given hdet/step as x axis (user's run)
+        self._own_run = False
         self._jsonl, self._append = jsonl, append
         if not enabled:
             return
         if wandb is not None and wandb.enabled:
             import wandb as wb
 
+            if wb.run is not None:
+                # The user's own run (wandb.init before ours): log into it and leave it
+                # open; finishing it ("finish_previous") would end their run under them.
+                self._wandb_run = wb.run
+                self._wandb_run.config.setdefaults(config or {})  # never overwrite their keys
+                self.wandb_mode = "offline" if self._wandb_run.offline else "online"
+                return
             mode = wandb.mode or ("online" if _has_wandb_credentials() else "offline")
+            # "create_new": another run this process holds (not wandb.run) stays untouched.
             self._wandb_run = wb.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
                                       name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},
-                                      reinit="finish_previous")
+                                      reinit="create_new")
+            self._own_run = True
             self.wandb_mode = mode
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
@@ -75,7 +92,24 @@ class MetricsLogger:
             self._file.write(json.dumps({k: _json_safe(v) for k, v in out.items()}) + "\n")
         if self._wandb_run is not None:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-            self._wandb_run.log(scalars, step=step)
+            if self._own_run:
+                self._wandb_run.log(scalars, step=step)
+            else:
+                self._log_into_users_run(scalars, step)
+
+    def _log_into_users_run(self, scalars: dict[str, Any], step: int | None) -> None:
+        # As the Hugging Face Trainer and Lightning do in a run they did not open: no
+        # step= (W&B drops rows whose step is below the run's current one, so ours and
+        # the user's would fight over the counter); the optimizer step travels as
+        # hdet/step, the x axis of every key namespace we log.
+        if step is not None:
+            scalars = {"hdet/step": step, **scalars}
+        for prefix in sorted({k.split("/")[0] for k in scalars if "/" in k} - self._defined):
+            if not self._defined:
+                self._wandb_run.define_metric("hdet/step")
+            self._wandb_run.define_metric(f"{prefix}/*", step_metric="hdet/step")
+            self._defined.add(prefix)
+        self._wandb_run.log(scalars)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self._wandb_run is not None:
@@ -88,5 +122,6 @@ class MetricsLogger:
             self._file = None
         self._jsonl = None  # a closed logger writes nothing more
         if self._wandb_run is not None:
-            self._wandb_run.finish()
+            if self._own_run:
+                self._wandb_run.finish()  # a run the user opened is theirs to finish
             self._wandb_run = None

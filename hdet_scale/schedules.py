@@ -123,6 +123,9 @@ class Constant:
         raise ValueError("cycle_momentum needs the onecycle schedule")
 
     def floor(self, peak: float) -> float:
+        """Final value: ``peak``. A constant schedule does not decay (the ``"paper"``
+        controller's derived gamma is 0); how low auto-LR may take it is
+        ``autolr.lr_lower_bound`` (``peak / auto.max_factor``)."""
         return peak
 
 

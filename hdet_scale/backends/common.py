@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import _buckets, persistent_float_buffers
-from hdet_scale.backends.checkpoint_io import commit, latest_step, read_latest, retire_tag, rng_state, set_rng_state
+from hdet_scale.backends.checkpoint_io import (LATEST_FILE, checkpoint_index, commit, damaged_files, latest_step,
+                                               read_latest, retire_tag, rng_state, set_rng_state)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -298,15 +299,39 @@ def finish_checkpoint(save_dir: str, topology: Topology, scheduler: HDETSchedule
 def read_layout(load_dir: str) -> dict:
     """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step (of
     the checkpoint ``latest`` names), total_steps, backend (absent in checkpoints of
-    hdet_scale 0.1: DeepSpeed), checkpoints (``{tag: step}``, oldest first). Raises
-    HDETStateError when there is none."""
+    hdet_scale 0.1: DeepSpeed), checkpoints (``{tag: step}``, oldest first).
+
+    Raises:
+        HDETStateError: there is none, or it is not a JSON object (a file cut short or
+            edited), or its step is not an integer; the message names the file.
+    """
     path = os.path.join(load_dir, LAYOUT_FILE)
     if not os.path.exists(path):
         raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no {LAYOUT_FILE})")
-    with open(path) as f:
-        layout = json.load(f)
-    step = latest_step(layout, read_latest(load_dir))
+    try:
+        with open(path) as f:
+            layout = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise HDETStateError(f"{path} is damaged (not JSON: {e}): restore it from a copy, or start a new "
+                             "run_dir") from None
+
+    if not isinstance(layout, dict):
+        raise HDETStateError(f"{path} is damaged: it must hold a JSON object, got {json.dumps(layout)[:200]}: "
+                             "restore it from a copy, or start a new run_dir")
+    _require_ints(path, layout, ("step", "total_steps"), low=0, optional=True)
+    try:
+        step = latest_step(layout, read_latest(load_dir))
+    except (ValueError, TypeError, AttributeError, OSError) as e:  # a damaged index or latest
+        raise HDETStateError(f"{path} or {LATEST_FILE} next to it is damaged ({e})") from None
     return layout if step is None else {**layout, "step": step}
+
+
+def _require_ints(path: str, layout: dict, keys: Sequence[str], low: int, optional: bool = False) -> None:
+    bad = [k for k in keys if not (optional and layout.get(k) is None)
+           and not (isinstance(layout.get(k), int) and not isinstance(layout.get(k), bool) and layout[k] >= low)]
+    if bad:
+        raise HDETStateError(f"{path} is damaged: {', '.join(bad)} must be integers >= {low}, got "
+                             f"{json.dumps(layout)[:200]}: restore it from a copy, or start a new run_dir")
 
 
 def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str, tag: str | None = None) -> str:
@@ -318,11 +343,13 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     Raises:
         HDETStateError: missing checkpoint, written by another ``R x S`` layout or by
             another backend (each engine has its own file format), or a replica folder or
-            a rank's HDET state file missing for the tag. Every replica's diverged weights are tied to its shard
+            a rank's HDET state file missing for the tag, or a file of the tag damaged
+            (``checkpoint_io.damaged_files``: empty, cut short). Every replica's diverged weights are tied to its shard
             layout, so a different layout is refused rather than silently remapped; to
             change it, converge first and start a new run from the averaged model.
     """
     saved = read_layout(load_dir)
+    _require_ints(os.path.join(load_dir, LAYOUT_FILE), saved, ("replicas", "shard_size"), low=1)
     shard = world_size // replicas
     if saved["replicas"] != replicas or saved["shard_size"] != shard:
         raise HDETStateError(
@@ -333,8 +360,10 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
         raise HDETStateError(f"checkpoint {load_dir} was written by the {saved_backend} backend; this run uses "
                              f"{backend}. Resume with the same backend")
     if tag is None:
-        with open(os.path.join(load_dir, "latest")) as f:
-            tag = f.read().strip()
+        tag = read_latest(load_dir)  # read_layout read it already: it is text
+        if tag is None:
+            raise HDETStateError(f"{os.path.join(load_dir, 'latest')} is missing or empty: it names the checkpoint "
+                                 "to resume from (a tag, e.g. global_step100)")
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
     if missing:
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}")
@@ -343,6 +372,13 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
             if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
     if lost:
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}")
+    damaged = [p for r in range(replicas) for p in damaged_files(os.path.join(load_dir, f"replica_{r}", tag))]
+    if damaged:
+        older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
+        listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
+        hint = f"resume from an older complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
+        raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
+                             f"{hint}or start a new run_dir")
     return tag
 
 

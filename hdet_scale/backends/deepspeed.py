@@ -28,6 +28,7 @@ from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, 
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.config import HDETConfig
+from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Layout, Topology
@@ -81,8 +82,13 @@ class DeepSpeedBackend:
 
         def step(lr_kwargs: dict | None = None) -> Any:
             boundary = engine.is_gradient_accumulation_boundary()  # before step() advances the count
-            out = original(lr_kwargs=lr_kwargs)
             scheduler = engine.lr_scheduler
+            if boundary and isinstance(scheduler, HDETScheduler):
+                # A bad loss is refused before the update is applied, not after it by the
+                # scheduler inside DeepSpeed (whose TypeError fallback would record
+                # train_batch_size as the loss): no state changes, on every rank alike.
+                scheduler.check_step_args(**(lr_kwargs or {}))
+            out = original(lr_kwargs=lr_kwargs)
             if boundary and not engine.was_step_applied() and isinstance(scheduler, HDETScheduler):
                 # The loss passed is recorded as on any step, not replaced by NaN: fp16 loss
                 # scaling skips steps routinely (a loss-scale overflow says nothing about
@@ -152,11 +158,18 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
     samples over all W ranks; since DeepSpeed's data-parallel group is the shard group,
     the returned config divides it by R.
 
+    Unknown keys (:func:`hdet_scale.ds_keys.check_deepspeed_keys`): a top-level key
+    that looks like ``"hdet"`` (``"hdett"``, ``"HDET"``) and keys DeepSpeed's own config
+    models refuse raise; other keys DeepSpeed would ignore (a typo such as
+    ``train_micro_batch_size_per_gpuu``, or another tool's field) are a ``UserWarning``
+    naming the closest valid key.
+
     Raises:
         HDETConfigError: any invalid key, naming it: all problems of the ``hdet`` block
             at once, then (for a well-formed block) all DeepSpeed-key problems at once.
     """
     ds = _load_ds_config(ds_config)
+    check_deepspeed_keys(ds)
     block = ds.pop("hdet", None)
     # No block (or null): plain DeepSpeed, as if "enabled": false.
     cfg = HDETConfig.from_dict(block) if block is not None else HDETConfig(enabled=False)
@@ -273,7 +286,8 @@ def zero_init(topology: Topology, config: str | dict, **kwargs: Any) -> Any:
     (without its ``hdet`` block, batch keys per replica) sets the dtype.
 
     Raises:
-        HDETConfigError: an invalid config.
+        HDETConfigError: an invalid config, or ``topology`` built for another number
+            of replicas than its ``hdet.replicas``.
     """
     import deepspeed
     # zero.Init replaces torch's tensor constructors while it is open; torch._dynamo's
@@ -281,7 +295,8 @@ def zero_init(topology: Topology, config: str | dict, **kwargs: Any) -> Any:
     # under the replacement. Import it before the context opens.
     import torch._dynamo  # noqa: F401
 
-    _, ds = prepare_config(config, world_size=topology.world_size)
+    cfg, ds = prepare_config(config, world_size=topology.world_size)
+    use_topology(cfg, topology, topology.mesh.device_type)  # same layout as the config, or a clear error
     return deepspeed.zero.Init(data_parallel_group=topology.shard_group, mpu=topology.mpu(),
                                config_dict_or_path=ds, **kwargs)
 

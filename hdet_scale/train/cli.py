@@ -3,7 +3,15 @@
 Under ``torchrun`` or the ``deepspeed`` launcher (``RANK``/``WORLD_SIZE`` set) it trains
 the rank it is. Started bare, it validates the config, then starts ``nproc`` local ranks
 itself (CPU, gloo) and waits for them; if one fails, the others are stopped.
-Exit codes: 0 done, 2 bad config (message on stderr), 1 a rank failed.
+
+Exit codes (docs/config.md, "Exit codes and signals"):
+  0    done
+  1    a rank failed (a crash: its traceback is above)
+  2    bad input: config, data, run_dir or checkpoint (one message on stderr, naming the
+       key or file; found before any rank starts where it can be)
+  3    a stale DeepSpeed op build lock blocks the start (the message names the file)
+  130  stopped by SIGINT (Ctrl-C); 143: by SIGTERM. Every rank ends; the line printed
+       names the last checkpoint (continue with train.resume=true)
 """
 
 from __future__ import annotations
@@ -18,63 +26,111 @@ from multiprocessing import get_context
 
 from hdet_scale.errors import HDETConfigError, HDETStateError
 
+_USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
+
 
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``(CONFIG.yaml or None, key=value overrides)``: a first argument without ``=``
+    is the config file."""
     if argv and "=" not in argv[0]:
         return argv[0], argv[1:]
     return None, argv
 
 
-def _rank_main(run: dict, rank: int, world: int, port: int) -> None:
+def _rank_main(run: dict, rank: int, world: int, port: int, errors) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from hdet_scale.train.loop import train
 
-    summary = train(run)
+    try:
+        summary = train(run)
+    except (HDETConfigError, HDETStateError) as e:
+        errors.put(str(e))  # the launcher prints each distinct message once
+        sys.exit(_USER_ERROR)
     if rank == 0:
         print(json.dumps(summary, indent=2), flush=True)
 
 
-def _launch_local(run: dict) -> int:
-    n = run["nproc"]
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _end(procs: list, grace: float) -> None:
+    """SIGTERM to every rank still running, SIGKILL to any left after ``grace`` s."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def _launch_local(run: dict) -> int:
+    from hdet_scale.train.startup import STALE_LOCK_EXIT
+    from hdet_scale.train.stopping import GRACE_S, exit_code, stop_message
+
+    n = run["nproc"]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     ctx = get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port)) for r in range(n)]
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors)) for r in range(n)]
+    received: list[int] = []
 
-    def stop(signum, frame):  # a killed launcher takes its ranks with it
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        sys.exit(128 + signum)
+    def on_signal(signum, frame):
+        if received:  # a second Ctrl-C: no more waiting
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        received.append(signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    # The ranks start with SIGINT ignored (kept through exec; Python then installs no
+    # KeyboardInterrupt handler): the terminal sends a Ctrl-C to every process of the job,
+    # and only this launcher acts on it, ending the ranks with SIGTERM (stopping.py).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         for p in procs:
             p.start()
-        while any(p.is_alive() for p in procs):
+        signal.signal(signal.SIGINT, on_signal)
+        while any(p.is_alive() for p in procs) and not received:
             if any(p.exitcode not in (None, 0) for p in procs):
                 # give the other ranks a moment to fail by themselves, then stop them
                 deadline = time.monotonic() + 10
-                while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not received:
                     time.sleep(0.2)
                 break
             time.sleep(0.2)
-        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        if failed:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(timeout=10)
-            print(f"hdet-train: rank(s) {failed} failed (exit codes {[procs[r].exitcode for r in failed]})",
-                  file=sys.stderr)
-            return 1
-        return 0
+        if received:
+            _end(procs, GRACE_S)
+            print(stop_message(received[0], run, f"all {n} ranks ended"), file=sys.stderr, flush=True)
+            return exit_code(received[0])
+        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        if not failed:
+            return 0
+        _end(procs, 10)
+        messages = []
+        while not errors.empty():
+            msg = errors.get()
+            if msg not in messages:
+                messages.append(msg)
+        for msg in messages:
+            print(f"hdet-train: error: {msg}", file=sys.stderr)
+        codes = set(failed.values())
+        if codes <= {_USER_ERROR, STALE_LOCK_EXIT} and len(codes) == 1:
+            return codes.pop()  # the rank(s) said why
+        print(f"hdet-train: rank(s) {sorted(failed)} failed (exit codes {list(failed.values())})", file=sys.stderr)
+        return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,17 +145,30 @@ def main(argv: list[str] | None = None) -> int:
         run = load_run_config(path, overrides)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             from hdet_scale.train.loop import train
+            from hdet_scale.train.stopping import install_rank_handlers
 
+            rank = int(os.environ["RANK"])
+            install_rank_handlers(run, announce=rank == 0)
             summary = train(run)
-            if int(os.environ["RANK"]) == 0:
+            if rank == 0:
                 print(json.dumps(summary, indent=2), flush=True)
             return 0
         from hdet_scale.train.loop import validate
+        from hdet_scale.train.startup import (
+            STALE_LOCK_EXIT,
+            stale_lock_message,
+            stale_trainer_locks,
+        )
 
         validate(run, run["nproc"])
+        if run["backend"] == "deepspeed":
+            stale = stale_trainer_locks()
+            if stale:
+                print(f"hdet-train: error: {stale_lock_message(stale[0])}", file=sys.stderr)
+                return STALE_LOCK_EXIT
     except (HDETConfigError, HDETStateError) as e:
         print(f"hdet-train: error: {e}", file=sys.stderr)
-        return 2
+        return _USER_ERROR
     return _launch_local(run)
 
 

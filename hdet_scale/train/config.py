@@ -75,26 +75,77 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(packaged("default.yaml")))
         if path is not None:
-            if not os.path.exists(path):
-                raise HDETConfigError(f"config file {path!r} does not exist")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+            cfg = OmegaConf.merge(cfg, _load_yaml(path, overrides))
         bad = [o for o in overrides if "=" not in o]
         if bad:
-            raise HDETConfigError(f"overrides must be key=value, got {bad}")
+            raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as e:
         raise HDETConfigError(_describe(e)) from None
-    except yaml.YAMLError as e:
-        raise HDETConfigError(f"config file {path!r} is not valid YAML: {e}") from None
     run = OmegaConf.to_container(cfg, resolve=True)
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
-    if not os.path.exists(ds_path):
-        raise HDETConfigError(f"deepspeed_config: file {ds_path!r} does not exist")
-    with open(ds_path) as f:
-        ds = json.load(f)
-    run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, run["deepspeed"] or {}), resolve=True)
+    ds = _load_deepspeed_json(ds_path)
+    if not isinstance(run["deepspeed"] or {}, dict):
+        raise HDETConfigError(f"deepspeed: must be a mapping of DeepSpeed keys (merged into {ds_path}), "
+                              f"got {run['deepspeed']!r}")
+    try:
+        run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, run["deepspeed"] or {}), resolve=True)
+    except OmegaConfBaseException as e:
+        raise HDETConfigError(f"deepspeed: {_describe(e)} (merging the overrides into {ds_path})") from None
     _validate(run)
     return run
+
+
+def _read_text(path: str, what: str) -> str:
+    """The text of ``path``; HDETConfigError naming ``what`` and the file otherwise."""
+    if not os.path.exists(path):
+        raise HDETConfigError(f"{what} {path!r} does not exist")
+    if os.path.isdir(path):
+        raise HDETConfigError(f"{what} {path!r} is a folder, not a file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise HDETConfigError(f"{what} {path!r} is not UTF-8 text (byte {e.start}): is it the right file?") from None
+    except OSError as e:
+        raise HDETConfigError(f"{what} {path!r} cannot be read: {e.strerror}") from None
+
+
+def _load_yaml(path: str, overrides: list[str]) -> Any:
+    """The user's run config file: a YAML mapping of trainer keys."""
+    from omegaconf import OmegaConf
+
+    if not os.path.exists(path) and not path.endswith((".yaml", ".yml", ".json")):
+        # "hdet-train train.steps 10": a key without "=" read as the config file's name
+        hint = f" (did you mean {path}={overrides[0]}?)" if overrides and "=" not in overrides[0] else ""
+        raise HDETConfigError(f"{path!r} is neither key=value nor an existing config file{hint}: hdet-train takes "
+                              "an optional CONFIG.yaml first, then key=value overrides, e.g. train.steps=10")
+    text = _read_text(path, "config file")
+    try:
+        top = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = " ".join(str(e).replace('"<unicode string>"', repr(path)).split())
+        raise HDETConfigError(f"config file {path!r} is not valid YAML: {where}") from None
+    if not isinstance(top, (dict, type(None))):
+        kind = "list" if isinstance(top, list) else f"single value ({top!r})"
+        raise HDETConfigError(f"config file {path!r} must hold a YAML mapping of trainer keys (run_dir: ..., "
+                              f"train: {{steps: ...}}), got a {kind}")
+    return OmegaConf.create(text)  # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not
+
+
+def _load_deepspeed_json(path: str) -> dict:
+    """The DeepSpeed JSON of ``deepspeed_config``: one JSON object."""
+    text = _read_text(path, "deepspeed_config: file")
+    if not text.strip():
+        raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
+    try:
+        ds = json.loads(text)
+    except ValueError as e:
+        raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
+    if not isinstance(ds, dict):
+        raise HDETConfigError(f"deepspeed_config: file {path!r} must hold a JSON object ({{\"hdet\": {{...}}, "
+                              f"...}}), got a JSON {type(ds).__name__}")
+    return ds
 
 
 def _describe(e: Exception) -> str:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hdet_scale.backends.common import check_resumable, read_layout, resolve_config
 from hdet_scale.backends.deepspeed import prepare_config
 from hdet_scale.config import HDETConfig, WandbConfig
+from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger
 from hdet_scale.train import rundir
@@ -32,6 +33,7 @@ from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.engines import build_engine, check_engine_config
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, loss_fn
+from hdet_scale.train.startup import watch_op_locks
 
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
@@ -45,6 +47,9 @@ def validate(run: dict, world_size: int):
     """All checks that can fail on bad input, before any collective; identical on every
     rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError / HDETStateError."""
     backend = run["backend"]
+    # Every backend's settings come from this DeepSpeed JSON: an unknown key (an "hdett"
+    # block, a typo) is an error here, not the library's warning (hdet_scale.ds_keys).
+    check_deepspeed_keys(run["deepspeed"], strict=True, prefix="deepspeed.", optimizer_params=backend == "deepspeed")
     try:
         if backend == "deepspeed":
             hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
@@ -69,6 +74,7 @@ def validate(run: dict, world_size: int):
     ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size, key="data (training split)")
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     rundir.fault_point()  # a malformed test hook fails here, on every rank alike
+    rundir.check_writable(run["run_dir"])  # before any rank starts, not four tracebacks later
     ckpt = rundir.checkpoint_dir(run)
     # Never replace a run the user already has: resume it, or refuse naming train.overwrite.
     resuming = rundir.start_mode(run) == "resume"
@@ -76,9 +82,10 @@ def validate(run: dict, world_size: int):
         try:
             check_resumable(ckpt, world_size, hcfg.replicas, backend)
         except HDETStateError as e:
-            raise HDETStateError(f"train.resume: {e} (this run: backend={backend}, world size {world_size} "
-                                 f"from nproc or the launcher, deepspeed.hdet.replicas={hcfg.replicas}; or use "
-                                 "another run_dir)") from None
+            # a layout or backend mismatch: say what this run has; damaged files say it all
+            this = (f" (this run: backend={backend}, world size {world_size} from nproc or the launcher, "
+                    f"deepspeed.hdet.replicas={hcfg.replicas}; or use another run_dir)") if "written by" in str(e) else ""
+            raise HDETStateError(f"train.resume: {e}{this}") from None
         saved = read_layout(ckpt)
         if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
             raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "
@@ -172,7 +179,9 @@ def train(run: dict) -> dict:
     probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world)
     # The engine builds the model: after the process groups, so that it can be sharded as
     # it is built (model.sharded_init).
-    engine = build_engine(run["backend"], ModelConfig(**run["model"]), run, hcfg, logger, probe)
+    # DeepSpeed loads its compiled ops in here: a stale op-build lock is named, not waited on forever.
+    with watch_op_locks(announce=int(os.environ.get("LOCAL_RANK", rank)) == 0):
+        engine = build_engine(run["backend"], ModelConfig(**run["model"]), run, hcfg, logger, probe)
     built_mb = peak_host_mb()  # the construction's peak (docs/benchmarks.md, memory)
     sched = engine.scheduler
     topo = sched.topology
@@ -182,7 +191,7 @@ def train(run: dict) -> dict:
     # accumulation 1 over micro-batch k * m, so the two runs compute the same step.
     batches = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], rank, world)
     if resuming:
-        engine.load(ckpt)
+        rundir.load(engine, ckpt)
     steps = run["train"]["steps"]
     every, keep = run["train"]["checkpoint_every"] or 0, run["train"]["keep_checkpoints"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks

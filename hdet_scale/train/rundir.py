@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
+import tempfile
 from typing import Any
 
-from hdet_scale.backends.checkpoint_io import prune_checkpoints, write_atomic
+from hdet_scale.backends.checkpoint_io import (
+    LATEST_FILE,
+    LAYOUT_FILE,
+    checkpoint_index,
+    prune_checkpoints,
+    read_latest,
+    write_atomic,
+)
 from hdet_scale.backends.common import read_layout
-from hdet_scale.errors import HDETConfigError
+from hdet_scale.errors import HDETConfigError, HDETStateError
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
 JOB_FILE = "job.json"  # which torchrun job (TORCHELASTIC_RUN_ID) last started in this run_dir
@@ -60,22 +69,70 @@ def start_mode(run: dict) -> str:
 
     Raises:
         HDETConfigError: ``run_dir`` holds another run and neither resuming nor
-            ``train.overwrite`` applies (the message names both keys).
+            ``train.overwrite`` applies (the message names both keys); ``train.resume``
+            with a ``checkpoint/`` folder that has no ``latest`` (never a silent restart
+            from step 0: the message names the folder, the complete checkpoints its
+            index lists, and the ways on), or with a run that has no checkpoint at all
+            and no ``train.overwrite``.
     """
     run_dir, t = run["run_dir"], run["train"]
-    has_latest = os.path.exists(os.path.join(checkpoint_dir(run), "latest"))
+    ckpt = checkpoint_dir(run)
+    has_latest = os.path.exists(os.path.join(ckpt, LATEST_FILE))
     auto = restarted_job(run_dir)
     if (t["resume"] or auto) and has_latest:
         return "resume"
     if auto:
         return "replace"
     held = [n for n in RUN_FILES if os.path.exists(os.path.join(run_dir, n))]
+    if t["resume"] and os.path.isdir(ckpt):
+        raise HDETConfigError(_no_latest(ckpt))
+    if t["resume"] and held and not t["overwrite"]:
+        raise HDETConfigError(f"train.resume: {run_dir} holds a run ({', '.join(held)}) but no checkpoint to resume "
+                              "from (it stopped before its first save; train.checkpoint_every=N saves every N "
+                              "steps): start it over with train.resume=false train.overwrite=true, or choose "
+                              "another run_dir")
     if held and not t["overwrite"]:
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); continue it with "
                               "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
                               "train.overwrite=true to replace it")
     return "replace" if held else "fresh"
 
+
+def _no_latest(ckpt: str) -> str:
+    """Why ``train.resume`` cannot continue from ``ckpt`` (a folder without ``latest``),
+    and the ways on: the complete checkpoints the layout's index lists, if any."""
+    try:
+        with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
+            index = checkpoint_index(json.load(f), None)
+    except (OSError, ValueError, TypeError, AttributeError):
+        index = {}
+    msg = (f"train.resume: {ckpt} has no {LATEST_FILE} file, which names the checkpoint to resume from (a save "
+           "was cut short before its first checkpoint completed, or the file was removed). ")
+    if index:
+        tag = list(index)[-1]
+        listed = ", ".join(f"{t} (step {s})" for t, s in index.items())
+        msg += (f"Its {LAYOUT_FILE} lists complete checkpoint(s) {listed}: to resume from the newest, write its tag "
+                f"into it (echo {tag} > {os.path.join(ckpt, LATEST_FILE)}). ")
+    return msg + ("To start over, set train.resume=false train.overwrite=true (removes it); or choose another "
+                  "run_dir")
+
+
+def check_writable(run_dir: str) -> None:
+    """Create ``run_dir`` if needed and write (then remove) a probe file in it, so that an
+    unwritable folder is named before any rank starts, not found by four ranks at once.
+
+    Raises:
+        HDETConfigError: ``run_dir`` cannot be created or written (the reason and path).
+    """
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".hdet_write_test.", dir=run_dir)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and os.path.abspath(e.filename) != os.path.abspath(run_dir) else ""
+        raise HDETConfigError(f"run_dir: cannot write to {run_dir}: {e.strerror or e}{where}; choose a folder this "
+                              "user can create and write") from None
 
 def truncate_metrics(path: str, step: int) -> int:
     """Drop the records of ``path`` (JSONL) past optimizer step ``step`` (those of the run
@@ -131,6 +188,24 @@ def save(engine: Any, path: str, keep: int) -> None:
     engine.save(path)
     prune_checkpoints(path, engine.scheduler.topology, keep)
 
+
+def load(engine: Any, path: str) -> None:
+    """The backend's load of the checkpoint ``latest`` names in ``path``. Its files were
+    checked before any rank started (``common.check_resumable``); damage that check
+    cannot see (a file changed in the middle) fails here, and the error names the folder.
+
+    Raises:
+        HDETStateError: the engine could not read the checkpoint (the folder and the
+            engine's own error).
+    """
+    try:
+        engine.load(path)
+    except HDETStateError:
+        raise
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        tag = read_latest(path)
+        raise HDETStateError(f"train.resume: could not load the checkpoint {path}/replica_*/{tag}: "
+                             f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
 
 def fault_point() -> tuple[int, int] | None:
     """The fault-injection hook for tests, ``HDET_FAULT_KILL="<rank>:<step>"``: that global

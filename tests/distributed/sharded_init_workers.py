@@ -29,6 +29,7 @@ def deepspeed_worker() -> dict:
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 3}, "hdet": HDET}
     topology = hdet_scale.build_topology(ds)
+    mismatch = _error(lambda: hdet_scale.zero_init(topology, {**ds, "hdet": {**HDET, "replicas": 4}}))
     with hdet_scale.zero_init(topology, ds):
         model = build_model(cfg)
     # What each rank holds after construction: its partition only.
@@ -41,7 +42,19 @@ def deepspeed_worker() -> dict:
     x, y = _batch()
     with torch.no_grad():
         losses = (float(loss_fn(engine, x, y)), float(loss_fn(whole, x, y)))
-    return {"held": held, "max_diff": diff, "losses": losses, "shard_size": topology.shard_size}
+    return {"held": held, "max_diff": diff, "losses": losses, "shard_size": topology.shard_size,
+            "mismatch": mismatch}
+
+
+def _error(fn) -> str | None:
+    """The HDETConfigError message ``fn()`` raises (None if it does not)."""
+    from hdet_scale.errors import HDETConfigError
+
+    try:
+        fn()
+    except HDETConfigError as e:
+        return str(e)
+    return None
 
 
 def fsdp2_worker(gradient_sharing: str) -> dict:
@@ -55,6 +68,12 @@ def fsdp2_worker(gradient_sharing: str) -> dict:
     topology = fsdp2.build_topology(hdet)
     model = build_model(cfg, params_on_meta=True)
     meta = all(p.is_meta for p in model.parameters())
+    opt = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
+    # Refused before any collective, on every rank: a layout other than the config's, a
+    # meta-device model with nothing to fill it.
+    mismatch = _error(lambda: fsdp2.initialize(model, {**hdet, "replicas": 4}, opt, topology=topology,
+                                               init_weights=lambda m: init_model_weights(m, cfg)))
+    no_init = _error(lambda: fsdp2.initialize(model, hdet, opt, topology=topology))
     model, _, _ = fsdp2.initialize(model, hdet, lambda p: torch.optim.AdamW(p, lr=1e-3),
                                    shard_modules=lambda m: m.model.layers, topology=topology,
                                    init_weights=lambda m: init_model_weights(m, cfg))
@@ -66,4 +85,4 @@ def fsdp2_worker(gradient_sharing: str) -> dict:
     with torch.no_grad():
         losses = (float(loss_fn(model, x, y)), float(loss_fn(whole, x, y)))
     return {"meta": meta, "local": local, "full": sum(p.numel() for p in whole.parameters()), "max_diff": diff,
-            "buffer_diff": buffers, "losses": losses}
+            "buffer_diff": buffers, "losses": losses, "mismatch": mismatch, "no_init": no_init}

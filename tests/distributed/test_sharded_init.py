@@ -27,6 +27,7 @@ def test_zero_init_on_the_shard_group_equals_the_whole_build():
     res = run_ranks(W.deepspeed_worker, 4, timeout=300)
     for r in res:
         assert r["shard_size"] == 2
+        assert "hdet.replicas=4" in r["mismatch"] and "built for 2 replicas" in r["mismatch"]
         assert r["max_diff"] == 0.0
         assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-6)
         for name, (held, full, local) in r["held"].items():
@@ -39,6 +40,7 @@ def test_fsdp2_meta_device_build_equals_the_whole_build(gradient_sharing):
     res = run_ranks(W.fsdp2_worker, 4, args=(gradient_sharing,), timeout=300)
     for r in res:
         assert r["meta"]
+        assert "hdet.replicas=4" in r["mismatch"] and "init_weights" in r["no_init"]
         assert r["max_diff"] == 0.0 and r["buffer_diff"] == 0.0
         assert r["losses"][0] == pytest.approx(r["losses"][1], rel=1e-6)
     # the shards of one replica add up to the model, each rank holding about half

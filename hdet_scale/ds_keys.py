@@ -1,0 +1,419 @@
+"""Unknown and misspelled keys in a DeepSpeed config, found with DeepSpeed's own parser.
+
+DeepSpeed ignores a top-level key it does not read (``train_micro_batch_size_per_gpuu``,
+``"hdett"``), so a typo silently keeps a default for a whole run; its pydantic blocks
+(``zero_optimization``, ``fp16``, ``bf16``...) refuse unknown keys, but only inside
+``deepspeed.initialize``, as a traceback on every rank. This module parses a copy of
+the config with ``deepspeed.runtime.config.DeepSpeedConfig`` through a mapping that
+records every key the parser asks for: a key present and never asked for is unknown,
+the asked-for keys are the valid ones (the closest is suggested, ``difflib``). A block
+handed whole to a pydantic model is checked by that model (``extra="forbid"``); its
+``ValidationError`` is turned into one line per key. ``optimizer.params`` go to the
+optimizer's constructor, so they are compared with its signature.
+
+What the caller does with the findings (:func:`check_deepspeed_keys`):
+
+- a top-level key that looks like ``"hdet"`` (``"hdett"``, ``"HDET"``, ``"hdet_config"``)
+  is always an error: the user meant HDET and would silently get plain data parallelism;
+- keys DeepSpeed itself refuses (its pydantic blocks, removed features) are always
+  errors: ``deepspeed.initialize`` would fail on them anyway, later and on every rank;
+- other unknown keys are errors with ``strict=True`` (``hdet-train``, ``hdet-dryrun``) and
+  warnings otherwise (the library). A user's DeepSpeed JSON is often shared with other
+  tools (launch scripts, the Hugging Face Trainer, a team's own fields), and DeepSpeed
+  accepts such keys; refusing them in ``hdet_scale.initialize`` would break configs
+  that run with plain DeepSpeed.
+
+Without DeepSpeed installed only the ``"hdet"`` look-alike check runs (``hdet-dryrun``
+does not need DeepSpeed). Deeper levels of non-pydantic blocks that DeepSpeed reads
+conditionally (e.g. ``data_efficiency.data_sampling.*``) are checked only where the
+parser reached them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import functools
+import inspect
+import logging
+import typing
+import warnings
+from collections.abc import KeysView, Mapping
+from typing import Any
+
+import torch
+
+from hdet_scale.errors import HDETConfigError
+
+HDET_KEY = "hdet"
+# Batch keys are checked by hdet_scale itself (their meaning changes with R); the trial
+# parse replaces them by a consistent set so that DeepSpeed's batch assertion, which needs
+# the real world size, cannot fail there.
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# Top-level keys DeepSpeed reads outside DeepSpeedConfig._initialize_params (deepspeed
+# 0.19: deepspeed/__init__.py initialize() and DeepSpeedConfig.__init__ with an mpu).
+_READ_ELSEWHERE = ("sequence_parallel_size", "data_parallel_size")
+# Optimizer params DeepSpeed pops before calling the constructor (engine.py,
+# _configure_basic_optimizer / get_optimizer_configuration), and those it passes itself.
+_DS_ADAM_POPPED = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
+_DS_SETS_ITSELF = {"params", "model_params", "adam_w_mode", "adamw_mode", "fp32_optimizer_states"}
+# Nodes DeepSpeed looks into for one key but hands on whole: checked against the
+# optimizer's constructor below (scheduler params: the scheduler's, rejected with hdet).
+_OWN_CHECK = ("optimizer.params.", "scheduler.params.")
+
+
+def looks_like_hdet(key: Any) -> bool:
+    """A top-level key the user most likely meant as the ``"hdet"`` block: any case of
+    it, a name containing it (``hdet_config``), or one edit or so away (``hdett``, ``hdt``)."""
+    if not isinstance(key, str) or key == HDET_KEY:
+        return False
+    k = key.lower()
+    return HDET_KEY in k or bool(difflib.get_close_matches(k, [HDET_KEY], n=1, cutoff=0.75))
+
+
+def closest(key: str, valid: typing.Iterable[str]) -> str | None:
+    """The valid key closest to ``key`` (``difflib``, case-insensitive), or ``None``."""
+    valid = sorted({v for v in valid if isinstance(v, str)})
+    lower = {v.lower(): v for v in valid}
+    match = difflib.get_close_matches(str(key).lower(), list(lower), n=1, cutoff=0.6)
+    if match:
+        return lower[match[0]]
+    initials = "".join(w[:1] for w in str(key).lower().split("_"))  # learning_rate -> lr
+    return lower.get(initials) if "_" in str(key) else None
+
+
+def _suggest(key: str, valid: typing.Iterable[str]) -> str:
+    best = closest(key, valid)
+    return f"did you mean {best!r}?" if best else f"valid keys: {', '.join(sorted(valid))}"
+
+
+class _Recorder(dict):
+    """A dict that records the keys looked up in it (``get``, ``[]``, ``in``, ``in
+    keys()``); nested dicts are returned as recorders too. Iterating it (``items()``,
+    ``**`` unpacking) marks it *consumed*: whoever iterated it took every key, so only
+    a node that was looked up key by key and never iterated tells unknown keys apart."""
+
+    def __init__(self, data: Mapping, path: str = "") -> None:
+        super().__init__(data)
+        self.path = path
+        self.seen: set = set()
+        self.consumed = False
+        self.children: dict[Any, _Recorder] = {}
+
+    def _child(self, key: Any, value: Any) -> Any:
+        if isinstance(value, dict) and not isinstance(value, _Recorder):
+            if key not in self.children:
+                self.children[key] = _Recorder(value, f"{self.path}{key}.")
+            return self.children[key]
+        return value
+
+    def __copy__(self) -> "_Recorder":
+        return self  # DeepSpeedConfig copies its input: keep recording on the same node
+
+    def __getitem__(self, key: Any) -> Any:
+        self.seen.add(key)
+        return self._child(key, super().__getitem__(key))
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.seen.add(key)
+        return self[key] if dict.__contains__(self, key) else default
+
+    def __contains__(self, key: Any) -> bool:
+        self.seen.add(key)
+        return dict.__contains__(self, key)
+
+    def __iter__(self):
+        self.consumed = True
+        return dict.__iter__(self)
+
+    def keys(self) -> KeysView:
+        return _RecordingKeys(self)
+
+    def items(self):
+        self.consumed = True
+        return dict.items(self)
+
+    def values(self):
+        self.consumed = True
+        return dict.values(self)
+
+    def nodes(self) -> typing.Iterator["_Recorder"]:
+        yield self
+        for child in self.children.values():
+            yield from child.nodes()
+
+
+class _RecordingKeys(KeysView):
+    def __contains__(self, key: Any) -> bool:
+        return key in self._mapping
+
+    def __iter__(self):
+        self._mapping.consumed = True
+        return dict.__iter__(self._mapping)
+
+
+@contextlib.contextmanager
+def _quiet():
+    # The trial parse repeats what deepspeed.initialize will log (world size, deprecated
+    # fields): keep it out of the user's output.
+    log = logging.getLogger("DeepSpeed")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _deepspeed_config_class() -> Any:
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:
+        return None
+    return DeepSpeedConfig
+
+
+@functools.lru_cache(maxsize=1)
+def valid_top_level_keys() -> frozenset[str]:
+    """Every top-level key DeepSpeed's config parser reads (asked for while parsing a
+    minimal config), plus the few read elsewhere and ``"hdet"``. Empty without DeepSpeed,
+    or if this DeepSpeed cannot parse the minimal config (then nothing is checked)."""
+    cls = _deepspeed_config_class()
+    if cls is None:
+        return frozenset()
+    rec = _Recorder({"train_micro_batch_size_per_gpu": 1})
+    try:
+        with _quiet():
+            cls(rec)
+    except Exception:  # another DeepSpeed than this module knows: check nothing rather than everything
+        return frozenset()
+    return frozenset(k for k in rec.seen if isinstance(k, str)) | set(_READ_ELSEWHERE) | {HDET_KEY}
+
+
+def _pydantic_models() -> dict[str, type]:
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    out, todo = {}, [DeepSpeedConfigModel]
+    while todo:
+        cls = todo.pop()
+        out.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def _model_keys(model: type) -> set[str]:
+    keys = set()
+    for name, f in model.model_fields.items():
+        keys.add(name)
+        if f.alias:
+            keys.add(f.alias)
+    return keys
+
+
+def _sub_model(model: type, part: Any) -> type | None:
+    from pydantic import BaseModel
+
+    for name, f in model.model_fields.items():
+        if part in (name, f.alias):
+            todo = [f.annotation]
+            while todo:
+                t = todo.pop()
+                if isinstance(t, type) and issubclass(t, BaseModel):
+                    return t
+                todo.extend(typing.get_args(t))
+    return None
+
+
+def _find_block(root: dict, model: type, loc: tuple) -> str | None:
+    """The dotted path of the block of ``root`` that ``model`` was validating when it
+    raised at ``loc`` (pydantic's ``loc`` is relative to the model's own input)."""
+    fields = _model_keys(model)
+    best, best_fit = None, -1
+    todo: list[tuple[str, Any]] = [("", root)]  # the root too: some blocks are assembled from top-level keys
+    while todo:
+        path, node = todo.pop()
+        target: Any = node
+        for part in loc[:-1]:
+            target = target.get(part) if isinstance(target, dict) else None
+        if isinstance(target, dict) and loc and loc[-1] in target:
+            fit = len(set(node) & fields)
+            if fit > best_fit:
+                best, best_fit = path, fit
+        todo.extend((f"{path}{k}.", v) for k, v in node.items() if isinstance(v, dict))
+    return best
+
+
+def _drop(root: dict, path: str, loc: tuple) -> bool:
+    node: Any = root
+    for part in [p for p in path.split(".") if p] + list(loc[:-1]):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and loc and loc[-1] in node:
+        del node[loc[-1]]
+        return True
+    return False
+
+
+def _optimizer_accepts(ds: Mapping) -> tuple[str, set[str]] | None:
+    """``(what, accepted keys)`` of the optimizer DeepSpeed will build from
+    ``optimizer.type``, or ``None`` when unknown (a type DeepSpeed rejects anyway, an
+    optional package missing, Muon's own keys, a constructor taking ``**kwargs``)."""
+    opt = ds.get("optimizer")
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("type"), str):
+        return None
+    name = opt["type"]
+    lname = name.lower()
+    extra: set[str] = set()
+    try:
+        if lname in ("adam", "adamw"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+            torch_adam = bool((opt.get("params") or {}).get("torch_adam", False))
+            classes = [torch.optim.Adam, torch.optim.AdamW] if torch_adam else [FusedAdam, DeepSpeedCPUAdam]
+            extra = set(_DS_ADAM_POPPED)
+        elif lname == "adagrad":
+            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+            classes = [torch.optim.Adagrad, DeepSpeedCPUAdagrad]
+        elif lname == "lamb":
+            from deepspeed.ops.lamb import FusedLamb
+
+            classes = [FusedLamb]
+        elif lname == "lion":
+            from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+            classes = [FusedLion, DeepSpeedCPULion]
+        elif lname in ("muadam", "muadamw", "musgd"):
+            import mup
+
+            classes = [getattr(mup, {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}[lname])]
+        elif getattr(torch.optim, name, None) is not None and lname != "muon":
+            classes = [getattr(torch.optim, name)]
+        else:
+            return None
+    except ImportError:
+        return None
+    accepted = set(extra)
+    for cls in classes:
+        params = inspect.signature(cls).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return None
+        accepted |= {p.name for p in params}
+    # max_grad_norm: DeepSpeed raises and points to gradient_clipping.
+    accepted -= _DS_SETS_ITSELF | {"max_grad_norm"}
+    accepted |= extra
+    return " / ".join(f"{c.__module__.split('.')[0]}.{c.__name__}" for c in classes), accepted
+
+
+def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
+                  ) -> tuple[list[str], list[str], list[str]]:
+    """Look for unknown keys in the DeepSpeed config ``ds`` (a whole config, possibly
+    with an ``"hdet"`` block, which is not looked into here). Pure, no communication.
+
+    Returns ``(hdet_like, refused, unknown)``, one line per finding, each starting with
+    ``prefix`` and the dotted key: the ``"hdet"`` look-alikes; what DeepSpeed's config
+    models refuse; keys DeepSpeed would silently ignore (and, without a key, a parse
+    DeepSpeed gave up on for another reason). ``optimizer_params``: compare
+    ``optimizer.params`` with the constructor DeepSpeed will call (off for backends that
+    build a torch optimizer themselves and check it their own way).
+    """
+    hdet_like = [f"{prefix}{k}: not a key of DeepSpeed or hdet_scale; did you mean 'hdet'? hdet_scale reads the "
+                 "block named exactly 'hdet'" + ("" if HDET_KEY in ds else
+                                                 ": without it this config trains plain DeepSpeed, without HDET")
+                 for k in ds if looks_like_hdet(k)]
+    refused: list[str] = []
+    unknown: list[str] = []
+    cls = _deepspeed_config_class()
+    valid = valid_top_level_keys() if cls is not None else frozenset()
+    if not valid:
+        return hdet_like, refused, unknown
+    trial = copy.deepcopy({k: v for k, v in ds.items() if k in valid and k != HDET_KEY and k not in _BATCH_KEYS})
+    trial.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    rec = _parse(cls, trial, refused, unknown, prefix)
+    valid = valid | (rec.seen if rec is not None else set())
+    for k in ds:
+        if k not in valid and not looks_like_hdet(k):
+            unknown.append(f"{prefix}{k}: unknown DeepSpeed key (DeepSpeed would ignore it); {_suggest(str(k), valid)}")
+    for node in rec.nodes() if rec is not None else ():
+        if node is rec or node.consumed or not node.seen or node.path in _OWN_CHECK:
+            continue  # the root: checked above; iterated or never looked into: not ours to judge
+        for k in node:
+            if k not in node.seen:
+                unknown.append(f"{prefix}{node.path}{k}: unknown DeepSpeed key (DeepSpeed would ignore it); "
+                               f"{_suggest(str(k), {s for s in node.seen if isinstance(s, str)})}")
+    found = _optimizer_accepts(ds) if optimizer_params else None
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    if found is not None and isinstance(params, Mapping):
+        what, accepted = found
+        for k in params:
+            if k not in accepted:
+                unknown.append(f"{prefix}optimizer.params.{k}: not an argument of {what} (the optimizer DeepSpeed "
+                               f"builds for type {ds['optimizer']['type']!r}); {_suggest(str(k), accepted)}")
+    return hdet_like, refused, unknown
+
+
+def _parse(cls: Any, trial: dict, refused: list[str], unknown: list[str], prefix: str) -> _Recorder | None:
+    """Parse ``trial`` with DeepSpeedConfig, turning each pydantic error into a line of
+    ``refused`` and dropping the key to find the next; the recorder of the first clean
+    parse, or ``None`` when DeepSpeed stopped on something else (its message goes to
+    ``unknown``: an error where every unknown key is, a warning in the library, since it
+    may come from this trial parse's stand-in batch keys rather than from the user)."""
+    from pydantic import ValidationError
+
+    models = None
+    for _ in range(50):  # one pass per offending key at most; bounded for safety
+        rec = _Recorder(trial)
+        try:
+            with _quiet():
+                cls(rec)
+            return rec
+        except ValidationError as e:
+            models = models or _pydantic_models()
+            model = models.get(e.title)
+            dropped = False
+            for err in e.errors():
+                loc = tuple(err.get("loc", ()))
+                path = _find_block(trial, model, loc) if model is not None else None
+                key = prefix + (path or "") + ".".join(str(p) for p in loc)
+                if err.get("type") == "extra_forbidden" and model is not None:
+                    sub: Any = model
+                    for part in loc[:-1]:
+                        sub = _sub_model(sub, part) if sub is not None else None
+                    hint = _suggest(str(loc[-1]), _model_keys(sub)) if sub is not None else "not a valid key"
+                    refused.append(f"{key}: unknown key, DeepSpeed refuses it; {hint}")
+                else:
+                    refused.append(f"{key}: DeepSpeed refuses the value {err.get('input')!r}: {err.get('msg')}")
+                if path is not None:
+                    dropped = _drop(trial, path, loc) or dropped
+            if not dropped:
+                return None
+        except Exception as e:
+            if type(e).__name__ == "DeepSpeedConfigError":  # a removed feature's block: certain
+                refused.append(f"{prefix.rstrip('.') or 'config'}: DeepSpeed refuses it: {e}")
+            else:  # its assertions, which may be about the stand-in batch keys
+                unknown.append(f"DeepSpeed's config parser stops on this config ({type(e).__name__}: {e})")
+            return None
+    return None
+
+
+def check_deepspeed_keys(ds: Mapping, strict: bool = False, prefix: str = "",
+                         optimizer_params: bool = True) -> list[str]:
+    """Refuse or warn about unknown keys of the DeepSpeed config ``ds`` (see the module
+    docstring for the policy). ``prefix`` is put before every key (the trainer's
+    ``deepspeed.``). Returns the lines that were only warned about.
+
+    Raises:
+        HDETConfigError: an ``"hdet"`` look-alike, a key or value DeepSpeed's config
+            models refuse, or (``strict``) any other finding; all of them in one message.
+    """
+    if not isinstance(ds, Mapping):
+        return []
+    hdet_like, refused, unknown = find_problems(ds, optimizer_params, prefix)
+    errors = hdet_like + refused + (unknown if strict else [])
+    if errors:
+        raise HDETConfigError("invalid DeepSpeed config:\n  " + "\n  ".join(errors))
+    for line in unknown:
+        warnings.warn(f"hdet_scale: {line}", UserWarning, stacklevel=2)  # one location: shown once per process
+    return unknown

@@ -1,0 +1,179 @@
+"""Start-up guard: a stale DeepSpeed op-build ``lock`` named, instead of a silent hang.
+
+DeepSpeed loads its compiled ops (on CPU: ``deepspeed_shm_comm`` when the process groups
+start, ``fused_adam`` when the engine builds its Adam/AdamW optimizer) through torch's JIT
+extension loader at *every* start, built or not, unless DeepSpeed was installed with them
+prebuilt (``DS_BUILD_FUSED_ADAM=1 DS_BUILD_SHM_COMM=1``, README Troubleshooting). The
+loader creates ``<extensions dir>/<op>/lock`` (``O_EXCL``), keeps it open while it checks,
+builds and imports the op (about 2 s when built, minutes when compiling), then removes it;
+every other process waits in ``torch.utils.file_baton.FileBaton.wait`` while the file
+exists. A process killed inside that window leaves the file behind, and every later start
+waits on it forever, printing nothing.
+
+A lock is *stale* here when no process on this machine has it open (the holder keeps its
+file descriptor open from creation to removal; ``/proc/<pid>/fd``) and it is at least
+:data:`STALE_AFTER_S` old (the age covers the moment between the holder's ``close`` and its
+``remove``, and a holder on another machine sharing the folder, which ``/proc`` cannot
+see, as long as its build writes nothing for that long). A stale lock is never removed
+here: the message names it and how to clear it, and the run exits with
+:data:`STALE_LOCK_EXIT`.
+
+Two checks use that rule: :func:`stale_trainer_locks` (the local launcher, before any rank
+starts) and :func:`watch_op_locks` (every rank, while it builds its engine: it names the
+lock its main thread is actually waiting on).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+#: Exit code of a start refused (launcher) or stopped (rank) by a stale lock.
+STALE_LOCK_EXIT = 3
+#: Age (s) from which a lock no process on this machine holds counts as stale.
+STALE_AFTER_S = 30.0
+#: Op folders the trainer's DeepSpeed engine loads (CPU and CUDA names).
+TRAINER_OPS = ("deepspeed_shm_comm", "deepspeed_ccl_comm", "fused_adam", "cpu_adam")
+
+
+def extensions_dir() -> str:
+    """The folder holding torch's JIT op folders: ``$TORCH_EXTENSIONS_DIR`` itself, or
+    ``~/.cache/torch_extensions/py<major><minor>_<cpu|cu<ver>|rocm<ver>>``. Mirrors
+    ``torch.utils.cpp_extension._get_build_directory`` (private, and it creates folders),
+    torch 2.4-2.13."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return root
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accel = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accel = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accel = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return os.path.join(get_default_build_root(), f"{py}_{accel}")
+
+
+def lock_holders(path: str) -> list[int] | None:
+    """PIDs of the processes on this machine that have ``path`` open (``/proc/*/fd``), or
+    ``None`` where ``/proc`` cannot tell (not Linux). Processes whose descriptors cannot
+    be read (another user's) are skipped: the default extensions folder is per user."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    target = os.path.realpath(path)
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{fd_dir}/{fd}") == target:
+                    pids.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return pids
+
+
+def lock_age(path: str, now: float | None = None) -> float | None:
+    """Seconds since ``path`` was created (its mtime; the loader never writes to it), or
+    ``None`` when it is gone."""
+    try:
+        return (time.time() if now is None else now) - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def is_stale(path: str, stale_after_s: float = STALE_AFTER_S) -> bool:
+    """Whether the lock file ``path`` exists, is at least ``stale_after_s`` old, and no
+    process on this machine holds it open."""
+    age = lock_age(path)
+    if age is None or age < stale_after_s:
+        return False
+    return not lock_holders(path)
+
+
+def stale_trainer_locks(root: str | None = None) -> list[str]:
+    """The stale locks (:func:`is_stale`) in the op folders the trainer loads
+    (:data:`TRAINER_OPS`) under ``root`` (default :func:`extensions_dir`)."""
+    root = extensions_dir() if root is None else root
+    locks = [os.path.join(root, op, "lock") for op in TRAINER_OPS]
+    return [p for p in locks if is_stale(p)]
+
+
+def stale_lock_message(path: str) -> str:
+    """One message naming the stale lock ``path``, why it blocks, and how to clear it."""
+    age = lock_age(path)
+    old = f"{age:.0f} s old" if age is not None else "gone by now"
+    return (f"DeepSpeed's op build lock {path} is stale ({old}, and no process on this machine holds it): "
+            "a DeepSpeed start was killed while it loaded its compiled ops, and every later start would wait "
+            f"on this file forever. Delete it (rm {path}) unless another machine sharing this folder is "
+            "building DeepSpeed ops right now, then start again. To need no lock at all, install DeepSpeed "
+            "with its ops prebuilt (README, Troubleshooting).")
+
+
+def _waited_on_lock(thread_id: int) -> str | None:
+    """The lock file the thread ``thread_id`` waits on in ``FileBaton.wait``, if it does."""
+    from torch.utils.file_baton import FileBaton
+
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code is FileBaton.wait.__code__:
+            baton = frame.f_locals.get("self")
+            return getattr(baton, "lock_file_path", None)
+        frame = frame.f_back
+    return None
+
+
+@contextlib.contextmanager
+def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0,
+                   waiting_note_s: float = 20.0) -> Iterator[None]:
+    """Watch this process's start-up (the engine build) for a wait on a stale lock.
+
+    A daemon thread looks every ``poll_s`` seconds at the main thread: when it waits in
+    ``FileBaton.wait`` on a lock that :func:`is_stale`, the process prints
+    :func:`stale_lock_message` (when ``announce``: local rank 0; all ranks of a machine
+    wait on the same file) and exits with :data:`STALE_LOCK_EXIT` at once (``os._exit``:
+    the main thread is stuck, and nothing was written yet). A wait on a lock a live
+    process holds (a build in progress) is reported once after ``waiting_note_s`` and
+    otherwise left alone. Call from the main thread."""
+    main_id = threading.get_ident()
+    done = threading.Event()
+
+    def watch() -> None:
+        noted = False
+        since = None
+        while not done.wait(poll_s):
+            lock = _waited_on_lock(main_id)
+            if lock is None:
+                since = None
+                continue
+            since = since or time.monotonic()
+            if is_stale(lock, stale_after_s):
+                if announce:
+                    os.write(2, f"hdet-train: error: {stale_lock_message(lock)}\n".encode())
+                os._exit(STALE_LOCK_EXIT)
+            if announce and not noted and time.monotonic() - since >= waiting_note_s:
+                holders = lock_holders(lock)
+                who = f"process(es) {holders}" if holders else "another process"
+                os.write(2, f"hdet-train: waiting for {who} building a DeepSpeed op ({lock})\n".encode())
+                noted = True
+
+    thread = threading.Thread(target=watch, name="hdet-op-lock-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()

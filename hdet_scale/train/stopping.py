@@ -1,0 +1,113 @@
+"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM: every rank ends, one line says what
+happened and where the last checkpoint is, and the exit code is ``128 + signum`` (130,
+143), the shell's convention.
+
+A signal does not save: the run stops where it is, and ``run_dir/checkpoint/latest``
+still names the newest *complete* checkpoint (saves are atomic, ``checkpoint_io``), even
+when the signal came in the middle of a save; ``train.resume=true`` continues from it
+exactly. Steps after it are lost (``train.checkpoint_every`` bounds how many).
+
+- Local launcher (``hdet-train`` started bare, ``cli._launch_local``): the ranks start
+  with SIGINT ignored, so a Ctrl-C, which the terminal sends to every process of the job,
+  is acted on by the launcher alone: it sends SIGTERM to every rank (default action: the
+  rank ends at once, printing nothing), SIGKILL after :data:`GRACE_S` to any rank still
+  there (a second signal: at once), then prints :func:`stop_message`.
+- Under ``torchrun`` (which forwards the signal it gets to every worker) or the
+  ``deepspeed`` launcher: :func:`install_rank_handlers` makes each rank end on SIGINT or
+  SIGTERM without a ``KeyboardInterrupt`` traceback, rank 0 printing the line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any
+
+from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, latest_step, read_latest
+
+#: Seconds the launcher gives its ranks to end after SIGTERM before it kills them.
+GRACE_S = 15.0
+_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+def exit_code(signum: int) -> int:
+    """``128 + signum``: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + int(signum)
+
+
+def last_checkpoint(run_dir: str) -> tuple[str, int | None] | None:
+    """``(folder of the checkpoint latest names, its optimizer step)`` of
+    ``run_dir/checkpoint``, or ``None`` when it has no ``latest``. Never raises: the
+    answer goes into a message."""
+    ckpt = os.path.join(run_dir, "checkpoint")
+    try:
+        tag = read_latest(ckpt)
+    except (OSError, UnicodeDecodeError):
+        return None
+    if tag is None:
+        return None
+    try:
+        with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
+            step = latest_step(json.load(f), tag)
+    except (OSError, ValueError, TypeError, AttributeError):
+        step = None
+    return os.path.join(ckpt, f"replica_*/{tag}"), step
+
+
+def last_logged_step(run_dir: str) -> int | None:
+    """The ``step`` of the last complete record in ``run_dir/metrics.jsonl`` (rank 0
+    writes a record per optimizer step, line-buffered), or ``None``."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 65536))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def stop_message(signum: int, run: dict[str, Any], who: str) -> str:
+    """The one line printed when ``signum`` stopped the run: ``who`` ended (e.g. "all 4
+    ranks ended"), at which step, and the checkpoint to resume from (or that there is
+    none and what to do instead)."""
+    run_dir = run["run_dir"]
+    step = last_logged_step(run_dir)
+    at = f" at step {step}" if step is not None else ""
+    head = f"hdet-train: stopped by {_NAMES.get(signum, signal.Signals(signum).name)}{at}; {who}."
+    saved = last_checkpoint(run_dir)
+    if saved is not None:
+        folder, ck_step = saved
+        of = f" (step {ck_step})" if ck_step is not None else ""
+        return (f"{head} Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
+                f"({run_dir}) and config.")
+    every = run["train"].get("checkpoint_every") or 0
+    why = f"train.checkpoint_every={every}" if every else "train.checkpoint_every=0 saves only at the end"
+    return (f"{head} No checkpoint was saved yet ({why}): start again in {run_dir} with train.overwrite=true, "
+            "or choose another run_dir.")
+
+
+def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
+    """A rank started by ``torchrun`` or the ``deepspeed`` launcher: on SIGINT or SIGTERM
+    end at once with :func:`exit_code` (``os._exit``: no ``KeyboardInterrupt`` traceback,
+    no waiting on peers that are ending too; the metrics file is line-buffered, the
+    checkpoint atomic), printing :func:`stop_message` first when ``announce`` (rank 0).
+    Python runs the handler between bytecodes of the main thread: a rank inside a
+    collective whose peer already ended gets the peer's error first, then the handler."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if announce:
+            os.write(2, (stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)") + "\n")
+                     .encode())
+        os._exit(exit_code(signum))
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, handler)

@@ -1,0 +1,62 @@
+"""Command-line launches in tests, and the processes they leave behind.
+
+Every launch carries a unique marker in its environment, which its children (ranks,
+multiprocessing's resource tracker, W&B's service) inherit; a process still carrying it
+after the launch ended was left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+
+import psutil
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
+
+
+def with_marker(env: dict) -> tuple[dict, str]:
+    tag = uuid.uuid4().hex
+    return {**env, "HDET_TEST_MARKER": tag}, tag
+
+
+def processes_with(tag: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("HDET_TEST_MARKER") == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def left_behind(tag: str, wait_s: float = 5.0) -> list[str]:
+    """Command lines of the processes still carrying ``tag`` after ``wait_s`` (the time
+    multiprocessing's resource tracker takes to see its parent's pipe close); kills them,
+    so one failing test does not leak into the next."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = processes_with(tag)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    names = []
+    for p in alive:
+        try:
+            names.append(" ".join(p.cmdline())[:200])
+            p.kill()
+        except psutil.NoSuchProcess:
+            continue
+    return names
+
+
+def run_cli(cmd: list[str], env: dict | None = None, timeout: float = 120):
+    """Run ``cmd`` to its end: ``(exit code, stderr, seconds to exit, command lines of the
+    processes left behind after 5 s)``."""
+    env, tag = with_marker({**ENV, **(env or {})})
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return proc.returncode, proc.stderr, time.monotonic() - t0, left_behind(tag)

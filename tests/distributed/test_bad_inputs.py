@@ -1,0 +1,265 @@
+"""Bad input to ``hdet-train`` and ``hdet-dryrun``: each case exits with its documented
+code (2: bad input, 3: a stale DeepSpeed op lock) within seconds, with one message naming
+the offending key or file and no traceback, and leaves no process behind.
+
+Every case is a real CLI subprocess. None starts DeepSpeed: the trainer's launcher
+validates config, data, run_dir, checkpoint and the op locks before it starts any rank
+(the launcher-side half of the standard; ``test_train.py`` checks the same on every rank
+under a launcher). Checkpoints here are written with ``torch.save`` in the layout the
+backends write (``replica_<r>/<tag>/...``, ``hdet_layout.json``, ``latest``): the checks
+read file structure only, so a real engine's files are no different to them (a real
+DeepSpeed checkpoint cut short: ``test_signals.py``).
+
+"No process left behind": ``cli_processes.left_behind`` (a marker in each launch's
+environment, which its children inherit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from cli_processes import run_cli
+
+pytestmark = pytest.mark.timeout(600)
+
+EXIT_S = 30  # the standard: every bad input ends the run within 30 s (measured: 1.5-6 s each)
+TRAIN = [sys.executable, "-m", "hdet_scale.train.cli"]
+DRYRUN = [sys.executable, "-m", "hdet_scale.dryrun"]
+LAYOUT = {"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "backend": "deepspeed",
+          "checkpoints": {"global_step5": 5, "global_step10": 10}}
+
+
+# ---- files the cases point at ------------------------------------------------------------
+
+def save_pt(path, obj=None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj if obj is not None else {"w": torch.zeros(64)}, path)
+
+
+def checkpoint(run_dir, layout: dict | None = None, latest: str | None = "global_step10", replicas: int = 2,
+               shards: int = 2, tag: str = "global_step10") -> str:
+    """A checkpoint folder in the backends' layout (DeepSpeed's file names), every file a
+    complete torch.save archive; returns the checkpoint folder."""
+    ckpt = run_dir / "checkpoint"
+    for r in range(replicas):
+        for s in range(shards):
+            folder = ckpt / f"replica_{r}" / tag
+            save_pt(folder / f"hdet_shard_{s}.pt")
+            save_pt(folder / f"zero_pp_rank_{s}_mp_rank_00_model_states.pt")
+            save_pt(folder / f"zero_pp_rank_{s}_mp_rank_00_optim_states.pt")
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "hdet_layout.json").write_text(json.dumps(LAYOUT if layout is None else layout))
+    if latest is not None:
+        (ckpt / "latest").write_text(latest)
+    (run_dir / "metrics.jsonl").write_text('{"step": 10}\n')
+    return str(ckpt)
+
+
+def cut(path, keep: int) -> str:
+    """Cut the file ``path`` to its first ``keep`` bytes (a write that stopped there)."""
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    return str(path)
+
+
+def setup_cases(d) -> None:
+    """The input files, once per module, in folder ``d``."""
+    (d / "empty.json").write_text("")
+    (d / "cut.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": {"repl')
+    (d / "list.json").write_text("[1, 2]")
+    (d / "binary.json").write_bytes(b"\xff\xfe\x00\x01")
+    (d / "list.yaml").write_text("- train.steps: 10\n- run_dir: x\n")
+    (d / "scalar.yaml").write_text("42\n")
+    (d / "broken.yaml").write_text("train: {steps: 10\n")
+    (d / "a_file").write_text("not a folder\n")
+    (d / "folder.json").mkdir()
+    (d / "tiny.txt").write_text("print('hi')\n" * 3)
+    (d / "empty.txt").write_text("")
+
+
+# ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
+# "{d}": the inputs folder; "{run}": this case's own run_dir (not created unless the setup does).
+
+def _ckpt(layout=None, latest="global_step10", damage=None):
+    def make(run):
+        ckpt = checkpoint(run, layout=layout, latest=latest)
+        return damage(run / "checkpoint") if damage else ckpt
+    return make
+
+
+def plant_stale_lock(run) -> None:
+    """An empty op folder with a lock an hour old that no process holds: what a DeepSpeed
+    start killed while it loaded its ops leaves (a private TORCH_EXTENSIONS_DIR, so the
+    real cache is never touched)."""
+    lock = run.parent / f"{run.name}_ext" / "fused_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+
+
+CASES = [
+    # how the command line and config files are read
+    ("no_equals", ["train.steps", "10"], {}, 2, ["train.steps=10"], None),
+    ("second_bare_arg", ["{d}/list.yaml", "train.steps"], {}, 2, ["list.yaml"], None),
+    ("yaml_missing", ["{d}/nope.yaml"], {}, 2, ["nope.yaml", "does not exist"], None),
+    ("yaml_list", ["{d}/list.yaml"], {}, 2, ["list.yaml", "mapping"], None),
+    ("yaml_scalar", ["{d}/scalar.yaml"], {}, 2, ["scalar.yaml", "mapping"], None),
+    ("yaml_syntax", ["{d}/broken.yaml"], {}, 2, ["broken.yaml", "not valid YAML"], None),
+    ("ds_json_empty", ["deepspeed_config={d}/empty.json"], {}, 2, ["empty.json", "empty"], None),
+    ("ds_json_cut", ["deepspeed_config={d}/cut.json"], {}, 2, ["cut.json", "not valid JSON"], None),
+    ("ds_json_list", ["deepspeed_config={d}/list.json"], {}, 2, ["list.json", "JSON object"], None),
+    ("ds_json_binary", ["deepspeed_config={d}/binary.json"], {}, 2, ["binary.json", "UTF-8"], None),
+    ("ds_json_missing", ["deepspeed_config={d}/nope.json"], {}, 2, ["nope.json", "does not exist"], None),
+    ("ds_json_folder", ["deepspeed_config={d}/folder.json"], {}, 2, ["folder.json", "folder"], None),
+    ("ds_section_scalar", ["deepspeed=5"], {}, 2, ["deepspeed:", "mapping"], None),
+    ("wrong_type", ["train.steps=ten"], {}, 2, ["train.steps"], None),
+    ("unknown_key", ["train.stepz=10"], {}, 2, ["stepz"], None),
+    ("nproc_zero", ["nproc=0"], {}, 2, ["nproc"], None),
+    ("bad_backend", ["backend=fsdp"], {}, 2, ["backend"], None),
+    # data
+    ("data_missing", ["data.path=/nonexistent/corpus"], {}, 2, ["data.path"], None),
+    ("data_too_small", ["data.path={d}/tiny.txt"], {}, 2, ["data.seq_len"], None),
+    ("data_empty", ["data.path={d}/empty.txt"], {}, 2, ["data.path"], None),
+    ("data_val_fraction", ["data.val_fraction=1.5"], {}, 2, ["data.val_fraction"], None),
+    ("data_max_bytes", ["data.max_bytes=0"], {}, 2, ["data.max_bytes"], None),
+    # layout (world = nproc; replicas must divide it)
+    ("replicas_not_dividing", ["deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
+    ("world_not_divisible", ["nproc=3"], {}, 2, ["replicas"], None),
+    ("spread_out_of_range", ["deepspeed.hdet.axes.lr.spread_ratio=1.5"], {}, 2, ["hdet.axes.lr.spread_ratio"], None),
+    ("sync_interval_zero", ["deepspeed.hdet.sync_interval=0"], {}, 2, ["hdet.sync_interval"], None),
+    # hdet block and engine settings (moved from test_train.py)
+    ("warmup_not_before_end", ["train.steps=50", "deepspeed.hdet.auto.warmup_steps=50"], {}, 2,
+     ["hdet.auto.warmup_steps"], None),
+    ("decay_out_of_range", ["deepspeed.hdet.auto.decay=1.5"], {}, 2, ["hdet.auto.decay"], None),
+    # the paper controller's derived gamma < 0 (the log controller derives none)
+    ("paper_gamma_negative", ["deepspeed.hdet.auto.controller=paper", "deepspeed.hdet.auto.fitness=train_loss",
+                              "deepspeed.hdet.schedule.final_div_factor=0.01"], {}, 2, ["hdet.auto.decay"], None),
+    ("hdet_key_misspelled", ["deepspeed.hdet.sync_intervall=10"], {}, 2, ["hdet.sync_intervall"], None),
+    ("ds_scheduler", ["deepspeed.scheduler.type=WarmupLR"], {}, 2, ["scheduler"], None),
+    ("ds_optimizer_unknown", ["deepspeed.optimizer.type=AdamX"], {}, 2, ["deepspeed.optimizer.type"], None),
+    ("ddp_bf16", ["backend=ddp", "deepspeed.bf16.enabled=true"], {}, 2, ["deepspeed.bf16.enabled"], None),
+    ("fsdp2_optimizer", ["backend=fsdp2", "deepspeed.optimizer.type=Lamb"], {}, 2, ["deepspeed.optimizer.type"], None),
+    ("fairscale_optimizer_param", ["backend=fairscale", "deepspeed.optimizer.params.amsgrad_typo=true"], {}, 2,
+     ["deepspeed.optimizer.params"], None),
+    ("ddp_replicas_not_dividing", ["backend=ddp", "deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
+    # run_dir
+    ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
+    ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
+    ("run_dir_holds_a_run", ["run_dir={run}"], {}, 2, ["already holds a run", "train.overwrite=true"],
+     lambda run: (run.mkdir(parents=True), (run / "metrics.jsonl").write_text('{"step": 1}\n'))),
+    # resume
+    ("resume_no_checkpoint", ["run_dir={run}", "train.resume=true"], {}, 2, ["no checkpoint to resume"],
+     lambda run: (run.mkdir(parents=True), (run / "metrics.jsonl").write_text('{"step": 1}\n'))),
+    ("resume_no_latest", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["checkpoint has no latest", "echo global_step10 >", "train.overwrite=true"], _ckpt(latest=None)),
+    ("resume_empty_latest", ["run_dir={run}", "train.resume=true"], {}, 2, ["checkpoint/latest", "empty"],
+     _ckpt(latest="")),
+    ("resume_latest_names_nothing", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["no folder for replica(s) [0, 1]", "global_step99"], _ckpt(latest="global_step99")),
+    ("resume_layout_cut", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
+     _ckpt(damage=lambda c: cut(c / "hdet_layout.json", 30))),
+    ("resume_layout_list", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
+     _ckpt(damage=lambda c: (c / "hdet_layout.json").write_text("[4, 2, 2]"))),
+    ("resume_model_states_cut", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", "truncated", "global_step5 (step 5)"],
+     _ckpt(damage=lambda c: cut(c / "replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", 300))),
+    ("resume_optim_states_empty", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["replica_0/global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt", "empty"],
+     _ckpt(damage=lambda c: cut(c / "replica_0/global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt", 0))),
+    ("resume_hdet_state_cut", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["replica_0/global_step10/hdet_shard_1.pt", "truncated"],
+     _ckpt(damage=lambda c: cut(c / "replica_0/global_step10/hdet_shard_1.pt", 50))),
+    ("resume_replica_folder_lost", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["no folder for replica(s) [1]"], _ckpt(damage=lambda c: shutil.rmtree(c / "replica_1"))),
+    ("resume_rank_state_lost", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["incomplete: missing replica_0/global_step10/hdet_shard_1.pt"],
+     _ckpt(damage=lambda c: os.remove(c / "replica_0/global_step10/hdet_shard_1.pt"))),
+    ("resume_other_layout", ["run_dir={run}", "train.resume=true"], {}, 2, ["2 replicas x 1 shards"],
+     _ckpt(layout={**LAYOUT, "world_size": 2, "shard_size": 1})),
+    ("resume_other_backend", ["run_dir={run}", "train.resume=true"], {}, 2, ["fsdp2 backend", "backend=deepspeed"],
+     _ckpt(layout={**LAYOUT, "backend": "fsdp2"})),
+    ("resume_other_steps", ["run_dir={run}", "train.resume=true", "train.steps=30",
+                            "deepspeed.hdet.auto.warmup_steps=5"], {}, 2, ["total_steps=300"],
+     _ckpt()),
+    ("resume_nothing_left", ["run_dir={run}", "train.resume=true", "train.steps=10",
+                             "deepspeed.hdet.schedule.total_steps=300", "deepspeed.hdet.auto.warmup_steps=5"], {}, 2,
+     ["nothing is left"], _ckpt()),
+    # environment: the fault-injection hook, a stale DeepSpeed op lock in a private extensions folder
+    ("fault_hook_malformed", [], {"HDET_FAULT_KILL": "three"}, 2, ["HDET_FAULT_KILL"], None),
+    ("stale_op_lock", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
+     ["{run}_ext/fused_adam/lock", "rm {run}_ext/fused_adam/lock", "prebuilt"], plant_stale_lock),
+]
+
+
+# Each case is its own process; they run WORKERS at a time (a process spends most of its
+# 1.5-4 s importing torch), each test then checks its own outcome.
+WORKERS = 3
+
+
+def _run_train_case(case, inputs, run):
+    _, argv, env, _, needles, setup = case
+    if setup is not None:
+        setup(run)
+    fill = {"d": inputs, "run": run}
+    argv = [a.format(**fill) for a in argv]
+    if not any(a.startswith("run_dir=") for a in argv):
+        argv.append(f"run_dir={run}")
+    env = {k: v.format(**fill) for k, v in env.items()}
+    return run_cli([*TRAIN, *argv, "wandb.enabled=false"], env), [n.format(**fill) for n in needles]
+
+
+def _run_dryrun_case(case, inputs):
+    _, argv, needles = case
+    return run_cli([*DRYRUN, *[a.format(d=inputs) for a in argv], "--world-size", "4"]), needles
+
+
+DRYRUN_CASES = [
+    ("dryrun_empty", ["{d}/empty.json"], ["empty.json"]),
+    ("dryrun_cut", ["{d}/cut.json"], ["cut.json"]),
+    ("dryrun_binary", ["{d}/binary.json"], ["binary.json"]),
+    ("dryrun_missing", ["{d}/nope.json"], ["nope.json"]),
+    ("dryrun_folder", ["{d}/folder.json"], ["folder.json"]),
+    ("dryrun_list", ["{d}/list.json"], ["JSON object"]),
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory):
+    """``{case id: ((exit code, stderr, seconds, left behind), needles)}`` of the cases
+    this session selected, run WORKERS at a time."""
+    selected = {item.callspec.id for item in request.session.items
+                if item.path == request.path and hasattr(item, "callspec")}
+    inputs = tmp_path_factory.mktemp("inputs")
+    setup_cases(inputs)
+    with ThreadPoolExecutor(WORKERS) as pool:
+        futures = {c[0]: pool.submit(_run_train_case, c, inputs, tmp_path_factory.mktemp(c[0]) / "run")
+                   for c in CASES if c[0] in selected}
+        futures.update({c[0]: pool.submit(_run_dryrun_case, c, inputs) for c in DRYRUN_CASES if c[0] in selected})
+        return {k: f.result() for k, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_to_hdet_train(outcomes, case):
+    (rc, err, seconds, leftovers), needles = outcomes[case[0]]
+    assert rc == case[3], (rc, err[-3000:])
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert "Traceback" not in err, err
+    assert seconds < EXIT_S, seconds
+    assert not leftovers, leftovers
+
+
+@pytest.mark.parametrize("case", DRYRUN_CASES, ids=[c[0] for c in DRYRUN_CASES])
+def test_bad_file_to_hdet_dryrun(outcomes, case):
+    (rc, err, seconds, leftovers), needles = outcomes[case[0]]
+    assert rc == 2, (rc, err[-3000:])
+    assert all(n in err for n in needles) and "Traceback" not in err, err
+    assert seconds < EXIT_S and not leftovers, (seconds, leftovers)

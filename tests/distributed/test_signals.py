@@ -1,0 +1,119 @@
+"""SIGINT and SIGTERM in the middle of an ``hdet-train`` run: every rank ends within 30 s,
+one line says what happened and names the last checkpoint, the exit code is 128 + signum
+(130, 143), no process is left behind, and the checkpoint resumes.
+
+1. ``hdet-train`` (local launcher, 4 ranks = 2 replicas x 2 ZeRO-3 shards, W&B offline,
+   so its service process must end too) gets SIGINT after its first periodic checkpoint.
+2. The same command with ``train.resume=true`` continues from that checkpoint, saves a
+   later one, and gets SIGTERM. Its ``metrics.jsonl`` must read steps 1, 2, ... without a
+   gap or a repeat: the resumed run dropped the records past the checkpoint and went on.
+3. A real DeepSpeed ``*_model_states.pt`` of that checkpoint cut in half: the resume is
+   refused before any rank starts, naming the file.
+4. Under ``torchrun`` (which forwards the signal to every worker), SIGINT: rank 0 prints
+   the one line, no rank prints a ``KeyboardInterrupt`` traceback (DDP backend, 2 ranks:
+   the rank-side handler is the same for every engine, DDP starts fastest).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from cli_processes import ENV, left_behind, processes_with, run_cli, with_marker
+
+pytestmark = pytest.mark.timeout(600)
+
+STOP_S = 30  # every rank gone within this many seconds of the signal
+ARGS = ["train.steps=300", "train.checkpoint_every=3", "deepspeed.train_micro_batch_size_per_gpu=4",
+        "train.eval_batches=4", "wandb.mode=offline", "train.progress=false"]
+TRAIN = [sys.executable, "-m", "hdet_scale.train.cli"]
+
+
+def latest(run_dir) -> str | None:
+    try:
+        return (run_dir / "checkpoint" / "latest").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def interrupt(cmd: list[str], run_dir, sig: int, after: str | None, timeout: float = 300):
+    """Start ``cmd``, wait until ``checkpoint/latest`` names a checkpoint other than
+    ``after``, send ``sig`` to the started process. Returns ``(exit code, stderr, seconds
+    from the signal until no process of the launch remains, left behind, checkpoint at the
+    signal)``."""
+    env, tag = with_marker(ENV)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + timeout
+    while latest(run_dir) in (None, after):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.2)
+    seen = latest(run_dir)
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=STOP_S + 30)
+    while processes_with(tag) and time.monotonic() - t0 < STOP_S + 5:
+        time.sleep(0.2)
+    seconds = time.monotonic() - t0
+    return proc.returncode, err, seconds, left_behind(tag, wait_s=0), seen
+
+
+def stop_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("hdet-train: stopped by")]
+
+
+def steps_logged(run_dir) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "hdet/loss" in r]
+
+
+def test_sigint_and_sigterm_stop_every_rank_and_the_checkpoint_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [*TRAIN, f"run_dir={run_dir}", *ARGS]
+
+    # 1. SIGINT after the first periodic checkpoint
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGINT, after=None)
+    tag = latest(run_dir)  # the newest complete checkpoint after the stop (a save cut short leaves it as it was)
+    assert rc == 130, (rc, err[-3000:])
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and "SIGINT" in lines[0], err
+    assert f"{run_dir}/checkpoint/replica_*/{tag}" in lines[0] and "train.resume=true" in lines[0], lines
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    first = int(tag.removeprefix("global_step"))
+
+    # 2. resumed from it, SIGTERM after a later checkpoint
+    rc, err, seconds, leftovers, _ = interrupt([*cmd, "train.resume=true"], run_dir, signal.SIGTERM, after=tag)
+    tag2 = latest(run_dir)
+    assert rc == 143, (rc, err[-3000:])
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and "SIGTERM" in lines[0] and f"replica_*/{tag2}" in lines[0], err
+    assert "Traceback" not in err, err
+    steps = steps_logged(run_dir)
+    assert int(tag2.removeprefix("global_step")) > first
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) > first, steps
+
+    # 3. a real DeepSpeed model state file of that checkpoint cut in half
+    victim = run_dir / "checkpoint" / "replica_1" / tag2 / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    rc, err, seconds, leftovers = run_cli([*cmd, "train.resume=true"])
+    assert rc == 2 and str(victim) in err and "truncated" in err, (rc, err[-3000:])
+    assert "Traceback" not in err and seconds < STOP_S and not leftovers, (seconds, leftovers)
+
+
+def test_sigint_under_torchrun_one_line_from_rank_0(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "hdet_scale.train.cli", f"run_dir={run_dir}", "backend=ddp", *ARGS]
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGINT, after=None)
+    assert rc != 0
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and "SIGINT" in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err
+    assert "KeyboardInterrupt" not in err, err

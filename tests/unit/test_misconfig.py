@@ -1,0 +1,371 @@
+"""Silent misconfiguration (issue 9): each case below ran without a word before its fix.
+
+- unknown DeepSpeed keys (``hdet_scale.ds_keys``): an ``"hdett"`` block, a top-level typo,
+  a typo inside a DeepSpeed block, a misspelt optimizer argument; and no finding on the
+  repository's configs and a Hugging Face-style config (no false alarms);
+- duplicate indices in ``axes.<name>.groups``;
+- the ``"paper"`` controller on a ``constant`` schedule, floored at the peak;
+- a loss of the wrong type handed to the scheduler (DeepSpeed's TypeError fallback then
+  recorded ``train_batch_size`` as the loss);
+- ``hdet/converge_s`` read before the device finished the converge;
+- the W&B logger finishing a run the user had opened;
+- one replica with a spread or auto-LR (HDET does nothing).
+
+Expected values are computed by hand; float comparisons use rel=1e-12 (the same float64
+operations in a different order). The W&B test runs wandb offline in a temp folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+from hdet_scale.autolr import Controller, build_schedule, check_config
+from hdet_scale.config import HDETConfig, WandbConfig
+from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.reference import _LocalSync
+from test_scheduler import LocalSync  # noqa: E402  (tests/unit is on sys.path under pytest)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGED = os.path.join(ROOT, "hdet_scale", "train", "configs", "deepspeed.json")
+
+
+def packaged() -> dict:
+    """The trainer's DeepSpeed JSON, with the run length hdet-train would fill in."""
+    with open(PACKAGED) as f:
+        ds = json.load(f)
+    ds["hdet"]["schedule"]["total_steps"] = 100
+    return ds
+
+
+# ---- unknown DeepSpeed keys ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ds_keys():
+    pytest.importorskip("deepspeed")
+    from hdet_scale import ds_keys
+
+    return ds_keys
+
+
+@pytest.mark.parametrize("name", ["hdett", "HDET", "hdet_config", "hdt"])
+def test_hdet_lookalike_is_an_error_in_the_library(ds_keys, name):
+    """The library's own entry point refuses it (it would train plain DeepSpeed)."""
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    ds = packaged()
+    ds[name] = ds.pop("hdet")
+    with pytest.raises(HDETConfigError, match=rf"{name}: .*did you mean 'hdet'\?.*plain DeepSpeed"):
+        prepare_config(ds, world_size=4)
+
+
+def test_unknown_deepspeed_key_warns_in_the_library_and_fails_strict(ds_keys):
+    """DeepSpeed ignores the misspelt key: its own parser keeps the default (None), so the
+    run would silently use another batch size. The library warns naming the closest key;
+    strict mode (hdet-train, hdet-dryrun) refuses."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    ds = packaged()
+    ds["train_micro_batch_size_per_gpuu"] = ds.pop("train_micro_batch_size_per_gpu")  # 8
+    plain = {k: v for k, v in ds.items() if k != "hdet"}
+    # One process (world size 1): DeepSpeed derives the micro-batch from train_batch_size,
+    # ignoring the misspelt 8.
+    assert DeepSpeedConfig({**plain, "train_batch_size": 4}).train_micro_batch_size_per_gpu == 4
+    with pytest.warns(UserWarning, match=r"train_micro_batch_size_per_gpuu: .*did you mean "
+                                         r"'train_micro_batch_size_per_gpu'\?"):
+        prepare_config(ds, world_size=4)
+    with pytest.raises(HDETConfigError, match=r"deepspeed\.train_micro_batch_size_per_gpuu: .*did you mean"):
+        ds_keys.check_deepspeed_keys(ds, strict=True, prefix="deepspeed.")
+
+
+@pytest.mark.parametrize("block,key,value,needle", [
+    # pydantic blocks: DeepSpeed refuses them itself, in initialize on every rank: an error everywhere
+    ("zero_optimization", "stagee", 3, r"zero_optimization\.stagee: unknown key, DeepSpeed refuses it; "
+                                       r"did you mean 'stage'\?"),
+    ("bf16", "enabledd", True, r"bf16\.enabledd: .*did you mean 'enabled'\?"),
+    ("wandb", "projectt", "x", r"wandb\.projectt: .*did you mean 'project'\?"),
+])
+def test_key_deepspeed_refuses_is_an_error_in_the_library(ds_keys, block, key, value, needle):
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    ds = packaged()
+    ds.setdefault(block, {})[key] = value
+    with pytest.raises(HDETConfigError, match=needle):
+        prepare_config(ds, world_size=4)
+
+
+def test_nested_typos_and_optimizer_arguments_all_named_at_once(ds_keys):
+    """Keys DeepSpeed's non-pydantic readers never ask for, and an optimizer argument
+    FusedAdam / DeepSpeedCPUAdam do not take (DeepSpeed would fail inside initialize
+    with a TypeError), in one strict error; the closest valid key is named."""
+    ds = packaged()
+    ds["activation_checkpointing"] = {"partition_activationss": True}
+    ds["checkpoint"] = {"tag_validationn": "Warn"}
+    ds["optimizer"]["params"]["learning_rate"] = ds["optimizer"]["params"].pop("lr")
+    ds["optimizer"]["typ"] = "AdamW"
+    with pytest.raises(HDETConfigError) as e:
+        ds_keys.check_deepspeed_keys(ds, strict=True)
+    text = str(e.value)
+    for needle in ("activation_checkpointing.partition_activationss: unknown DeepSpeed key",
+                   "did you mean 'partition_activations'?", "checkpoint.tag_validationn:",
+                   "did you mean 'tag_validation'?", "optimizer.typ:", "did you mean 'type'?",
+                   "optimizer.params.learning_rate: not an argument of deepspeed.FusedAdam",
+                   "did you mean 'lr'?"):
+        assert needle in text, (needle, text)
+
+
+def test_no_false_alarm_on_real_configs(ds_keys):
+    """Every DeepSpeed JSON in the repository, and a typical Hugging Face Trainer config
+    (``"auto"`` values, offload, monitors, profiler), have no finding."""
+    paths = glob.glob(os.path.join(ROOT, "configs", "*.json")) + [PACKAGED]
+    assert len(paths) >= 3
+    for path in paths:
+        with open(path) as f:
+            assert ds_keys.find_problems(json.load(f)) == ([], [], []), path
+    hf = {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+                              "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                              "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                              "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                              "stage3_gather_16bit_weights_on_model_save": True},
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+        "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "j"},
+        "flops_profiler": {"enabled": True, "profile_step": 1, "module_depth": -1, "top_modules": 1,
+                           "detailed": True, "output_file": None},
+        "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                     "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                     "synchronize_checkpoint_boundary": False, "profile": False},
+        "data_types": {"grad_accum_dtype": "fp32"}, "zero_allow_untested_optimizer": True,
+    }
+    assert ds_keys.find_problems(hf) == ([], [], [])
+
+
+def test_dryrun_refuses_hdett_instead_of_plain_deepspeed(ds_keys, tmp_path, capsys):
+    from hdet_scale.dryrun import main
+
+    ds = packaged()
+    ds["hdett"] = ds.pop("hdet")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "hdett" in err and "did you mean 'hdet'?" in err and "plain DeepSpeed" in err  # "...trains plain DeepSpeed"
+
+
+# ---- duplicate group indices ---------------------------------------------------------------
+
+@pytest.mark.parametrize("axis,groups,twice", [("lr", [0, 0], [0]), ("weight_decay", [1, 0, 1], [1])])
+def test_duplicate_group_indices_are_refused(axis, groups, twice):
+    block = {"replicas": 2, "schedule": {"total_steps": 10}, "axes": {axis: {"spread_ratio": 0.1, "groups": groups}}}
+    with pytest.raises(HDETConfigError, match=rf"hdet\.axes\.{axis}\.groups: lists parameter group\(s\) "
+                                              rf"\[{twice[0]}\] more than once"):
+        HDETConfig.from_dict(block)
+
+
+# ---- the paper controller on a constant schedule -------------------------------------------
+
+def test_paper_controller_can_lower_a_constant_schedule():
+    """Constant schedule, peak 1, spread 0.5 over R = 2 (replica values 0.5 and 1.5), the
+    low-LR replica better by 1 nat at temperature 0.1, momentum 0, lambda 0.5. The derived
+    decay is 0 (start = floor = peak), so by hand ``h' = h + 0.5 * Delta`` with
+    ``Delta = w0 h0 + w1 h1 - mean(h)``: the base must go *down* (before the fix it was
+    floored at the peak), each sync by the same factor, until ``peak / max_factor``."""
+    cfg = HDETConfig.from_dict({"replicas": 2, "sync_interval": 1, "axes": {"lr": {"spread_ratio": 0.5}},
+                                "schedule": {"name": "constant", "total_steps": 100},
+                                "auto": {"enabled": True, "controller": "paper", "fitness": "train_loss",
+                                         "temperature": 0.1, "momentum": 0.0, "step_size": 0.5,
+                                         "max_factor": 2.0}})
+    key = ("lr", 0)
+    ctl = Controller(cfg, build_schedule(cfg), [1.0], [key])
+    assert ctl.decay[key] == 0.0
+    w0 = 1 / (1 + math.exp(-10.0))  # softmax of scores (+5, -5)
+    base, expected = 1.0, []
+    for _ in range(4):
+        applied = [0.5 * base, 1.5 * base]
+        delta = w0 * applied[0] + (1 - w0) * applied[1] - base
+        expected.append(max(base + 0.5 * delta, 0.5))  # floor: min(final LR 1.0, peak / max_factor 0.5)
+        record: dict = {}
+        ctl.update([1.0, 2.0], {key: [0, 1]}, {key: applied}, lambda k: base, record)
+        base = ctl.base[key]
+        assert base == pytest.approx(expected[-1], rel=1e-12)
+    assert expected[0] == pytest.approx(0.75 + 0.5 * (1 - w0), rel=1e-12) and expected[0] < 1.0
+    assert expected[-1] == 0.5 and record.get("hdet/lr/group_0/floored") == 1  # bounded below, not negative
+
+
+# ---- the loss handed to the scheduler ------------------------------------------------------
+
+def _single_replica_scheduler() -> tuple[HDETScheduler, _LocalSync]:
+    cfg = HDETConfig.from_dict({"replicas": 1, "sync_interval": 5, "schedule": {"name": "constant",
+                                                                                 "total_steps": 10}})
+    sync = _LocalSync()  # the LossAccumulator every real rank's DistributedSync extends
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return HDETScheduler(cfg, {0: opt.param_groups}, sync), sync
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"loss": "0.5"}, "got str '0.5'"),
+    ({"loss": 32}, "train_batch_size"),                   # what DeepSpeed's TypeError fallback passes
+    ({"loss": True}, "got bool True"),
+    ({"loss": [0.5]}, "got list"),
+    ({"loss": torch.ones(2)}, "shape (2,)"),
+    ({"loss": torch.tensor(3)}, "dtype torch.int64"),
+    ({"losss": 0.5}, "unexpected argument(s) ['losss']"),  # a misspelt lr_kwargs key was swallowed
+])
+def test_wrong_loss_is_refused_without_a_type_error_or_a_state_change(kwargs, needle):
+    """DeepSpeed's engine catches a TypeError from ``lr_scheduler.step(**lr_kwargs)`` and
+    calls ``lr_scheduler.step(train_batch_size)``: before the fix a str loss raised
+    TypeError there and 32 was recorded. Now: HDETConfigError (a ValueError, which
+    DeepSpeed does not catch), nothing recorded, the step not counted; a good loss after
+    it is recorded exactly."""
+    sched, sync = _single_replica_scheduler()
+    with pytest.raises(HDETConfigError) as e:
+        sched.step(**kwargs)
+    assert not isinstance(e.value, TypeError) and needle in str(e.value), str(e.value)
+    assert sched.step_count == 0 and (sync._sum, sync._count) == (0.0, 0)
+    sched.step(loss=torch.tensor(0.25))
+    sched.step(0.5)
+    assert sched.step_count == 2 and sync.take() == (0.75, 2)
+
+
+# ---- hdet/converge_s measures the converge -------------------------------------------------
+
+class _AsyncConvergeSync(LocalSync):
+    """A sync whose converge only *queues* its work, as CUDA kernels and NCCL calls do: a
+    thread runs it (WORK_S of sleep) and ``synchronize()`` waits for it."""
+
+    WORK_S = 0.3
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__(replicas)
+        self._pending: list[threading.Thread] = []
+
+    def converge(self, finite):
+        super().converge(finite)
+        t = threading.Thread(target=time.sleep, args=(self.WORK_S,))
+        t.start()
+        self._pending.append(t)
+
+    def synchronize(self):
+        while self._pending:
+            self._pending.pop().join()
+
+
+def test_converge_time_includes_the_queued_work():
+    """Before the fix the clock stopped when converge returned (~0 s); now it waits for
+    the device: at least the queued WORK_S. Lower bound only (sleep may overrun)."""
+    cfg = HDETConfig.from_dict({"replicas": 2, "sync_interval": 2, "axes": {"lr": {"spread_ratio": 0.1}},
+                                "schedule": {"name": "constant", "total_steps": 4}})
+    sync = _AsyncConvergeSync(2)
+    sched = HDETScheduler(cfg, {r: [{"lr": 0.1}] for r in range(2)}, sync)
+    sched.step([1.0, 1.0])
+    sched.step([1.0, 1.0])
+    assert sched.last_sync["hdet/converge_s"] >= _AsyncConvergeSync.WORK_S
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (asynchronous kernels)")
+def test_converge_time_waits_for_cuda():
+    """On CUDA without a ``synchronize()`` of its own, the scheduler synchronizes the
+    sync's ``backend.device``: converge_s covers the matmuls converge queued, measured
+    independently with torch.cuda.synchronize (>= half of it: the GPU may warm up)."""
+    dev = torch.device("cuda")
+    a = torch.randn(4096, 4096, device=dev)
+
+    def work():
+        for _ in range(20):
+            a @ a
+
+    work()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    work()
+    torch.cuda.synchronize()
+    reference = time.perf_counter() - t0
+
+    class Backend:
+        device = dev
+
+    class CudaSync(LocalSync):
+        backend = Backend()
+
+        def converge(self, finite):
+            super().converge(finite)
+            work()
+
+    cfg = HDETConfig.from_dict({"replicas": 2, "sync_interval": 1, "schedule": {"name": "constant",
+                                                                                 "total_steps": 2}})
+    sched = HDETScheduler(cfg, {r: [{"lr": 0.1}] for r in range(2)}, CudaSync(2))
+    sched.step([1.0, 1.0])
+    assert sched.last_sync["hdet/converge_s"] >= 0.5 * reference
+
+
+# ---- W&B: the user's own run ----------------------------------------------------------------
+
+def test_wandb_logger_logs_into_the_users_run_and_leaves_it_open(tmp_path, monkeypatch):
+    """Before the fix ``reinit="finish_previous"`` finished the user's run: their next
+    ``log`` raised. Now the records go into it (its summary holds them, with hdet/step),
+    the config is added without overwriting theirs, and it is still open after close."""
+    wandb = pytest.importorskip("wandb")
+    from hdet_scale.logging import MetricsLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="mine", config={"lr": 1.0})
+    try:
+        logger = MetricsLogger(wandb=WandbConfig(enabled=True, mode="offline", dir=str(tmp_path)),
+                               config={"hdet": {"replicas": 2}, "lr": 5.0})
+        logger.log({"hdet/loss": 1.5, "train/tokens_per_s": 3.0}, step=7)
+        logger.close()
+        assert wandb.run is run and not run._is_finished
+        assert run.config["lr"] == 1.0 and run.config["hdet"] == {"replicas": 2}
+        assert (run.summary["hdet/loss"], run.summary["hdet/step"]) == (1.5, 7)
+        run.log({"mine": 1.0})  # raised UsageError ("Run ... is finished") before the fix
+    finally:
+        run.finish()
+    own = MetricsLogger(wandb=WandbConfig(enabled=True, mode="offline", dir=str(tmp_path)))
+    own_run = own._wandb_run
+    own.log({"hdet/loss": 2.0}, step=1)
+    own.close()
+    assert own_run._is_finished  # a run the logger opened is its to finish
+
+
+# ---- one replica ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block,warns", [
+    ({"replicas": 1, "axes": {"lr": {"spread_ratio": 0.1}}}, "axes.lr.spread_ratio=0.1"),
+    ({"replicas": 1, "auto": {"enabled": True}}, "auto.enabled=true"),
+    ({"replicas": 1}, None),                                       # a deliberate baseline
+    ({"replicas": 2, "axes": {"lr": {"spread_ratio": 0.1}}}, None),
+])
+def test_one_replica_with_a_spread_or_auto_lr_warns(block, warns):
+    cfg = HDETConfig.from_dict({**block, "sync_interval": 5, "schedule": {"name": "constant", "total_steps": 10}})
+    from hdet_scale.dryrun import describe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_config(cfg)
+        report = describe({"hdet": cfg.to_dict()}, world_size=2, backend="ddp")
+    msgs = [str(w.message) for w in caught if "hdet.replicas: 1 replica" in str(w.message)]
+    if warns is None:
+        assert msgs == [] and "warning: hdet.replicas" not in report
+    else:
+        assert len(msgs) == 1 and warns in msgs[0] and "HDET does nothing" in msgs[0]  # the dry run does not repeat it
+        assert f"warning: hdet.replicas: 1 replica with {warns}" in report
