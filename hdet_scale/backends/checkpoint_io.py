@@ -177,7 +177,9 @@ def damaged_files(folder: str) -> list[str]:
             continue
         with open(path, "rb") as f:
             head = f.read(4)
-        if head == _ZIP_MAGIC:
+        # a .distcp file concatenates items, some of them torch.save archives: its extent is
+        # checked against .metadata below, never as one archive
+        if head == _ZIP_MAGIC and not name.endswith(".distcp"):
             try:
                 zipfile.ZipFile(path).close()
             except (zipfile.BadZipFile, OSError, ValueError):

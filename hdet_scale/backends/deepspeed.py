@@ -27,6 +27,7 @@ from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
+from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.config import HDETConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
@@ -63,6 +64,9 @@ class DeepSpeedBackend:
         _check_zero3(self.optimizer)
         self.device = torch.device(engine.device) if not isinstance(engine.device, torch.device) else engine.device
         self._count_skipped_steps()
+        # DeepSpeed's CPU Adam keeps beta**t outside every checkpoint: without this a resumed
+        # run's updates differ in the last bit from the uninterrupted run's (ds_adam.py).
+        stateless_bias_correction(self.optimizer.optimizer)
 
     def _count_skipped_steps(self) -> None:
         """A step the engine skips still counts as an HDET step, on every rank.

@@ -27,6 +27,7 @@ from multiprocessing import get_context
 from hdet_scale.errors import HDETConfigError, HDETStateError
 
 _USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
+_REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
 
 
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -45,7 +46,11 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors) -> None:
     try:
         summary = train(run)
     except (HDETConfigError, HDETStateError) as e:
-        errors.put(str(e))  # the launcher prints each distinct message once
+        # The launcher prints each distinct message once and ends every rank. Until then this
+        # rank stays, its connections open: its peers, maybe inside a collective with it,
+        # end by SIGTERM instead of each printing a "connection closed" traceback.
+        errors.put(str(e))
+        time.sleep(_REPORT_WAIT_S)
         sys.exit(_USER_ERROR)
     if rank == 0:
         print(json.dumps(summary, indent=2), flush=True)
@@ -101,6 +106,8 @@ def _launch_local(run: dict) -> int:
             p.start()
         signal.signal(signal.SIGINT, on_signal)
         while any(p.is_alive() for p in procs) and not received:
+            if not errors.empty():  # a rank's bad input (_rank_main): end all ranks now
+                break
             if any(p.exitcode not in (None, 0) for p in procs):
                 # give the other ranks a moment to fail by themselves, then stop them
                 deadline = time.monotonic() + 10
@@ -113,7 +120,7 @@ def _launch_local(run: dict) -> int:
             print(stop_message(received[0], run, f"all {n} ranks ended"), file=sys.stderr, flush=True)
             return exit_code(received[0])
         failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-        if not failed:
+        if not failed and errors.empty():
             return 0
         _end(procs, 10)
         messages = []
@@ -123,9 +130,11 @@ def _launch_local(run: dict) -> int:
                 messages.append(msg)
         for msg in messages:
             print(f"hdet-train: error: {msg}", file=sys.stderr)
+        if messages:  # a rank's bad input came first; the other ranks ended because it did
+            return _USER_ERROR
         codes = set(failed.values())
-        if codes <= {_USER_ERROR, STALE_LOCK_EXIT} and len(codes) == 1:
-            return codes.pop()  # the rank(s) said why
+        if codes == {STALE_LOCK_EXIT}:
+            return STALE_LOCK_EXIT  # local rank 0 named the lock
         print(f"hdet-train: rank(s) {sorted(failed)} failed (exit codes {list(failed.values())})", file=sys.stderr)
         return 1
     finally:
@@ -169,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     except (HDETConfigError, HDETStateError) as e:
         print(f"hdet-train: error: {e}", file=sys.stderr)
         return _USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C while the config is read and checked: nothing started yet
+        print("hdet-train: stopped by SIGINT (Ctrl-C) before any rank started", file=sys.stderr)
+        return 128 + signal.SIGINT
     return _launch_local(run)
 
 

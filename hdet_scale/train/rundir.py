@@ -203,6 +203,10 @@ def load(engine: Any, path: str) -> None:
     except HDETStateError:
         raise
     except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        # torch.load's damaged-archive error is a RuntimeError ("PytorchStreamReader ..."); other
+        # RuntimeErrors here are a peer's failure seen in a collective: not this file's fault.
+        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+            raise
         tag = read_latest(path)
         raise HDETStateError(f"train.resume: could not load the checkpoint {path}/replica_*/{tag}: "
                              f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e

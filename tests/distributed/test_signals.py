@@ -8,7 +8,10 @@ one line says what happened and names the last checkpoint, the exit code is 128 
    later one, and gets SIGTERM. Its ``metrics.jsonl`` must read steps 1, 2, ... without a
    gap or a repeat: the resumed run dropped the records past the checkpoint and went on.
 3. A real DeepSpeed ``*_model_states.pt`` of that checkpoint cut in half: the resume is
-   refused before any rank starts, naming the file.
+   refused before any rank starts, naming the file. The same file replaced by a complete
+   archive of other content (damage no structure check sees): the engine's load fails
+   on one rank, and the launcher prints that one message naming the checkpoint, ends the
+   other ranks before they report the broken connection, and exits 2.
 4. Under ``torchrun`` (which forwards the signal to every worker), SIGINT: rank 0 prints
    the one line, no rank prints a ``KeyboardInterrupt`` traceback (DDP backend, 2 ranks:
    the rank-side handler is the same for every engine, DDP starts fastest).
@@ -23,6 +26,7 @@ import sys
 import time
 
 import pytest
+import torch
 from cli_processes import ENV, left_behind, processes_with, run_cli, with_marker
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,6 +109,11 @@ def test_sigint_and_sigterm_stop_every_rank_and_the_checkpoint_resumes(tmp_path)
     rc, err, seconds, leftovers = run_cli([*cmd, "train.resume=true"])
     assert rc == 2 and str(victim) in err and "truncated" in err, (rc, err[-3000:])
     assert "Traceback" not in err and seconds < STOP_S and not leftovers, (seconds, leftovers)
+    torch.save({"w": torch.zeros(3)}, victim)
+    rc, err, seconds, leftovers = run_cli([*cmd, "train.resume=true"])
+    errors = [line for line in err.splitlines() if line.startswith("hdet-train: error:")]
+    assert rc == 2 and len(errors) == 1 and f"{run_dir}/checkpoint/replica_*/{tag2}" in errors[0], (rc, err[-3000:])
+    assert "Traceback" not in err and seconds < 60 and not leftovers, (seconds, leftovers)
 
 
 def test_sigint_under_torchrun_one_line_from_rank_0(tmp_path):

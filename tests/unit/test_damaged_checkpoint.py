@@ -34,11 +34,13 @@ def test_torch_save_archive_cut_anywhere_is_named(tmp_path):
 
 
 def test_dcp_checkpoint_cut_is_named(tmp_path):
-    state = {"model": {"w": torch.randn(256, 64), "b": torch.randn(64)}, "step": 7}
+    # "step" first: a .distcp file then starts with a torch.save archive, and must still not
+    # be read as one archive (measured: its first bytes are "PK\x03\x04")
+    state = {"step": 7, "model": {"w": torch.randn(256, 64), "b": torch.randn(64)}}
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
-    assert damaged_files(str(tmp_path)) == []
     data = sorted(n for n in os.listdir(tmp_path) if n.endswith(".distcp"))
-    assert data
+    assert data and (tmp_path / data[0]).read_bytes()[:4] == b"PK\x03\x04"
+    assert damaged_files(str(tmp_path)) == []
     victim = tmp_path / data[0]
     cut(victim, victim.stat().st_size - 100)
     problems = damaged_files(str(tmp_path))
