@@ -130,6 +130,11 @@ def _load_yaml(path: str, overrides: list[str]) -> Any:
         kind = "list" if isinstance(top, list) else f"single value ({top!r})"
         raise HDETConfigError(f"config file {path!r} must hold a YAML mapping of trainer keys (run_dir: ..., "
                               f"train: {{steps: ...}}), got a {kind}")
+    ds_keys = sorted(set(top or {}) & {"hdet", "train_micro_batch_size_per_gpu", "train_batch_size",
+                                        "zero_optimization", "optimizer", "gradient_accumulation_steps"})
+    if ds_keys and not set(top) & {f.name for f in dataclasses.fields(RunConfig)}:
+        raise HDETConfigError(f"config file {path!r} looks like a DeepSpeed JSON (keys {', '.join(ds_keys)}): pass "
+                              f"it as deepspeed_config={path}; the first argument is the trainer's YAML")
     return OmegaConf.create(text)  # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not
 
 

@@ -46,7 +46,7 @@ def extensions_dir() -> str:
     ``torch.utils.cpp_extension._get_build_directory`` (private, and it creates folders),
     torch 2.4-2.13."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
+    if root is not None:  # as torch: even "" (the working directory)
         return root
     import torch
     from torch.utils.cpp_extension import get_default_build_root

@@ -74,6 +74,7 @@ def setup_cases(d) -> None:
     (d / "empty.json").write_text("")
     (d / "cut.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": {"repl')
     (d / "list.json").write_text("[1, 2]")
+    (d / "ds.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": {"replicas": 2}}')
     (d / "binary.json").write_bytes(b"\xff\xfe\x00\x01")
     (d / "list.yaml").write_text("- train.steps: 10\n- run_dir: x\n")
     (d / "scalar.yaml").write_text("42\n")
@@ -112,6 +113,7 @@ CASES = [
     ("yaml_missing", ["{d}/nope.yaml"], {}, 2, ["nope.yaml", "does not exist"], None),
     ("yaml_list", ["{d}/list.yaml"], {}, 2, ["list.yaml", "mapping"], None),
     ("yaml_scalar", ["{d}/scalar.yaml"], {}, 2, ["scalar.yaml", "mapping"], None),
+    ("ds_json_as_run_config", ["{d}/ds.json"], {}, 2, ["ds.json", "deepspeed_config={d}/ds.json"], None),
     ("yaml_syntax", ["{d}/broken.yaml"], {}, 2, ["broken.yaml", "not valid YAML"], None),
     ("ds_json_empty", ["deepspeed_config={d}/empty.json"], {}, 2, ["empty.json", "empty"], None),
     ("ds_json_cut", ["deepspeed_config={d}/cut.json"], {}, 2, ["cut.json", "not valid JSON"], None),
