@@ -144,10 +144,11 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
 
     A daemon thread looks every ``poll_s`` seconds at the main thread: when it waits in
     ``FileBaton.wait`` on a lock that :func:`is_stale`, the process prints
-    :func:`stale_lock_message` (when ``announce``: local rank 0; all ranks of a machine
-    wait on the same file) and exits with :data:`STALE_LOCK_EXIT` at once (``os._exit``:
-    the main thread is stuck, and nothing was written yet). A wait on a lock a live
-    process holds (a build in progress) is reported once after ``waiting_note_s`` and
+    :func:`stale_lock_message` (every rank that finds it: the launcher may end the
+    others before they look, so up to one line per local rank) and exits with
+    :data:`STALE_LOCK_EXIT` at once (``os._exit``: the main thread is stuck, and nothing
+    was written yet). A wait on a lock a live process holds (a build in progress) is
+    reported once after ``waiting_note_s``, when ``announce`` (local rank 0), and
     otherwise left alone. Call from the main thread."""
     main_id = threading.get_ident()
     done = threading.Event()
@@ -162,8 +163,9 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
                 continue
             since = since or time.monotonic()
             if is_stale(lock, stale_after_s):
-                if announce:
-                    os.write(2, f"hdet-train: error: {stale_lock_message(lock)}\n".encode())
+                # Every rank that finds it says so: the launcher may end the others (local
+                # rank 0 included) as soon as the first exits, before they look.
+                os.write(2, f"hdet-train: error: {stale_lock_message(lock)}\n".encode())
                 os._exit(STALE_LOCK_EXIT)
             if announce and not noted and time.monotonic() - since >= waiting_note_s:
                 holders = lock_holders(lock)

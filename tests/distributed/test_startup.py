@@ -39,6 +39,8 @@ def test_ranks_name_a_stale_op_lock_instead_of_hanging(tmp_path):
     rc, err, seconds, leftovers = run_cli(cmd, {"TORCH_EXTENSIONS_DIR": str(ext)}, timeout=120)
     assert rc != 0 and "exitcode  : 3" in err, (rc, err[-3000:])
     named = [line for line in err.splitlines() if line.startswith("hdet-train: error:") and str(lock) in line]
-    assert len(named) == 1 and f"rm {lock}" in named[0], err[-3000:]
+    # One line per rank that found it (up to 2 here): torchrun ends the other rank as soon
+    # as the first exits, so which ranks get to look is a race.
+    assert 1 <= len(named) <= 2 and all(f"rm {lock}" in line for line in named), err[-3000:]
     assert seconds < 60 and not leftovers, (seconds, leftovers)
     assert lock.exists()
