@@ -38,7 +38,22 @@ def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     return None, argv
 
 
-def _rank_main(run: dict, rank: int, world: int, port: int, errors) -> None:
+def _die_with_launcher(launcher: int) -> None:
+    """Ask the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) to send this rank SIGTERM when
+    the launcher dies, even by SIGKILL or the OOM killer: ranks must never train on
+    unseen, holding the machine and writing into a run_dir a restart would reuse."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: int) -> None:
+    _die_with_launcher(launcher)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     from hdet_scale.train.loop import train
@@ -85,7 +100,7 @@ def _launch_local(run: dict) -> int:
     ctx = get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors)) for r in range(n)]
+    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors, os.getpid())) for r in range(n)]
     received: list[int] = []
 
     def on_signal(signum, frame):

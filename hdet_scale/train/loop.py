@@ -192,6 +192,8 @@ def train(run: dict) -> dict:
     batches = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], rank, world)
     if resuming:
         rundir.load(engine, ckpt)
+        if rank == 0:
+            rundir.trim_for_resume(run)  # only now: a resume that fails to load loses nothing
     steps = run["train"]["steps"]
     every, keep = run["train"]["checkpoint_every"] or 0, run["train"]["keep_checkpoints"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks

@@ -157,22 +157,28 @@ def truncate_metrics(path: str, step: int) -> int:
 
 
 def prepare_run_dir(run: dict, mode: str) -> None:
-    """Rank 0, after :func:`start_mode` and before the metrics logger opens its file:
-    a resumed run keeps the metrics up to its checkpoint's step, so ``metrics.jsonl``
-    reads like one uninterrupted run; a replacing run removes the files of the run it
-    replaces (an old ``checkpoint/latest`` must never mix with the new run's). Records
-    the torchrun job id (:data:`JOB_FILE`)."""
+    """Rank 0, after :func:`start_mode` and before the metrics logger opens its file: a
+    replacing run removes the files of the run it replaces (an old ``checkpoint/latest``
+    must never mix with the new run's). Records the torchrun job id (:data:`JOB_FILE`).
+    A resumed run's files are trimmed only once its checkpoint has loaded
+    (:func:`trim_for_resume`), so a resume that fails loses nothing."""
     run_dir = run["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
-    if mode == "resume":
-        truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), read_layout(checkpoint_dir(run))["step"])
-        _remove(os.path.join(run_dir, "summary.json"))
-    elif mode == "replace":
+    if mode == "replace":
         for name in RUN_FILES:
             _remove(os.path.join(run_dir, name))
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id not in ("", "none"):
         write_atomic(os.path.join(run_dir, JOB_FILE), json.dumps({"torchelastic_run_id": run_id}))
+
+
+def trim_for_resume(run: dict) -> None:
+    """Rank 0, after the checkpoint loaded and before the first new record: keep the
+    metrics up to the checkpoint's step, so ``metrics.jsonl`` reads like one
+    uninterrupted run, and drop the stopped run's ``summary.json``."""
+    run_dir = run["run_dir"]
+    truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), read_layout(checkpoint_dir(run))["step"])
+    _remove(os.path.join(run_dir, "summary.json"))
 
 
 def _remove(path: str) -> None:

@@ -110,7 +110,10 @@ def test_sigint_and_sigterm_stop_every_rank_and_the_checkpoint_resumes(tmp_path)
     assert rc == 2 and str(victim) in err and "truncated" in err, (rc, err[-3000:])
     assert "Traceback" not in err and seconds < STOP_S and not leftovers, (seconds, leftovers)
     torch.save({"w": torch.zeros(3)}, victim)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
     rc, err, seconds, leftovers = run_cli([*cmd, "train.resume=true"])
+    # a resume that fails to load loses nothing: the metrics are trimmed only after the load
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
     errors = [line for line in err.splitlines() if line.startswith("hdet-train: error:")]
     assert rc == 2 and len(errors) == 1 and f"{run_dir}/checkpoint/replica_*/{tag2}" in errors[0], (rc, err[-3000:])
     assert "Traceback" not in err and seconds < 60 and not leftovers, (seconds, leftovers)
@@ -126,3 +129,14 @@ def test_sigint_under_torchrun_one_line_from_rank_0(tmp_path):
     lines = stop_lines(err)
     assert len(lines) == 1 and "SIGINT" in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err
     assert "KeyboardInterrupt" not in err, err
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+    """SIGKILL (or the OOM killer) to the launcher itself, which can forward nothing: the
+    kernel ends its ranks (``prctl(PR_SET_PDEATHSIG)``), so none trains on unseen, holding
+    the machine and writing into a run_dir that a restart would reuse."""
+    run_dir = tmp_path / "run"
+    cmd = [*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", *ARGS]
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGKILL, after=None)
+    assert rc == -signal.SIGKILL
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers, err[-3000:])

@@ -114,7 +114,12 @@ def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tm
     assert rundir.start_mode(cfg("train.resume=true")) == "resume"
     assert rundir.start_mode(cfg("train.resume=true", "train.overwrite=true")) == "resume"  # resuming wins
 
+    # Preparing a resume changes nothing (a resume whose load fails must lose nothing); the
+    # trim follows the load.
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     rundir.prepare_run_dir(cfg("train.resume=true"), "resume")
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    rundir.trim_for_resume(cfg("train.resume=true"))
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 4}\n' and not (run_dir / "summary.json").exists()
 
     assert rundir.start_mode(cfg("train.overwrite=true")) == "replace"
