@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -196,6 +197,7 @@ def _validate(run: dict) -> None:
     if errors:
         raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
     ModelConfig(**run["model"]).validate()
+    _check_deepspeed_values(run["deepspeed"])
     hdet = run["deepspeed"].setdefault("hdet", {})
     sched = hdet.setdefault("schedule", {})
     if sched.get("total_steps") is None:
@@ -203,3 +205,39 @@ def _validate(run: dict) -> None:
     elif sched["total_steps"] < t["steps"]:
         raise HDETConfigError(f"deepspeed.hdet.schedule.total_steps: {sched['total_steps']} is shorter than "
                               f"train.steps={t['steps']}")
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_deepspeed_values(ds: dict) -> None:
+    """The ``deepspeed`` section's values that every backend reads, checked before any rank
+    starts (DeepSpeed itself would fail inside every rank, with a traceback, or train on a
+    negative, NaN or boolean LR without a word). Raises HDETConfigError naming each key."""
+    errors = []
+    if "hdet" in ds and not isinstance(ds["hdet"], dict):
+        errors.append(f"deepspeed.hdet: expected an object (the HDET block), got {ds['hdet']!r}")
+    opt = ds.get("optimizer", {})
+    if not isinstance(opt, dict):
+        errors.append(f"deepspeed.optimizer: expected an object with 'type' and 'params', got {opt!r}")
+        opt = {}
+    params = opt.get("params", {})
+    if params is not None and not isinstance(params, dict):
+        errors.append(f"deepspeed.optimizer.params: expected an object (e.g. {{lr: 3e-4}}), got {params!r}")
+        params = {}
+    params = params or {}
+    if "lr" in params and not (_number(params["lr"]) and params["lr"] > 0):
+        errors.append(f"deepspeed.optimizer.params.lr: must be a finite number > 0 (the peak LR), got {params['lr']!r}")
+    betas = params.get("betas")
+    if betas is not None and not (isinstance(betas, (list, tuple)) and len(betas) == 2
+                                  and all(_number(b) and 0 <= b < 1 for b in betas)):
+        errors.append(f"deepspeed.optimizer.params.betas: must be two numbers in [0, 1), got {betas!r}")
+    for key in ("eps", "weight_decay"):
+        if key in params and not (_number(params[key]) and params[key] >= 0):
+            errors.append(f"deepspeed.optimizer.params.{key}: must be a finite number >= 0, got {params[key]!r}")
+    clip = ds.get("gradient_clipping", 1.0)
+    if not (_number(clip) and clip >= 0):
+        errors.append(f"deepspeed.gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
+    if errors:
+        raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))

@@ -148,6 +148,16 @@ class Probe:
         return total / len(self.batches)
 
 
+def _finite_or_none(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite_or_none(v) for v in x]
+    return x
+
+
 def train(run: dict) -> dict:
     """Train one rank of the run described by ``run`` (see ``load_run_config``).
     Returns the summary (on every rank); rank 0 writes it to ``run_dir/summary.json``."""
@@ -251,7 +261,7 @@ def train(run: dict) -> dict:
               "peak_device_mb": every_rank(peak_device_mb(), device)}
     summary = {
         "val_loss": val_loss,
-        "val_ppl": math.exp(val_loss),
+        "val_ppl": math.exp(val_loss) if val_loss < 700 else float("inf"),  # exp overflows past ~709
         "unigram_entropy": unigram_entropy(corpus.val),
         "steps": sched.step_count,
         "backend": run["backend"],
@@ -273,7 +283,8 @@ def train(run: dict) -> dict:
     }
     if rank == 0:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            # Strict JSON: a diverged run's NaN / inf are written as null.
+            json.dump(_finite_or_none(summary), f, indent=2)
         logger.summary(summary)
     logger.close()
     dist.barrier(group=dist.group.WORLD)

@@ -83,6 +83,8 @@ def setup_cases(d) -> None:
     (d / "folder.json").mkdir()
     (d / "tiny.txt").write_text("print('hi')\n" * 3)
     (d / "empty.txt").write_text("")
+    (d / "hdet_null.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": null}')
+    (d / "lr_nan.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}')
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
@@ -122,6 +124,16 @@ CASES = [
     ("ds_json_missing", ["deepspeed_config={d}/nope.json"], {}, 2, ["nope.json", "does not exist"], None),
     ("ds_json_folder", ["deepspeed_config={d}/folder.json"], {}, 2, ["folder.json", "folder"], None),
     ("ds_section_scalar", ["deepspeed=5"], {}, 2, ["deepspeed:", "mapping"], None),
+    # values DeepSpeed would fail on inside every rank, or train on without a word
+    ("ds_hdet_null", ["deepspeed_config={d}/hdet_null.json"], {}, 2, ["deepspeed.hdet", "object"], None),
+    ("lr_nan", ["deepspeed_config={d}/lr_nan.json"], {}, 2, ["deepspeed.optimizer.params.lr", "> 0"], None),
+    ("lr_negative", ["deepspeed.optimizer.params.lr=-1"], {}, 2, ["deepspeed.optimizer.params.lr"], None),
+    ("lr_text", ["deepspeed.optimizer.params.lr=abc"], {}, 2, ["deepspeed.optimizer.params.lr"], None),
+    ("lr_bool", ["deepspeed.optimizer.params.lr=true"], {}, 2, ["deepspeed.optimizer.params.lr"], None),
+    ("betas_one", ["deepspeed.optimizer.params.betas=[0.9]"], {}, 2, ["deepspeed.optimizer.params.betas"], None),
+    ("clip_text", ["deepspeed.gradient_clipping=abc"], {}, 2, ["deepspeed.gradient_clipping"], None),
+    ("optimizer_scalar", ["deepspeed.optimizer=5"], {}, 2, ["deepspeed.optimizer:", "object"], None),
+    ("optimizer_params_scalar", ["deepspeed.optimizer.params=5"], {}, 2, ["deepspeed.optimizer.params:"], None),
     ("wrong_type", ["train.steps=ten"], {}, 2, ["train.steps"], None),
     ("unknown_key", ["train.stepz=10"], {}, 2, ["stepz"], None),
     ("nproc_zero", ["nproc=0"], {}, 2, ["nproc"], None),

@@ -159,3 +159,14 @@ def test_the_fault_hook_is_checked_and_fires_in_a_first_attempt_only(monkeypatch
     monkeypatch.setenv(rundir.FAULT_ENV, "3")
     with pytest.raises(HDETConfigError, match=rundir.FAULT_ENV):
         rundir.fault_point()
+
+
+def test_a_diverged_runs_summary_is_strict_json():
+    # json.dump writes NaN / Infinity, which strict JSON readers refuse: null instead.
+    import json as _json
+
+    from hdet_scale.train.loop import _finite_or_none
+
+    s = _finite_or_none({"val_loss": float("nan"), "val_ppl": float("inf"), "peak": [1.5, float("-inf")], "n": 3})
+    assert _json.loads(_json.dumps(s, allow_nan=False)) == {"val_loss": None, "val_ppl": None, "peak": [1.5, None],
+                                                            "n": 3}
