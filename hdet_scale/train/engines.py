@@ -45,7 +45,9 @@ def _positive_int(value: Any) -> bool:
 
 def check_engine_config(ds: dict, backend: str, world_size: int) -> None:
     """Checks of the ``deepspeed`` section for the fsdp2 / ddp / fairscale backends
-    (DeepSpeed's own are in ``backends.deepspeed.prepare_config``). Pure: the same
+    (DeepSpeed's own are in ``backends.deepspeed.prepare_config``; the values every
+    backend reads, ``gradient_clipping`` and the optimizer's ``lr`` / ``betas`` / ``eps``,
+    are checked once for all when the run config loads: ``train.config``). Pure: the same
     verdict on every rank, before any collective.
 
     Raises:
@@ -74,9 +76,6 @@ def check_engine_config(ds: dict, backend: str, world_size: int) -> None:
     if tbs is not None and _positive_int(micro) and _positive_int(gas) and tbs != micro * gas * world_size:
         errors.append(f"deepspeed.train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
                       f"gradient_accumulation_steps ({gas}) x world size ({world_size})")
-    clip = ds.get("gradient_clipping", 1.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-        errors.append(f"deepspeed.gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
     if ds.get("bf16", {}).get("enabled", False) and backend != "fsdp2":
         errors.append(f"deepspeed.bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
                       "is available with backend deepspeed or fsdp2")
@@ -176,6 +175,14 @@ class TorchEngine:
         from hdet_scale.backends.common import default_device
 
         device = default_device()
+        # model.sharded_init on fsdp2: parameters on the meta device, sharded, then each
+        # rank draws its own shard (the whole build's values; hdet_scale/train/init.py).
+        # ddp and fairscale hold the whole model on every rank.
+        model = apply_activation_checkpointing(
+            build_model(mcfg, params_on_meta=backend == "fsdp2" and mcfg.sharded_init), mcfg)
+        # The construction's peak; a meta-device build allocates later, inside initialize
+        # (to_empty), and the engine's own peak follows in the summary.
+        self.model_built_mb = peak_host_mb()
         if backend == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -184,12 +191,6 @@ class TorchEngine:
             mp = None
             if ds.get("bf16", {}).get("enabled", False):
                 mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            # model.sharded_init: parameters on the meta device, sharded, then each rank
-            # draws its own shard (the whole build's values; hdet_scale/train/init.py).
-            model = apply_activation_checkpointing(build_model(mcfg, params_on_meta=mcfg.sharded_init), mcfg)
-            # Sharded construction allocates inside initialize (to_empty), which this
-            # value then misses; the engine's own peak follows in the summary.
-            self.model_built_mb = peak_host_mb()
             self.model, self.optimizer, self.scheduler = fsdp2.initialize(
                 model, hcfg, lambda p: cls(p, **kwargs), shard_modules=lambda m: m.model.layers,
                 mp_policy=mp, device=device, logger=logger, probe=probe,
@@ -199,18 +200,12 @@ class TorchEngine:
         elif backend == "ddp":
             from hdet_scale.backends import ddp
 
-            model = apply_activation_checkpointing(build_model(mcfg), mcfg)  # whole on every rank
-            self.model_built_mb = peak_host_mb()
-
             self.model, self.optimizer, self.scheduler = ddp.initialize(
                 model.to(device), hcfg, lambda p: cls(p, **kwargs), device=device, logger=logger, probe=probe)
             self._module = self.model.module
             self._lib = ddp
         else:
             from hdet_scale.backends import fairscale
-
-            model = apply_activation_checkpointing(build_model(mcfg), mcfg)  # whole on every rank
-            self.model_built_mb = peak_host_mb()
 
             self.model, self.optimizer, self.scheduler = fairscale.initialize(
                 model.to(device), hcfg, cls, kwargs, device=device, logger=logger, probe=probe)
