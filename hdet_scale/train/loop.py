@@ -255,10 +255,10 @@ def train(run: dict) -> dict:
     if run["train"]["checkpoint"]:
         rundir.save(engine, ckpt, keep)
     device = engine.device if dist.get_backend() != "gloo" else "cpu"
-    memory = {"peak_host_mb": every_rank(peak_host_mb(), device),  # per global rank, MiB
-              "peak_host_mb_after_model": every_rank(engine.model_built_mb, device),
-              "peak_host_mb_after_build": every_rank(built_mb, device),
-              "peak_device_mb": every_rank(peak_device_mb(), device)}
+    memory = every_rank({"peak_host_mb": peak_host_mb(),  # per global rank, MiB
+                         "peak_host_mb_after_model": engine.model_built_mb,
+                         "peak_host_mb_after_build": built_mb,
+                         "peak_device_mb": peak_device_mb()}, device)
     summary = {
         "val_loss": val_loss,
         "val_ppl": math.exp(val_loss) if val_loss < 700 else float("inf"),  # exp overflows past ~709

@@ -35,10 +35,14 @@ def peak_device_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2 ** 20
 
 
-def every_rank(value: float | None, device: torch.device | str = "cpu") -> list[float | None]:
-    """``value`` of every rank of the world (index = global rank). Collective (one
-    all-gather of a float64 per rank); ``None`` travels as NaN."""
-    x = torch.tensor([float("nan") if value is None else float(value)], dtype=torch.float64, device=device)
+def every_rank(values: dict[str, float | None], device: torch.device | str = "cpu"
+               ) -> dict[str, list[float | None]]:
+    """Each of ``values`` on every rank of the world (per key, a list indexed by global
+    rank, MiB rounded to 0.1). Collective: one all-gather of ``len(values)`` float64 per
+    rank, whatever the number of keys; ``None`` travels as NaN."""
+    x = torch.tensor([float("nan") if v is None else float(v) for v in values.values()], dtype=torch.float64,
+                     device=device)
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x)
-    return [None if v.isnan() else round(float(v), 1) for v in out]
+    rows = torch.stack(out).cpu()
+    return {k: [None if v.isnan() else round(float(v), 1) for v in rows[:, i]] for i, k in enumerate(values)}
