@@ -24,11 +24,16 @@ def _has_wandb_credentials() -> bool:
     return False
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any, nonfinite: Any = str) -> Any:
+    """``value`` (nested dicts / lists) with every NaN / inf float replaced by
+    ``nonfinite(x)``: JSON has none. Metrics keep them readable (``"nan"``); a summary
+    that strict readers parse writes ``null`` (``nonfinite=lambda x: None``)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them readable
+        return nonfinite(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v, nonfinite) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v, nonfinite) for v in value]
     return value
 
 
@@ -89,7 +94,7 @@ class MetricsLogger:
             self._file = open(self._jsonl, "a" if self._append else "w", buffering=1)
         if self._file is not None:
             out = {"step": step, **record} if step is not None else dict(record)
-            self._file.write(json.dumps({k: _json_safe(v) for k, v in out.items()}) + "\n")
+            self._file.write(json.dumps(json_safe(out)) + "\n")
         if self._wandb_run is not None:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
             if self._own_run:

@@ -27,7 +27,7 @@ from hdet_scale.backends.deepspeed import prepare_config
 from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.errors import HDETConfigError, HDETStateError
-from hdet_scale.logging import MetricsLogger
+from hdet_scale.logging import MetricsLogger, json_safe
 from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.engines import build_engine, check_engine_config
@@ -146,16 +146,6 @@ class Probe:
         total = sum(loss_fn(model, x.to(device), y.to(device)).double() for x, y in self.batches)
         model.train(was_training)
         return total / len(self.batches)
-
-
-def _finite_or_none(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite_or_none(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite_or_none(v) for v in x]
-    return x
 
 
 def train(run: dict) -> dict:
@@ -284,7 +274,7 @@ def train(run: dict) -> dict:
     if rank == 0:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             # Strict JSON: a diverged run's NaN / inf are written as null.
-            json.dump(_finite_or_none(summary), f, indent=2)
+            json.dump(json_safe(summary, nonfinite=lambda x: None), f, indent=2)
         logger.summary(summary)
     logger.close()
     dist.barrier(group=dist.group.WORLD)

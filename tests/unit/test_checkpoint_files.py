@@ -165,8 +165,9 @@ def test_a_diverged_runs_summary_is_strict_json():
     # json.dump writes NaN / Infinity, which strict JSON readers refuse: null instead.
     import json as _json
 
-    from hdet_scale.train.loop import _finite_or_none
+    from hdet_scale.logging import json_safe
 
-    s = _finite_or_none({"val_loss": float("nan"), "val_ppl": float("inf"), "peak": [1.5, float("-inf")], "n": 3})
+    s = json_safe({"val_loss": float("nan"), "val_ppl": float("inf"), "peak": [1.5, float("-inf")], "n": 3},
+                  nonfinite=lambda x: None)
     assert _json.loads(_json.dumps(s, allow_nan=False)) == {"val_loss": None, "val_ppl": None, "peak": [1.5, None],
                                                             "n": 3}
