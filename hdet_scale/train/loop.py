@@ -192,6 +192,10 @@ def train(run: dict) -> dict:
     batches = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], rank, world)
     if resuming:
         rundir.load(engine, ckpt)
+        # Every rank loaded before rank 0 trims: a load that fails on another rank (rank 0's
+        # own went through) must leave the stopped run's records as they were. A failed rank
+        # never arrives; the launcher ends the waiting ones.
+        dist.barrier()
         if rank == 0:
             rundir.trim_for_resume(run)  # only now: a resume that fails to load loses nothing
     steps = run["train"]["steps"]
