@@ -295,7 +295,12 @@ def _parse_axes(data: Any, prefix: str, errors: list[str]) -> dict[str, AxisConf
 
 
 def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
-    if not ok:
+    # A key already reported, or its block (a wrong type: the default stands in), is not
+    # judged again on the stand-in: "expected int, got 10.5" then "must be >= 1, got None"
+    # would contradict itself.
+    parts = key.split(".")
+    reported = tuple(".".join(parts[:i]) + ": " for i in range(1, len(parts) + 1))
+    if not ok and not any(e.startswith(reported) for e in errors):
         errors.append(f"{key}: {message}")
 
 

@@ -2,7 +2,9 @@
 world you do not have, in one CPU process, and print the replica x shard groups, the
 fan-out multipliers and the derived auto-LR decay. ``--backend deepspeed`` (default) also
 checks the DeepSpeed keys HDET depends on; ``fsdp2``, ``ddp`` and ``fairscale`` check the
-``hdet`` block alone. Exit 0 when valid, 2 with the errors if not."""
+``hdet`` block alone. Every backend also gets the checks ``hdet-train`` runs on the JSON:
+unknown keys, blocks given as a value, and the optimizer values
+(``ds_values.check_deepspeed_values``). Exit 0 when valid, 2 with the errors if not."""
 
 from __future__ import annotations
 
@@ -41,10 +43,14 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     # Strict, unlike the library (see hdet_scale.ds_keys): a dry run exists to find what
     # a 30-hour run would silently ignore, such as an "hdett" block or a misspelled key.
     from hdet_scale.ds_keys import check_deepspeed_keys
+    from hdet_scale.ds_values import check_deepspeed_values
 
     check_deepspeed_keys(config, strict=True, optimizer_params=backend == "deepspeed")
     if not isinstance(config.get("hdet", {}), dict):
         raise HDETConfigError(f"hdet: expected an object, got {config['hdet']!r}")
+    # The values hdet-train refuses before any rank starts (a negative, NaN or text LR):
+    # the trainer's engines read them whatever the backend.
+    check_deepspeed_values(config)
     if "hdet" not in config:
         if backend == "deepspeed":
             return "no hdet block: plain DeepSpeed"
@@ -63,14 +69,20 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     with warnings.catch_warnings():
         # Reported below as a line of the report, not twice.
         warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
-        if backend == "deepspeed":
-            cfg, ds = prepare_config(config, world_size=world_size)
-            if not cfg.enabled:
-                return "hdet.enabled is false: plain DeepSpeed"
-        else:
-            from hdet_scale.backends.common import resolve_config
+        try:
+            if backend == "deepspeed":
+                cfg, ds = prepare_config(config, world_size=world_size)
+                if not cfg.enabled:
+                    return "hdet.enabled is false: plain DeepSpeed"
+            else:
+                from hdet_scale.backends.common import resolve_config
 
-            cfg = resolve_config(config, world_size)
+                cfg = resolve_config(config, world_size)
+        except HDETConfigError as e:
+            if sched.get("total_steps") is None and "schedule.total_steps" in str(e):
+                raise HDETConfigError(f"{e}\n  (hdet.schedule.total_steps is left to the trainer in this file: "
+                                      "pass --total-steps)") from None
+            raise
     lines = [Layout(world_size, cfg.replicas).describe()]
     if cfg.single_replica_warning:
         lines.append(f"warning: {cfg.single_replica_warning}")
@@ -125,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(describe(args.config, args.world_size, args.total_steps, args.backend))
     except HDETConfigError as e:
-        hint = ("\n  (hdet.schedule.total_steps is left to the trainer in this file: pass --total-steps)"
-                if "schedule.total_steps" in str(e) and args.total_steps is None else "")
-        print(f"hdet-dryrun: error: {e}{hint}", file=sys.stderr)
+        print(f"hdet-dryrun: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -17,6 +17,11 @@ What the caller does with the findings (:func:`check_deepspeed_keys`):
   is always an error: the user meant HDET and would silently get plain data parallelism;
 - keys DeepSpeed itself refuses (its pydantic blocks, removed features) are always
   errors: ``deepspeed.initialize`` would fail on them anyway, later and on every rank;
+- so is a block of settings given as another value (``"bf16": true``,
+  ``"zero_optimization": 5``), which DeepSpeed fails on with a TypeError naming no key:
+  the line names the key and the form (:func:`hdet_scale.ds_models.object_line`). A
+  top-level key is such a block where DeepSpeed parses ``{}`` there and fails on the
+  value, each parsed alone;
 - other unknown keys are errors with ``strict=True`` (``hdet-train``, ``hdet-dryrun``) and
   warnings otherwise (the library). A user's DeepSpeed JSON is often shared with other
   tools (launch scripts, the Hugging Face Trainer, a team's own fields), and DeepSpeed
@@ -35,15 +40,14 @@ import contextlib
 import copy
 import difflib
 import functools
-import inspect
 import logging
 import typing
 import warnings
 from collections.abc import KeysView, Mapping
 from typing import Any
 
-import torch
-
+from hdet_scale import ds_models
+from hdet_scale.ds_values import optimizer_accepts
 from hdet_scale.errors import HDETConfigError
 
 HDET_KEY = "hdet"
@@ -54,10 +58,6 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 # Top-level keys DeepSpeed reads outside DeepSpeedConfig._initialize_params (deepspeed
 # 0.19: deepspeed/__init__.py initialize() and DeepSpeedConfig.__init__ with an mpu).
 _READ_ELSEWHERE = ("sequence_parallel_size", "data_parallel_size")
-# Optimizer params DeepSpeed pops before calling the constructor (engine.py,
-# _configure_basic_optimizer / get_optimizer_configuration), and those it passes itself.
-_DS_ADAM_POPPED = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
-_DS_SETS_ITSELF = {"params", "model_params", "adam_w_mode", "adamw_mode", "fp32_optimizer_states"}
 # Nodes DeepSpeed looks into for one key but hands on whole: checked against the
 # optimizer's constructor below (scheduler params: the scheduler's, rejected with hdet).
 _OWN_CHECK = ("optimizer.params.", "scheduler.params.")
@@ -193,118 +193,40 @@ def valid_top_level_keys() -> frozenset[str]:
     return frozenset(k for k in rec.seen if isinstance(k, str)) | set(_READ_ELSEWHERE) | {HDET_KEY}
 
 
-def _pydantic_models() -> dict[str, type]:
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-
-    out, todo = {}, [DeepSpeedConfigModel]
-    while todo:
-        cls = todo.pop()
-        out.setdefault(cls.__name__, cls)
-        todo.extend(cls.__subclasses__())
-    return out
-
-
-def _model_keys(model: type) -> set[str]:
-    keys = set()
-    for name, f in model.model_fields.items():
-        keys.add(name)
-        if f.alias:
-            keys.add(f.alias)
-    return keys
-
-
-def _sub_model(model: type, part: Any) -> type | None:
-    from pydantic import BaseModel
-
-    for name, f in model.model_fields.items():
-        if part in (name, f.alias):
-            todo = [f.annotation]
-            while todo:
-                t = todo.pop()
-                if isinstance(t, type) and issubclass(t, BaseModel):
-                    return t
-                todo.extend(typing.get_args(t))
-    return None
-
-
-def _find_block(root: dict, model: type, loc: tuple) -> str | None:
-    """The dotted path of the block of ``root`` that ``model`` was validating when it
-    raised at ``loc`` (pydantic's ``loc`` is relative to the model's own input)."""
-    fields = _model_keys(model)
-    best, best_fit = None, -1
-    todo: list[tuple[str, Any]] = [("", root)]  # the root too: some blocks are assembled from top-level keys
-    while todo:
-        path, node = todo.pop()
-        target: Any = node
-        for part in loc[:-1]:
-            target = target.get(part) if isinstance(target, dict) else None
-        if isinstance(target, dict) and loc and loc[-1] in target:
-            fit = len(set(node) & fields)
-            if fit > best_fit:
-                best, best_fit = path, fit
-        todo.extend((f"{path}{k}.", v) for k, v in node.items() if isinstance(v, dict))
-    return best
-
-
-def _drop(root: dict, path: str, loc: tuple) -> bool:
-    node: Any = root
-    for part in [p for p in path.split(".") if p] + list(loc[:-1]):
-        node = node.get(part) if isinstance(node, dict) else None
-    if isinstance(node, dict) and loc and loc[-1] in node:
-        del node[loc[-1]]
-        return True
-    return False
-
-
-def _optimizer_accepts(ds: Mapping) -> tuple[str, set[str]] | None:
-    """``(what, accepted keys)`` of the optimizer DeepSpeed will build from
-    ``optimizer.type``, or ``None`` when unknown (a type DeepSpeed rejects anyway, an
-    optional package missing, Muon's own keys, a constructor taking ``**kwargs``)."""
-    opt = ds.get("optimizer")
-    if not isinstance(opt, Mapping) or not isinstance(opt.get("type"), str):
-        return None
-    name = opt["type"]
-    lname = name.lower()
-    extra: set[str] = set()
+def _alone(cls: Any, key: str, value: Any) -> tuple[Exception | None, _Recorder]:
+    """Parse a minimal config with ``key: value``: what DeepSpeed raised (or ``None``)
+    and the recorder."""
+    rec = _Recorder({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                     key: copy.deepcopy(value)})
     try:
-        if lname in ("adam", "adamw"):
-            from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+        with _quiet():
+            cls(rec)
+    except Exception as e:
+        return e, rec
+    return None, rec
 
-            torch_adam = bool((opt.get("params") or {}).get("torch_adam", False))
-            classes = [torch.optim.Adam, torch.optim.AdamW] if torch_adam else [FusedAdam, DeepSpeedCPUAdam]
-            extra = set(_DS_ADAM_POPPED)
-        elif lname == "adagrad":
-            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
 
-            classes = [torch.optim.Adagrad, DeepSpeedCPUAdagrad]
-        elif lname == "lamb":
-            from deepspeed.ops.lamb import FusedLamb
-
-            classes = [FusedLamb]
-        elif lname == "lion":
-            from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
-
-            classes = [FusedLion, DeepSpeedCPULion]
-        elif lname in ("muadam", "muadamw", "musgd"):
-            import mup
-
-            classes = [getattr(mup, {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}[lname])]
-        elif getattr(torch.optim, name, None) is not None and lname != "muon":
-            classes = [getattr(torch.optim, name)]
-        else:
-            return None
-    except ImportError:
-        return None
-    accepted = set(extra)
-    for cls in classes:
-        params = inspect.signature(cls).parameters.values()
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            return None
-        accepted |= {p.name for p in params}
-    # max_grad_norm: DeepSpeed raises and points to gradient_clipping.
-    accepted -= _DS_SETS_ITSELF | {"max_grad_norm"}
-    accepted |= extra
-    return " / ".join(f"{c.__module__.split('.')[0]}.{c.__name__}" for c in classes), accepted
+def _not_objects(cls: Any, ds: Mapping, valid: frozenset, prefix: str) -> dict[Any, str]:
+    """``{key: message}`` for the top-level keys DeepSpeed reads as a block of settings
+    (it parses ``{}`` there, looking into it or validating it as a pydantic model) that
+    hold something it fails on, each parsed alone: inside ``initialize`` a bare TypeError
+    or AttributeError naming no key. A non-object form DeepSpeed still takes
+    (``"zero_optimization": true``, deprecated) is left alone."""
+    found = {}
+    for k, v in ds.items():
+        if isinstance(v, Mapping) or k not in valid or k == HDET_KEY or k in _BATCH_KEYS:
+            continue
+        failed, _ = _alone(cls, k, v)
+        if failed is None or type(failed).__name__ == "DeepSpeedConfigError":  # removed: _parse says so
+            continue
+        empty_failed, rec = _alone(cls, k, {})
+        node = rec.children.get(k)
+        looked_into = node is not None and (node.consumed or bool(node.seen))  # {} read as a block
+        typed = any(err.get("type") in ("model_type", "dict_type") for err in ds_models.pydantic_errors(failed))
+        if empty_failed is None and (looked_into or typed):
+            seen = {s for s in node.seen if isinstance(s, str)} if node is not None else set()
+            found[k] = ds_models.object_line(f"{prefix}{k}", v, seen | ds_models.model_fields(failed))
+    return found
 
 
 def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
@@ -329,7 +251,10 @@ def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
     valid = valid_top_level_keys() if cls is not None else frozenset()
     if not valid:
         return hdet_like, refused, unknown
-    trial = copy.deepcopy({k: v for k, v in ds.items() if k in valid and k != HDET_KEY and k not in _BATCH_KEYS})
+    not_objects = _not_objects(cls, ds, valid, prefix)
+    refused.extend(not_objects.values())
+    trial = copy.deepcopy({k: v for k, v in ds.items()
+                           if k in valid and k != HDET_KEY and k not in _BATCH_KEYS and k not in not_objects})
     trial.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     rec = _parse(cls, trial, refused, unknown, prefix)
     valid = valid | (rec.seen if rec is not None else set())
@@ -343,9 +268,9 @@ def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
             if k not in node.seen:
                 unknown.append(f"{prefix}{node.path}{k}: unknown DeepSpeed key (DeepSpeed would ignore it); "
                                f"{_suggest(str(k), {s for s in node.seen if isinstance(s, str)})}")
-    found = _optimizer_accepts(ds) if optimizer_params else None
-    params = (ds.get("optimizer") or {}).get("params") or {}
-    if found is not None and isinstance(params, Mapping):
+    found = optimizer_accepts(ds) if optimizer_params else None
+    params = ds["optimizer"].get("params") if found is not None else None
+    if isinstance(params, Mapping):
         what, accepted = found
         for k in params:
             if k not in accepted:
@@ -370,23 +295,26 @@ def _parse(cls: Any, trial: dict, refused: list[str], unknown: list[str], prefix
                 cls(rec)
             return rec
         except ValidationError as e:
-            models = models or _pydantic_models()
+            models = models or ds_models.pydantic_models()
             model = models.get(e.title)
             dropped = False
             for err in e.errors():
                 loc = tuple(err.get("loc", ()))
-                path = _find_block(trial, model, loc) if model is not None else None
+                path = ds_models.find_block(trial, model, loc) if model is not None else None
                 key = prefix + (path or "") + ".".join(str(p) for p in loc)
-                if err.get("type") == "extra_forbidden" and model is not None:
+                if err.get("type") in ("model_type", "dict_type"):  # a block given as a value
+                    sub_fields = ds_models.model_keys(models.get(err.get("ctx", {}).get("class_name")))
+                    refused.append(ds_models.object_line(key, err.get("input"), sub_fields))
+                elif err.get("type") == "extra_forbidden" and model is not None:
                     sub: Any = model
                     for part in loc[:-1]:
-                        sub = _sub_model(sub, part) if sub is not None else None
-                    hint = _suggest(str(loc[-1]), _model_keys(sub)) if sub is not None else "not a valid key"
+                        sub = ds_models.sub_model(sub, part) if sub is not None else None
+                    hint = _suggest(str(loc[-1]), ds_models.model_keys(sub)) if sub is not None else "not a valid key"
                     refused.append(f"{key}: unknown key, DeepSpeed refuses it; {hint}")
                 else:
                     refused.append(f"{key}: DeepSpeed refuses the value {err.get('input')!r}: {err.get('msg')}")
                 if path is not None:
-                    dropped = _drop(trial, path, loc) or dropped
+                    dropped = ds_models.drop(trial, path, loc) or dropped
             if not dropped:
                 return None
         except Exception as e:

@@ -157,6 +157,23 @@ def _launch_local(run: dict) -> int:
             signal.signal(s, handler)
 
 
+def _print_resume_notice(run: dict, quiet_errors: bool = False) -> None:
+    """One warning on stderr when a resumed run's settings changed since its checkpoint
+    (``rundir.resume_notice``: each key, old -> new, and the value the run uses). Under
+    torchrun (``quiet_errors``) rank 0 prints it before ``train`` validates: a bad input
+    is then left to ``train``, which names it on every rank alike."""
+    from hdet_scale.train import rundir
+
+    try:
+        note = rundir.resume_notice(run)
+    except (HDETConfigError, HDETStateError):
+        if not quiet_errors:
+            raise
+        return
+    if note:
+        print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -173,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
             rank = int(os.environ["RANK"])
             install_rank_handlers(run, announce=rank == 0)
+            if rank == 0:
+                _print_resume_notice(run, quiet_errors=True)
             summary = train(run)
             if rank == 0:
                 print(json.dumps(summary, indent=2), flush=True)
@@ -185,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         validate(run, run["nproc"])
+        _print_resume_notice(run)
         if run["backend"] == "deepspeed":
             stale = stale_trainer_locks()
             if stale:

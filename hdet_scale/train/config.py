@@ -2,15 +2,17 @@
 
 Merged with OmegaConf against a structured schema, so an unknown or mistyped key is an
 error naming it. The ``deepspeed`` section is the DeepSpeed JSON (``deepspeed_config``)
-with overrides merged on top; its ``hdet`` block is validated by ``HDETConfig``.
+with overrides merged on top; its ``hdet`` block is validated by ``HDETConfig``, its
+values by :func:`hdet_scale.ds_values.check_deepspeed_values`. The hdet block's
+``logging.wandb.*`` keys are the defaults of the trainer's ``wandb.*`` (``_hdet_logging``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
+import sys
 from dataclasses import dataclass, field
 
 import yaml
@@ -18,6 +20,7 @@ from importlib import resources
 from typing import Any
 
 from hdet_scale.config import WandbConfig
+from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.backends import BACKENDS
 from hdet_scale.train.model import ModelConfig
@@ -60,6 +63,11 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=lambda: WandbConfig(enabled=True, project="hdet-scale"))
 
 
+# The sections of the run config that hold keys of their own, with an example key for messages.
+_SECTIONS = {"model": ("hidden_size", 256), "data": ("path", "/my/corpus"), "train": ("steps", 100),
+             "wandb": ("enabled", False)}
+
+
 def packaged(name: str) -> str:
     return str(resources.files("hdet_scale.train") / "configs" / name)
 
@@ -73,14 +81,22 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    explicit_wandb: set = set()  # the wandb.* keys the user sets (they win over the hdet block's)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(packaged("default.yaml")))
         if path is not None:
-            cfg = OmegaConf.merge(cfg, _load_yaml(path, overrides))
+            user, sections = _load_yaml(path, overrides)
+            _check_sections(sections, f"config file {path!r}: ", yaml_form=True)
+            explicit_wandb |= set(sections.get("wandb") or {})
+            cfg = OmegaConf.merge(cfg, user)
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        dotlist = OmegaConf.from_dotlist(overrides)
+        sections = OmegaConf.to_container(dotlist, resolve=False)
+        _check_sections(sections, "", yaml_form=False)
+        explicit_wandb |= set(sections.get("wandb") or {})
+        cfg = OmegaConf.merge(cfg, dotlist)
     except OmegaConfBaseException as e:
         raise HDETConfigError(_describe(e)) from None
     run = OmegaConf.to_container(cfg, resolve=True)
@@ -94,7 +110,44 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     except OmegaConfBaseException as e:
         raise HDETConfigError(f"deepspeed: {_describe(e)} (merging the overrides into {ds_path})") from None
     _validate(run)
+    _hdet_logging(run, explicit_wandb)
     return run
+
+
+def _check_sections(top: dict, where: str, yaml_form: bool) -> None:
+    """A section of keys (``train``, ``model``...) given as a single value or a list, in
+    the YAML file or as an override (``train=[1,2]``, ``model=5``): one message naming it
+    and the form it takes, not OmegaConf's merge error naming no key."""
+    for name, (key, value) in _SECTIONS.items():
+        if name in top and not isinstance(top[name], dict):
+            form = (f"{name}: {{{key}: {json.dumps(value)}}}" if yaml_form else
+                    f"{name}.{key}={json.dumps(value).strip(chr(34))}")
+            raise HDETConfigError(f"{where}{name}: must be a mapping of {name}.* keys, e.g. {form}; "
+                                  f"got {json.dumps(top[name], default=str)}")
+
+
+def _hdet_logging(run: dict, explicit: set) -> None:
+    """Honour ``deepspeed.hdet.logging`` (what a DeepSpeed JSON written for the library
+    carries) where the trainer has the same setting. ``wandb.*``: the same keys as the
+    trainer's ``wandb.*`` (``WandbConfig``); each one the hdet block sets is used unless
+    the run config sets it too (``explicit``: its YAML or an override). ``every`` is the
+    scheduler's own setting and applies as it is. ``jsonl`` has no trainer counterpart:
+    the trainer always writes ``run_dir/metrics.jsonl`` (resume and overwrite read it),
+    so it is a warning on stderr, once (the launcher; rank 0 under torchrun). Types and values of
+    the block are checked by ``HDETConfig`` (``loop.validate``) before any rank starts."""
+    block = (run["deepspeed"].get("hdet") or {}).get("logging")
+    if not isinstance(block, dict):
+        return  # absent, or not an object: HDETConfig names it
+    wandb = block.get("wandb")
+    if isinstance(wandb, dict):
+        fields = {f.name for f in dataclasses.fields(WandbConfig)}
+        run["wandb"].update({k: v for k, v in wandb.items() if k in fields and k not in explicit})
+    if block.get("jsonl") is not None and os.environ.get("RANK", "0") == "0":
+        # On stderr like the trainer's other warnings (cli.py), not a Python warning
+        # with its file and line.
+        print(f"hdet-train: warning: deepspeed.hdet.logging.jsonl={block['jsonl']!r} is not used by hdet-train: "
+              f"it writes its metrics to run_dir/metrics.jsonl ({os.path.join(run['run_dir'], 'metrics.jsonl')}); "
+              "choose the folder with run_dir=...", file=sys.stderr, flush=True)
 
 
 def _read_text(path: str, what: str) -> str:
@@ -112,8 +165,9 @@ def _read_text(path: str, what: str) -> str:
         raise HDETConfigError(f"{what} {path!r} cannot be read: {e.strerror}") from None
 
 
-def _load_yaml(path: str, overrides: list[str]) -> Any:
-    """The user's run config file: a YAML mapping of trainer keys."""
+def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
+    """The user's run config file, a YAML mapping of trainer keys: ``(OmegaConf node,
+    the same as a plain dict)``."""
     from omegaconf import OmegaConf
 
     if not os.path.exists(path) and not path.endswith((".yaml", ".yml", ".json")):
@@ -127,6 +181,11 @@ def _load_yaml(path: str, overrides: list[str]) -> Any:
     except yaml.YAMLError as e:
         where = " ".join(str(e).replace('"<unicode string>"', repr(path)).split())
         raise HDETConfigError(f"config file {path!r} is not valid YAML: {where}") from None
+    twice = _repeated_key(text)
+    if twice is not None:
+        key, first, again = twice
+        raise HDETConfigError(f"config file {path!r} sets {key} twice (lines {first} and {again}): keep one "
+                              "(YAML does not say which would win)")
     if not isinstance(top, (dict, type(None))):
         kind = "list" if isinstance(top, list) else f"single value ({top!r})"
         raise HDETConfigError(f"config file {path!r} must hold a YAML mapping of trainer keys (run_dir: ..., "
@@ -136,7 +195,27 @@ def _load_yaml(path: str, overrides: list[str]) -> Any:
     if ds_keys and not set(top) & {f.name for f in dataclasses.fields(RunConfig)}:
         raise HDETConfigError(f"config file {path!r} looks like a DeepSpeed JSON (keys {', '.join(ds_keys)}): pass "
                               f"it as deepspeed_config={path}; the first argument is the trainer's YAML")
-    return OmegaConf.create(text)  # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not
+    # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not.
+    return OmegaConf.create(text), top or {}
+
+
+def _repeated_key(text: str) -> tuple[str, int, int] | None:
+    """``(dotted key, first line, second line)`` of the first key given twice in one
+    mapping of the YAML ``text`` (PyYAML keeps the last silently), or ``None``."""
+    todo = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for k, v in node.value:
+                name = k.value if isinstance(k, yaml.ScalarNode) else None
+                if name is not None and name in lines:
+                    return f"{path}{name}", lines[name], k.start_mark.line + 1
+                lines[name] = k.start_mark.line + 1
+                todo.append((f"{path}{name}.", v))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((f"{path}{i}.", v) for i, v in enumerate(node.value))
+    return None
 
 
 def _load_deepspeed_json(path: str) -> dict:
@@ -145,13 +224,29 @@ def _load_deepspeed_json(path: str) -> dict:
     if not text.strip():
         raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
     try:
-        ds = json.loads(text)
+        ds = json.loads(text, object_pairs_hook=_no_repeated_keys)
+    except _RepeatedKey as e:
+        raise HDETConfigError(f"deepspeed_config: file {path!r} has the key {e.args[0]!r} twice in one object: keep "
+                              "one (DeepSpeed refuses such a file; json keeps the last silently)") from None
     except ValueError as e:
         raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
     if not isinstance(ds, dict):
         raise HDETConfigError(f"deepspeed_config: file {path!r} must hold a JSON object ({{\"hdet\": {{...}}, "
                               f"...}}), got a JSON {type(ds).__name__}")
     return ds
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _no_repeated_keys(pairs: list) -> dict:
+    seen: dict = {}
+    for k, v in pairs:
+        if k in seen:
+            raise _RepeatedKey(k)
+        seen[k] = v
+    return seen
 
 
 def _describe(e: Exception) -> str:
@@ -197,47 +292,14 @@ def _validate(run: dict) -> None:
     if errors:
         raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
     ModelConfig(**run["model"]).validate()
-    _check_deepspeed_values(run["deepspeed"])
+    check_deepspeed_values(run["deepspeed"], prefix="deepspeed.", title="invalid run config")
     hdet = run["deepspeed"].setdefault("hdet", {})
     sched = hdet.setdefault("schedule", {})
-    if sched.get("total_steps") is None:
+    if not isinstance(sched, dict):
+        return  # HDETConfig names it (loop.validate)
+    total = sched.get("total_steps")
+    if total is None:
         sched["total_steps"] = t["steps"]
-    elif sched["total_steps"] < t["steps"]:
+    elif isinstance(total, int) and not isinstance(total, bool) and total < t["steps"]:
         raise HDETConfigError(f"deepspeed.hdet.schedule.total_steps: {sched['total_steps']} is shorter than "
                               f"train.steps={t['steps']}")
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_deepspeed_values(ds: dict) -> None:
-    """The ``deepspeed`` section's values that every backend reads, checked before any rank
-    starts (DeepSpeed itself would fail inside every rank, with a traceback, or train on a
-    negative, NaN or boolean LR without a word). Raises HDETConfigError naming each key."""
-    errors = []
-    if "hdet" in ds and not isinstance(ds["hdet"], dict):
-        errors.append(f"deepspeed.hdet: expected an object (the HDET block), got {ds['hdet']!r}")
-    opt = ds.get("optimizer", {})
-    if not isinstance(opt, dict):
-        errors.append(f"deepspeed.optimizer: expected an object with 'type' and 'params', got {opt!r}")
-        opt = {}
-    params = opt.get("params", {})
-    if params is not None and not isinstance(params, dict):
-        errors.append(f"deepspeed.optimizer.params: expected an object (e.g. {{lr: 3e-4}}), got {params!r}")
-        params = {}
-    params = params or {}
-    if "lr" in params and not (_number(params["lr"]) and params["lr"] > 0):
-        errors.append(f"deepspeed.optimizer.params.lr: must be a finite number > 0 (the peak LR), got {params['lr']!r}")
-    betas = params.get("betas")
-    if betas is not None and not (isinstance(betas, (list, tuple)) and len(betas) == 2
-                                  and all(_number(b) and 0 <= b < 1 for b in betas)):
-        errors.append(f"deepspeed.optimizer.params.betas: must be two numbers in [0, 1), got {betas!r}")
-    for key in ("eps", "weight_decay"):
-        if key in params and not (_number(params[key]) and params[key] >= 0):
-            errors.append(f"deepspeed.optimizer.params.{key}: must be a finite number >= 0, got {params[key]!r}")
-    clip = ds.get("gradient_clipping", 1.0)
-    if not (_number(clip) and clip >= 0):
-        errors.append(f"deepspeed.gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
-    if errors:
-        raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))

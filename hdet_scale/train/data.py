@@ -2,7 +2,8 @@
 
 The vocabulary is the 256 byte values, so no tokenizer (and no download) is needed.
 By default the corpus is the ``.py`` source of the Python standard library installed
-on the machine, which every rank of a job can read locally.
+on the machine, which every rank of a job can read locally. Which files ``data.path``
+names, and which it refuses (not text, not a regular file): ``data_files.py``.
 
 Determinism contract
 --------------------
@@ -18,16 +19,14 @@ Determinism contract
 
 from __future__ import annotations
 
-import os
 import pathlib
-import stat
-import sysconfig
 import zlib
 from dataclasses import dataclass
 
 import torch
 
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.data_files import collect, default_corpus_files, stdlib_root
 
 __all__ = [
     "Corpus",
@@ -36,14 +35,6 @@ __all__ = [
     "load_corpus",
     "unigram_entropy",
 ]
-
-#: Directory names never descended into when collecting the default corpus.
-_STDLIB_EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-)
-
-#: How many leading bytes of a file are checked for NUL when walking a folder.
-_BINARY_SNIFF_BYTES = 8192
 
 #: Separator written between concatenated files.
 _SEPARATOR = b"\n"
@@ -69,94 +60,6 @@ class Corpus:
     train_files: int
     val_files: int
     source: str
-
-
-def _stdlib_root() -> pathlib.Path:
-    return pathlib.Path(sysconfig.get_paths()["stdlib"])
-
-
-def default_corpus_files() -> list[pathlib.Path]:
-    """Return the ``.py`` files of this interpreter's standard library.
-
-    The root is ``sysconfig.get_paths()["stdlib"]``. Directories named
-    ``site-packages``, ``dist-packages``, ``test``, ``tests``, ``idlelib``,
-    ``lib2to3`` and ``__pycache__`` (and hidden directories) are skipped.
-
-    Returns:
-        Absolute paths, sorted by their POSIX path relative to the stdlib root, so the
-        order is identical on every rank and machine with the same Python version.
-    """
-    root = _stdlib_root()
-    rels: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith(".")
-        ]
-        rel_dir = pathlib.PurePath(dirpath).relative_to(root)
-        for name in filenames:
-            if name.endswith(".py") and not name.startswith("."):
-                rels.append((rel_dir / name).as_posix())
-    rels.sort()
-    return [root / rel for rel in rels]
-
-
-def _is_binary(path: pathlib.Path) -> bool:
-    with open(path, "rb") as fh:
-        return b"\x00" in fh.read(_BINARY_SNIFF_BYTES)
-
-
-def _folder_files(folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
-    """Regular, non-hidden, non-binary files under ``folder``, sorted by relative path."""
-    found: list[tuple[str, pathlib.Path]] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        rel_dir = pathlib.PurePath(dirpath).relative_to(folder)
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            full = pathlib.Path(dirpath) / name
-            try:
-                if not stat.S_ISREG(os.stat(full).st_mode) or _is_binary(full):
-                    continue
-            except OSError:
-                continue
-            found.append(((rel_dir / name).as_posix(), full))
-    found.sort(key=lambda item: item[0])
-    return found
-
-
-def _collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
-    """Resolve ``data.path`` into ``[(key, file)]`` in concatenation order."""
-    parts = [p.strip() for p in path.split(",") if p.strip()]
-    if not parts:
-        raise HDETConfigError(f"data.path={path!r} names no path")
-    files: list[tuple[str, pathlib.Path]] = []
-    seen: set[pathlib.Path] = set()
-    for index, part in enumerate(parts):
-        p = pathlib.Path(part).expanduser()
-        # Prefix keys with the argument index when several paths are given, so that
-        # equal relative paths under different folders hash differently.
-        prefix = f"{index}:" if len(parts) > 1 else ""
-        if p.is_dir():
-            members = _folder_files(p)
-            if not members:
-                raise HDETConfigError(
-                    f"data.path: folder {part!r} contains no readable non-binary, "
-                    "non-hidden files"
-                )
-            entries = [(prefix + rel, full) for rel, full in members]
-        elif p.is_file():
-            if not os.access(p, os.R_OK):
-                raise HDETConfigError(f"data.path: file {part!r} is not readable")
-            entries = [(prefix + p.name, p)]
-        else:
-            raise HDETConfigError(f"data.path: {part!r} does not exist")
-        for key, full in entries:
-            real = full.resolve()
-            if real not in seen:
-                seen.add(real)
-                files.append((key, full))
-    return files, ",".join(parts)
 
 
 def _hash_unit(key: str, seed: int) -> float:
@@ -200,9 +103,10 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
 
     Args:
         path: ``None`` for the default corpus (:func:`default_corpus_files`);
-            otherwise a text file, a folder (all regular files recursively, sorted by
-            relative path, skipping hidden files/dirs and files with a NUL byte in their
-            first 8 KiB), or several such paths separated by ``,``.
+            otherwise a UTF-8 text file, a folder (all regular files recursively,
+            sorted by relative path, skipping hidden files/dirs and files whose first
+            64 KiB are not UTF-8 text), or several such paths separated by ``,``
+            (``data_files.collect``).
         val_fraction: fraction in (0, 1) of files (and of the byte budget) that go to
             validation.
         max_bytes: total byte budget, > 0. Train gets
@@ -223,8 +127,9 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
 
     Raises:
         HDETConfigError: ``data.val_fraction`` not in (0, 1); ``data.max_bytes`` not
-            positive; ``data.path`` missing, unreadable, yielding no files, or yielding
-            an empty train or validation split.
+            positive; ``data.path`` missing, unreadable, not a regular file or folder
+            (``/dev/null``, a FIFO), a file that is not UTF-8 text, yielding no files, or
+            yielding an empty train or validation split.
     """
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not (
         0.0 < float(val_fraction) < 1.0
@@ -237,7 +142,7 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
         raise HDETConfigError(f"data.max_bytes must be an integer >= 2; got {max_bytes!r}")
 
     if path is None:
-        root = _stdlib_root()
+        root = stdlib_root()
         listed = default_corpus_files()
         files = [(f.relative_to(root).as_posix(), f) for f in listed]
         source = f"python-stdlib:{root}"
@@ -247,7 +152,7 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
                 "has no .py files; set data.path to a text file or folder"
             )
     else:
-        files, source = _collect(str(path))
+        files, source = collect(str(path))
 
     train_budget = max(1, int(max_bytes * (1.0 - val_fraction)))
     val_budget = max(1, max_bytes - train_budget)

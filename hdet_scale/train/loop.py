@@ -73,7 +73,7 @@ def validate(run: dict, world_size: int):
     gas = gas if isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1 else 1  # the engine names a bad one
     ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size, key="data (training split)")
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
-    rundir.fault_point()  # a malformed test hook fails here, on every rank alike
+    rundir.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike
     rundir.check_writable(run["run_dir"])  # before any rank starts, not four tracebacks later
     ckpt = rundir.checkpoint_dir(run)
     # Never replace a run the user already has: resume it, or refuse naming train.overwrite.
@@ -86,6 +86,7 @@ def validate(run: dict, world_size: int):
             this = (f" (this run: backend={backend}, world size {world_size} from nproc or the launcher, "
                     f"deepspeed.hdet.replicas={hcfg.replicas}; or use another run_dir)") if "written by" in str(e) else ""
             raise HDETStateError(f"train.resume: {e}{this}") from None
+        rundir.check_resume_config(run)  # a changed model shape...: refused here, naming every key
         saved = read_layout(ckpt)
         if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
             raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "
@@ -231,7 +232,7 @@ def train(run: dict) -> dict:
         # step, the RNG is saved per rank: a resume from here continues this run exactly.
         if every and sched.step_count % every == 0 and sched.step_count < steps:  # the last: below
             t0 = time.perf_counter()
-            rundir.save(engine, ckpt, keep)
+            rundir.save(engine, ckpt, keep, run)
             saving = time.perf_counter() - t0
             checkpoint_s += saving
             t_last += saving  # tokens/s counts training time only
@@ -247,7 +248,7 @@ def train(run: dict) -> dict:
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
     if run["train"]["checkpoint"]:
-        rundir.save(engine, ckpt, keep)
+        rundir.save(engine, ckpt, keep, run)
     device = engine.device if dist.get_backend() != "gloo" else "cpu"
     memory = every_rank({"peak_host_mb": peak_host_mb(),  # per global rank, MiB
                          "peak_host_mb_after_model": engine.model_built_mb,

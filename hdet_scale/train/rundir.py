@@ -29,6 +29,7 @@ from hdet_scale.backends.checkpoint_io import (
 )
 from hdet_scale.backends.common import read_layout
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.train import resume_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
 JOB_FILE = "job.json"  # which torchrun job (TORCHELASTIC_RUN_ID) last started in this run_dir
@@ -188,11 +189,33 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def save(engine: Any, path: str, keep: int) -> None:
+def save(engine: Any, path: str, keep: int, run: dict | None = None) -> None:
     """The backend's checkpoint of ``engine`` (``engines.py`` ``save``: atomic, ``latest``
-    moves last), then keep the newest ``keep``. Collective."""
+    moves last), then keep the newest ``keep``. Collective. With ``run``, rank 0 first
+    records its settings for the save's tag (``resume_config.save_record``: what a later
+    resume compares itself with)."""
+    sched = engine.scheduler
+    if run is not None and sched.topology.rank == 0:
+        # the tag every backend's save takes by default (common.checkpoint_target)
+        resume_config.save_record(path, f"global_step{sched.step_count}", run)
     engine.save(path)
-    prune_checkpoints(path, engine.scheduler.topology, keep)
+    prune_checkpoints(path, sched.topology, keep)
+
+
+def check_resume_config(run: dict) -> list[str]:
+    """``resume_config.check`` for this run's checkpoint: raises HDETStateError for a
+    change since the checkpoint that cannot work (a model shape, ...); returns the other
+    changes. Reads files only, the same on every rank."""
+    return resume_config.check(run, checkpoint_dir(run))
+
+
+def resume_notice(run: dict) -> str | None:
+    """The warning that a resumed run's settings changed since its checkpoint (every key,
+    ``old -> new``, and the value used), or ``None``: also when this run does not resume.
+    Raises what :func:`start_mode` and :func:`check_resume_config` raise."""
+    if start_mode(run) != "resume":
+        return None
+    return resume_config.notice(run, checkpoint_dir(run))
 
 
 def load(engine: Any, path: str) -> None:
@@ -217,22 +240,31 @@ def load(engine: Any, path: str) -> None:
         raise HDETStateError(f"train.resume: could not load the checkpoint {path}/replica_*/{tag}: "
                              f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
 
-def fault_point() -> tuple[int, int] | None:
+def fault_point(world_size: int | None = None, steps: int | None = None) -> tuple[int, int] | None:
     """The fault-injection hook for tests, ``HDET_FAULT_KILL="<rank>:<step>"``: that global
     rank kills itself with SIGKILL right after finishing that optimizer step (before a
     checkpoint due at that step). Only in a first attempt: a torchrun restart
     (``TORCHELASTIC_RESTART_COUNT`` > 0) ignores it, so the restarted job can finish.
+    Given ``world_size`` and ``steps`` (``train.steps``), a kill that could never happen
+    is refused rather than silently never fired.
 
     Raises:
-        HDETConfigError: the variable is set but not two integers ``rank:step``.
+        HDETConfigError: the variable is set but not two integers ``rank:step``, or
+            (when given) the rank is not in ``[0, world_size)`` or the step not in
+            ``[1, steps]``; the message names the variable and the valid ranges.
     """
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or _restart_count() > 0:
         return None
+    ranges = (f"rank in [0, {world_size - 1}] (world size {world_size}), step in [1, {steps}] (train.steps)"
+              if world_size is not None and steps is not None else "")
     try:
         rank, step = (int(x) for x in spec.split(":"))
     except ValueError:
-        raise HDETConfigError(f"{FAULT_ENV}: expected '<rank>:<step>' (test hook), got {spec!r}") from None
+        raise HDETConfigError(f"{FAULT_ENV}: expected '<rank>:<step>' (test hook{': ' + ranges if ranges else ''}), "
+                              f"got {spec!r}") from None
+    if ranges and not (0 <= rank < world_size and 1 <= step <= steps):
+        raise HDETConfigError(f"{FAULT_ENV}={spec!r} would never fire: expected '<rank>:<step>' with {ranges}")
     return rank, step
 
 

@@ -89,9 +89,10 @@ def lock_holders(path: str) -> list[int] | None:
 
 def lock_age(path: str, now: float | None = None) -> float | None:
     """Seconds since ``path`` was created (its mtime; the loader never writes to it), or
-    ``None`` when it is gone."""
+    ``None`` when it is gone. A symbolic link's own time (``lstat``): the loader's
+    ``O_CREAT | O_EXCL`` open fails on any name that exists, a dangling link included."""
     try:
-        return (time.time() if now is None else now) - os.stat(path).st_mtime
+        return (time.time() if now is None else now) - os.lstat(path).st_mtime
     except FileNotFoundError:
         return None
 
@@ -113,13 +114,30 @@ def stale_trainer_locks(root: str | None = None) -> list[str]:
     return [p for p in locks if is_stale(p)]
 
 
+def _removal(path: str) -> tuple[str, str]:
+    """``(what is there, the command that removes it)`` for the lock path ``path``:
+    torch's loader makes a plain file (``""``: nothing more to say), but anything at that
+    name blocks it, and ``rm`` refuses a folder."""
+    try:
+        if os.path.islink(path):  # rm removes the link itself, never its target
+            return f"a symbolic link to {os.readlink(path)}", f"rm {path}"
+        if os.path.isdir(path):
+            return ("a folder, not the file torch's loader makes",
+                    f"rmdir {path}" if not os.listdir(path) else f"rm -r {path}")
+    except OSError:
+        pass
+    return "", f"rm {path}"
+
+
 def stale_lock_message(path: str) -> str:
-    """One message naming the stale lock ``path``, why it blocks, and how to clear it."""
+    """One message naming the stale lock ``path``, why it blocks, and the command that
+    clears what is there (``rm`` for a file or link, ``rmdir`` / ``rm -r`` for a folder)."""
     age = lock_age(path)
     old = f"{age:.0f} s old" if age is not None else "gone by now"
-    return (f"DeepSpeed's op build lock {path} is stale ({old}, and no process on this machine holds it): "
-            "a DeepSpeed start was killed while it loaded its compiled ops, and every later start would wait "
-            f"on this file forever. Delete it (rm {path}) unless another machine sharing this folder is "
+    kind, command = _removal(path)
+    return (f"DeepSpeed's op build lock {path} is stale ({old}{', ' + kind if kind else ''}; no process on this "
+            "machine holds it): a DeepSpeed start was killed while it loaded its compiled ops, and every later start "
+            f"would wait on it forever. Delete it ({command}) unless another machine sharing this folder is "
             "building DeepSpeed ops right now, then start again. To need no lock at all, install DeepSpeed "
             "with its ops prebuilt (README, Troubleshooting).")
 

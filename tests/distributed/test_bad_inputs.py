@@ -44,10 +44,17 @@ def save_pt(path, obj=None) -> None:
 
 
 def checkpoint(run_dir, layout: dict | None = None, latest: str | None = "global_step10", replicas: int = 2,
-               shards: int = 2, tag: str = "global_step10") -> str:
+               shards: int = 2, tag: str = "global_step10", record: list[str] | None = None) -> str:
     """A checkpoint folder in the backends' layout (DeepSpeed's file names), every file a
-    complete torch.save archive; returns the checkpoint folder."""
+    complete torch.save archive; returns the checkpoint folder. With ``record`` (overrides
+    of the default run config), the settings record a trainer save writes for ``tag``
+    (``train/resume_config.py``), made by the trainer's own function."""
     ckpt = run_dir / "checkpoint"
+    if record is not None:
+        from hdet_scale.train.config import load_run_config
+        from hdet_scale.train.resume_config import save_record
+
+        save_record(str(ckpt), tag, load_run_config(None, [f"run_dir={run_dir}", *record]))
     for r in range(replicas):
         for s in range(shards):
             folder = ckpt / f"replica_{r}" / tag
@@ -85,14 +92,23 @@ def setup_cases(d) -> None:
     (d / "empty.txt").write_text("")
     (d / "hdet_null.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": null}')
     (d / "lr_nan.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}')
+    # issue 9, config & dryrun: repeated keys, sections given as a value, DeepSpeed JSONs for hdet-dryrun
+    (d / "twice.yaml").write_text("train:\n  steps: 10\n  steps: 20\n")
+    (d / "section_list.yaml").write_text("train:\n  - 1\n  - 2\n")
+    zero3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+             "hdet": {"replicas": 2, "sync_interval": 10, "schedule": {"total_steps": 100}}}
+    for name, edit in {"lr_negative": {"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "bf16_true": {"bf16": True},
+                       "total_steps_fraction": {"hdet": {**zero3["hdet"], "schedule": {"total_steps": 10.5}}}}.items():
+        (d / f"{name}.json").write_text(json.dumps({**zero3, **edit}))
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
 # "{d}": the inputs folder; "{run}": this case's own run_dir (not created unless the setup does).
 
-def _ckpt(layout=None, latest="global_step10", damage=None):
+def _ckpt(layout=None, latest="global_step10", damage=None, record=None):
     def make(run):
-        ckpt = checkpoint(run, layout=layout, latest=latest)
+        ckpt = checkpoint(run, layout=layout, latest=latest, record=record)
         return damage(run / "checkpoint") if damage else ckpt
     return make
 
@@ -108,6 +124,15 @@ def plant_stale_lock(run) -> None:
     os.utime(lock, (old, old))
 
 
+def plant_stale_lock_folder(run) -> None:
+    """A folder where torch's loader makes its lock file: it blocks the loader just the
+    same, and ``rm`` would refuse it."""
+    lock = run.parent / f"{run.name}_ext" / "fused_adam" / "lock"
+    lock.mkdir(parents=True)
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+
+
 CASES = [
     # how the command line and config files are read
     ("no_equals", ["train.steps", "10"], {}, 2, ["train.steps=10"], None),
@@ -117,6 +142,10 @@ CASES = [
     ("yaml_scalar", ["{d}/scalar.yaml"], {}, 2, ["scalar.yaml", "mapping"], None),
     ("ds_json_as_run_config", ["{d}/ds.json"], {}, 2, ["ds.json", "deepspeed_config={d}/ds.json"], None),
     ("yaml_syntax", ["{d}/broken.yaml"], {}, 2, ["broken.yaml", "not valid YAML"], None),
+    ("yaml_key_twice", ["{d}/twice.yaml"], {}, 2, ["twice.yaml", "train.steps twice (lines 2 and 3)"], None),
+    ("yaml_section_list", ["{d}/section_list.yaml"], {}, 2, ["section_list.yaml", "train: must be a mapping"], None),
+    ("section_list", ["train=[1,2]"], {}, 2, ["train: must be a mapping", "train.steps="], None),
+    ("section_scalar", ["model=5"], {}, 2, ["model: must be a mapping", "model.hidden_size="], None),
     ("ds_json_empty", ["deepspeed_config={d}/empty.json"], {}, 2, ["empty.json", "empty"], None),
     ("ds_json_cut", ["deepspeed_config={d}/cut.json"], {}, 2, ["cut.json", "not valid JSON"], None),
     ("ds_json_list", ["deepspeed_config={d}/list.json"], {}, 2, ["list.json", "JSON object"], None),
@@ -124,6 +153,14 @@ CASES = [
     ("ds_json_missing", ["deepspeed_config={d}/nope.json"], {}, 2, ["nope.json", "does not exist"], None),
     ("ds_json_folder", ["deepspeed_config={d}/folder.json"], {}, 2, ["folder.json", "folder"], None),
     ("ds_section_scalar", ["deepspeed=5"], {}, 2, ["deepspeed:", "mapping"], None),
+    # a DeepSpeed block given as a value: DeepSpeed's TypeError inside every rank named no key
+    ("ds_bf16_value", ["deepspeed.bf16=true"], {}, 2, ['deepspeed.bf16: must be a JSON object, e.g. {{"enabled": true}}'],
+     None),
+    ("ds_zero_value", ["deepspeed.zero_optimization=5"], {}, 2,
+     ['deepspeed.zero_optimization: must be a JSON object, e.g. {{"stage": 3}}'], None),
+    # the hdet block's logging.jsonl has no trainer counterpart: warned at the launcher (here before a data error)
+    ("hdet_logging_jsonl_warned", ["deepspeed.hdet.logging.jsonl=m.jsonl", "data.path=/nonexistent/corpus"], {}, 2,
+     ["deepspeed.hdet.logging.jsonl='m.jsonl' is not used by hdet-train", "data.path"], None),
     # values DeepSpeed would fail on inside every rank, or train on without a word
     ("ds_hdet_null", ["deepspeed_config={d}/hdet_null.json"], {}, 2, ["deepspeed.hdet", "object"], None),
     ("lr_nan", ["deepspeed_config={d}/lr_nan.json"], {}, 2, ["deepspeed.optimizer.params.lr", "> 0"], None),
@@ -144,6 +181,14 @@ CASES = [
     ("data_empty", ["data.path={d}/empty.txt"], {}, 2, ["data.path"], None),
     ("data_val_fraction", ["data.val_fraction=1.5"], {}, 2, ["data.val_fraction"], None),
     ("data_max_bytes", ["data.max_bytes=0"], {}, 2, ["data.max_bytes"], None),
+    # a file that is not text, or not a regular file (a FIFO must not block the start)
+    ("data_torch_file", ["data.path={run}.pt"], {}, 2, ["data.path: file", "{run}.pt", "not UTF-8 text", "NUL byte"],
+     lambda run: torch.save({"w": torch.zeros(64)}, f"{run}.pt")),
+    ("data_program", ["data.path=/bin/ls"], {}, 2, ["'/bin/ls' is not UTF-8 text"], None),
+    ("data_dev_null", ["data.path=/dev/null"], {}, 2, ["'/dev/null' is not a regular file but a character device"],
+     None),
+    ("data_fifo", ["data.path={run}.fifo"], {}, 2, ["{run}.fifo' is not a regular file but a FIFO"],
+     lambda run: os.mkfifo(f"{run}.fifo")),
     # layout (world = nproc; replicas must divide it)
     ("replicas_not_dividing", ["deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
     ("world_not_divisible", ["nproc=3"], {}, 2, ["replicas"], None),
@@ -206,10 +251,23 @@ CASES = [
     ("resume_nothing_left", ["run_dir={run}", "train.resume=true", "train.steps=10",
                              "deepspeed.hdet.schedule.total_steps=300", "deepspeed.hdet.auto.warmup_steps=5"], {}, 2,
      ["nothing is left"], _ckpt()),
+    # settings changed since the checkpoint that its state cannot take (recorded at its save)
+    ("resume_model_shape_changed", ["run_dir={run}", "train.resume=true", "model.hidden_size=64", "model.num_layers=2"],
+     {}, 2, ["model.hidden_size: 128 -> 64", "model.num_layers: 4 -> 2", "(global_step10, step 10)"],
+     _ckpt(record=[])),
+    ("resume_state_settings_changed", ["run_dir={run}", "train.resume=true", "deepspeed.hdet.sync_interval=5",
+                                       "deepspeed.optimizer.type=Adam"], {}, 2,
+     ["deepspeed.hdet.sync_interval: 25 -> 5", 'deepspeed.optimizer.type: "AdamW" -> "Adam"'], _ckpt(record=[])),
     # environment: the fault-injection hook, a stale DeepSpeed op lock in a private extensions folder
     ("fault_hook_malformed", [], {"HDET_FAULT_KILL": "three"}, 2, ["HDET_FAULT_KILL"], None),
+    ("fault_hook_rank_out_of_range", [], {"HDET_FAULT_KILL": "4:5"}, 2,
+     ["HDET_FAULT_KILL='4:5' would never fire", "rank in [0, 3] (world size 4)"], None),
+    ("fault_hook_step_out_of_range", [], {"HDET_FAULT_KILL": "0:301"}, 2,
+     ["HDET_FAULT_KILL='0:301'", "step in [1, 300] (train.steps)"], None),
     ("stale_op_lock", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "rm {run}_ext/fused_adam/lock", "prebuilt"], plant_stale_lock),
+    ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
+     ["{run}_ext/fused_adam/lock", "a folder", "(rmdir {run}_ext/fused_adam/lock)"], plant_stale_lock_folder),
 ]
 
 
@@ -242,6 +300,11 @@ DRYRUN_CASES = [
     ("dryrun_missing", ["{d}/nope.json"], ["nope.json"]),
     ("dryrun_folder", ["{d}/folder.json"], ["folder.json"]),
     ("dryrun_list", ["{d}/list.json"], ["JSON object"]),
+    # the values hdet-train refuses (ds_values.check_deepspeed_values), blocks given as a value
+    ("dryrun_lr_negative", ["{d}/lr_negative.json"], ["optimizer.params.lr: must be a finite number > 0", "got -1"]),
+    ("dryrun_bf16_value", ["{d}/bf16_true.json"], ['bf16: must be a JSON object, e.g. {"enabled": true}; got true']),
+    ("dryrun_total_steps_fraction", ["{d}/total_steps_fraction.json"],
+     ["hdet.schedule.total_steps: expected int | None, got 10.5"]),  # the only line: test_dryrun.py
 ]
 
 

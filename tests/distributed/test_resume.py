@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -100,9 +101,30 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 12, "hdet/lo')
 
-    proc = hdet_train([f"run_dir={run_dir}", *SHORT, "train.resume=true"])
+    # A resume with another model shape: refused by the launcher from the settings the real
+    # saves recorded, in seconds, before any rank starts; the stopped run is left as it was.
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    t0 = time.monotonic()
+    proc = hdet_train([f"run_dir={run_dir}", *SHORT, "train.resume=true", "model.hidden_size=64"])
+    assert proc.returncode == 2 and "model.hidden_size: 128 -> 64" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and time.monotonic() - t0 < 30, proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+    # Changed settings that the warning says the resumed run does not take from this run
+    # (the optimizer's groups come back with its state; the permutation generator's state
+    # too; warm init only acts at step 0): the run must still equal the uninterrupted one.
+    kept = ["deepspeed.optimizer.params.betas=[0.8,0.99]", "deepspeed.optimizer.params.eps=1e-6",
+            "deepspeed.optimizer.params.weight_decay=0.3", "deepspeed.hdet.seed=7", "deepspeed.hdet.warm_init.nu=0.5"]
+    proc = hdet_train([f"run_dir={run_dir}", *SHORT, "train.resume=true", *kept])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(run_dir, uninterrupted("deepspeed"))
+    warning = proc.stderr.split("hdet-train: warning: train.resume:", 1)[1]
+    for words in ("betas: [0.9, 0.95] -> [0.8, 0.99]: the resumed run keeps the checkpoint's value [0.9, 0.95]",
+                  "eps: 1e-08 -> 1e-06: the resumed run keeps the checkpoint's value 1e-08",
+                  "weight_decay: 0.1 -> 0.3: the resumed run keeps the checkpoint's value 0.1",
+                  "deepspeed.hdet.seed: 0 -> 7: the resumed run keeps the checkpoint's value 0",
+                  "deepspeed.hdet.warm_init.nu: 0.01 -> 0.5: no effect on a resumed run"):
+        assert words in warning, (words, warning)
     assert not stale.exists()
     for r in range(2):
         assert sorted(p.name for p in (ckpt / f"replica_{r}").iterdir() if p.is_dir()) == ["global_step10", "global_step12"]

@@ -161,6 +161,22 @@ def test_the_fault_hook_is_checked_and_fires_in_a_first_attempt_only(monkeypatch
         rundir.fault_point()
 
 
+def test_a_fault_hook_that_could_never_fire_is_refused(monkeypatch):
+    """Against the world size and train.steps, the hook's rank must be in [0, W) and its
+    step in [1, steps]: otherwise the test that set it would pass without its kill
+    (before the fix every such value was accepted silently)."""
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    for ok in ("0:1", "3:12"):
+        monkeypatch.setenv(rundir.FAULT_ENV, ok)
+        assert rundir.fault_point(4, 12) == tuple(int(x) for x in ok.split(":"))
+    for bad in ("4:5", "-1:5", "3:0", "3:13"):
+        monkeypatch.setenv(rundir.FAULT_ENV, bad)
+        with pytest.raises(HDETConfigError) as err:
+            rundir.fault_point(4, 12)
+        assert f"{rundir.FAULT_ENV}='{bad}'" in str(err.value) and "rank in [0, 3]" in str(err.value) \
+            and "step in [1, 12]" in str(err.value), str(err.value)
+
+
 def test_a_diverged_runs_summary_is_strict_json():
     # json.dump writes NaN / Infinity, which strict JSON readers refuse: null instead.
     import json as _json

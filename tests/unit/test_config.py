@@ -236,6 +236,22 @@ def test_not_a_mapping():
     assert "hdet.axes" in _error(_bad(axes=[1]))
 
 
+@pytest.mark.parametrize("patch,line", [
+    ({"schedule.total_steps": 10.5}, "hdet.schedule.total_steps: expected int | None, got 10.5"),
+    ({"schedule.total_steps": "abc"}, "hdet.schedule.total_steps: expected int | None, got 'abc'"),
+    ({"schedule": 5}, "hdet.schedule: expected an object, got int"),
+    ({"auto.warmup_steps": 1.5}, "hdet.auto.warmup_steps: expected int, got 1.5"),
+])
+def test_a_wrong_type_is_one_line_not_also_a_verdict_on_the_default(patch, line):
+    """Issue 9: a value of the wrong type leaves the field's default in its place, which the
+    range checks then judged too: total_steps 10.5 gave "expected int | None, got 10.5" and
+    "must be an integer >= 1, got None". Exactly one line now names the key (or its block)."""
+    msg = _error(_bad(**patch))
+    key = line.split(":")[0]
+    lines = msg.splitlines()[1:]
+    assert [s.strip() for s in lines if s.strip().startswith(key)] == [line], msg
+
+
 # ---- Layout ------------------------------------------------------------------------------
 
 def test_layout_not_dividing_world_names_key_and_divisors():

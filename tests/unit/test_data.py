@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -144,13 +146,13 @@ def test_each_split_gets_a_file_even_with_extreme_fraction(tmp_path):
 
 def test_single_file_split_by_position(tmp_path):
     p = tmp_path / "one.txt"
-    p.write_bytes(bytes(range(100)))
+    p.write_bytes(bytes(range(1, 101)))  # text: no NUL, all ASCII
     c = load_corpus(str(p), 0.2, 10**9, seed=0)
-    assert c.train.tolist() == list(range(80))
-    assert c.val.tolist() == list(range(80, 100))
+    assert c.train.tolist() == list(range(1, 81))
+    assert c.val.tolist() == list(range(81, 101))
     c = load_corpus(str(p), 0.2, 50, seed=0)  # max_bytes truncates first
-    assert c.train.tolist() == list(range(40))
-    assert c.val.tolist() == list(range(40, 50))
+    assert c.train.tolist() == list(range(1, 41))
+    assert c.val.tolist() == list(range(41, 51))
 
 
 def test_comma_separated_paths(tmp_path):
@@ -182,6 +184,94 @@ def test_folder_without_readable_files_error_names_key(tmp_path):
     (tmp_path / ".hidden").write_text("hi")
     with pytest.raises(HDETConfigError, match="data.path"):
         load_corpus(str(tmp_path), 0.1, 1000, seed=0)
+
+
+def _binary_files(d: pathlib.Path) -> dict[str, tuple[pathlib.Path, str]]:
+    """Files that are not UTF-8 text: ``{name: (path, the reason's words)}``."""
+    torch.save({"w": torch.zeros(8)}, d / "weights.pt")  # a zip archive: NUL bytes in its header
+    (d / "latin1.txt").write_bytes("caf\u00e9 au lait\n".encode("latin-1") * 10)  # 0xE9: invalid UTF-8
+    (d / "late_nul.txt").write_bytes(b"a" * 60_000 + b"\x00" + b"b" * 100)  # a NUL inside the first 64 KiB
+    return {"weights.pt": (d / "weights.pt", "NUL byte"), "latin1.txt": (d / "latin1.txt", "invalid UTF-8 at byte 3"),
+            "late_nul.txt": (d / "late_nul.txt", "NUL byte at byte 60000")}
+
+
+def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path):
+    """A binary file named in data.path (a .pt file, a program, Latin-1 text) is not
+    trained on as text: the error names the file, why (NUL byte / invalid UTF-8 and
+    where) and what data.path takes. Before the fix each was accepted."""
+    for name, (path, why) in _binary_files(tmp_path).items():
+        with pytest.raises(HDETConfigError) as err:
+            load_corpus(str(path), 0.1, 10**6, seed=0)
+        msg = str(err.value)
+        assert msg.startswith("data.path:") and str(path) in msg and "not UTF-8 text" in msg and why in msg, msg
+    with pytest.raises(HDETConfigError, match="not UTF-8 text"):
+        load_corpus("/bin/ls", 0.1, 10**6, seed=0)
+
+
+def test_text_is_judged_by_its_first_64_kib_only(tmp_path):
+    """A character cut by the 64 KiB boundary, and anything after it, do not make a file
+    binary (a large text file is not read twice in full)."""
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(b"a" * (64 * 1024 - 1) + "\u00e9".encode() + b"tail")  # 2-byte char across the boundary
+    late = tmp_path / "late.txt"
+    late.write_bytes(b"a" * (64 * 1024) + b"\x00\xff")
+    for p in (cut, late):
+        c = load_corpus(str(p), 0.1, 10**6, seed=0)
+        assert c.train.numel() + c.val.numel() == p.stat().st_size
+
+
+def test_a_folder_skips_files_that_are_not_text(tmp_path):
+    """Inside a folder, the same rule skips files (a source tree holds images and build
+    outputs); only its text files are read."""
+    _binary_files(tmp_path)
+    (tmp_path / "notes.txt").write_text("plain text " * 20)
+    (tmp_path / "more.txt").write_text("more text " * 20)
+    c = load_corpus(str(tmp_path), 0.5, 10**6, seed=0)
+    assert c.train_files + c.val_files == 2
+    got = bytes(c.train.tolist()) + bytes(c.val.tolist())
+    assert b"caf" not in got and b"PK" not in got and b"\x00" not in got
+
+
+def _in_thread(fn, timeout_s: float = 10.0):
+    """``fn()``'s exception (or None), failing if it has not returned within
+    ``timeout_s``: a FIFO opened for reading blocks until a writer comes."""
+    out = []
+
+    def run():
+        try:
+            fn()
+            out.append(None)
+        except Exception as e:  # noqa: BLE001 (handed back to the test)
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), "load_corpus blocked (it opened the FIFO)"
+    return out[0]
+
+
+def test_a_device_or_fifo_is_not_a_regular_file_and_never_blocks(tmp_path):
+    """/dev/null and a FIFO were reported as 'does not exist'; now: not a regular file,
+    which kind, without opening it (a FIFO's open would wait for a writer forever). A
+    FIFO inside a folder is skipped, again without opening it. A broken link is named."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path, kind in (("/dev/null", "character device"), (str(fifo), "FIFO")):
+        err = _in_thread(lambda: load_corpus(path, 0.1, 1000, seed=0))
+        assert isinstance(err, HDETConfigError), err
+        assert f"data.path: {path!r} is not a regular file but a {kind}" in str(err), str(err)
+        assert "does not exist" not in str(err)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    os.mkfifo(folder / "pipe.txt")
+    (folder / "a.txt").write_text("a" * 100)
+    (folder / "b.txt").write_text("b" * 100)
+    assert _in_thread(lambda: load_corpus(str(folder), 0.5, 1000, seed=0)) is None
+    link = tmp_path / "link.txt"
+    link.symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(HDETConfigError, match="broken symbolic link"):
+        load_corpus(str(link), 0.1, 1000, seed=0)
 
 
 @pytest.mark.parametrize("frac", [0.0, 1.0, -0.1, 1.5])

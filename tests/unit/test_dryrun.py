@@ -63,6 +63,60 @@ def test_no_hdet_block_is_plain_deepspeed_and_total_steps_must_agree():
     assert "world 8" in describe(ZERO3, 8, total_steps=1000)
 
 
+@pytest.mark.parametrize("params", [{"lr": -1}, {"lr": "abc"}, {"lr": float("nan")}, {"lr": True},
+                                    {"lr": 1e-3, "betas": [0.9]}, {"lr": 1e-3, "weight_decay": -0.1}])
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
+def test_optimizer_values_are_refused_as_hdet_train_refuses_them(params, backend, tmp_path):
+    """Issue 9: hdet-dryrun said 0 for an LR of -1 or "abc" that hdet-train refuses. Both now
+    run the same check (ds_values.check_deepspeed_values): the dry run's lines are the
+    trainer's, without its ``deepspeed.`` prefix, for every backend (the trainer's engines
+    all read the optimizer block)."""
+    from hdet_scale.train.config import load_run_config
+
+    cfg = {**ZERO3, "optimizer": {"type": "AdamW", "params": params}}
+    with pytest.raises(HDETConfigError) as dry:
+        describe(cfg, world_size=8, backend=backend)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(HDETConfigError) as train:
+        load_run_config(None, [f"deepspeed_config={path}", f"backend={backend}"])
+    lines = [line.strip() for line in str(dry.value).splitlines()[1:]]
+    assert lines and lines == [line.strip().removeprefix("deepspeed.") for line in str(train.value).splitlines()[1:]]
+    assert all(line.startswith("optimizer.params.") for line in lines), lines
+
+
+def test_a_fractional_total_steps_is_one_error(tmp_path, capsys):
+    """Issue 9: ``"total_steps": 10.5`` printed "expected int | None, got 10.5", "must be an
+    integer >= 1, got None" and a hint to pass --total-steps, although the file sets it. One
+    line now; the hint stays for a file that leaves total_steps to the trainer."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ZERO3, "hdet": {**BLOCK, "schedule": {"total_steps": 10.5}}}))
+    assert main([str(path), "--world-size", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2:] == ["hdet-dryrun: error: invalid hdet config:",
+                        "  hdet.schedule.total_steps: expected int | None, got 10.5"], err
+    path.write_text(json.dumps({**ZERO3, "hdet": {**BLOCK, "schedule": {"name": "onecycle"}}}))
+    assert main([str(path), "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "total_steps: must be an integer >= 1" in err and "pass --total-steps" in err
+
+
+@pytest.mark.parametrize("edit,line", [
+    ({"bf16": True}, 'bf16: must be a JSON object, e.g. {"enabled": true}; got true'),
+    ({"zero_optimization": 5}, 'zero_optimization: must be a JSON object, e.g. {"stage": 3}; got 5'),
+    ({"optimizer": "AdamW"}, 'optimizer: must be a JSON object, e.g. {"type": "AdamW", "params": {"lr": 0.001}}; '
+                             'got "AdamW"'),
+])
+def test_a_deepspeed_block_given_as_a_value_is_named(edit, line, capsys, tmp_path):
+    """Issue 9: DeepSpeed fails on these with a TypeError naming no key (and the dry run's
+    own key check raised an AttributeError on a text ``optimizer``)."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ZERO3, **edit}))
+    assert main([str(path), "--world-size", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"  {line}"
+
+
 def test_auto_lr_summary_per_controller():
     """The log controller: the number of meta-updates (syncs at 500 .. 1000: 6) and how far
     the multiplier can move (6 x the default step 0.25 in log units = x4.48). The paper controller over the

@@ -9,7 +9,10 @@
   recorded ``train_batch_size`` as the loss);
 - ``hdet/converge_s`` read before the device finished the converge;
 - the W&B logger finishing a run the user had opened;
-- one replica with a spread or auto-LR (HDET does nothing).
+- one replica with a spread or auto-LR (HDET does nothing);
+- a DeepSpeed block given as a value (``"bf16": true``), a key given twice in the run
+  YAML or the DeepSpeed JSON, a trainer section given as a value (``train=[1,2]``), and
+  the hdet block's ``logging`` in ``hdet-train`` (issue 9, config & dryrun).
 
 Expected values are computed by hand; float comparisons use rel=1e-12 (the same float64
 operations in a different order). The W&B test runs wandb offline in a temp folder.
@@ -170,6 +173,151 @@ def test_dryrun_refuses_hdett_instead_of_plain_deepspeed(ds_keys, tmp_path, caps
     assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2
     err = capsys.readouterr().err
     assert "hdett" in err and "did you mean 'hdet'?" in err and "plain DeepSpeed" in err  # "...trains plain DeepSpeed"
+
+
+# ---- DeepSpeed blocks given as a value (issue 9) ------------------------------------------
+
+@pytest.mark.parametrize("key,value,line", [
+    ("bf16", True, 'bf16: must be a JSON object, e.g. {"enabled": true}; got true'),
+    ("fp16", [1], 'fp16: must be a JSON object, e.g. {"enabled": true}; got [1]'),
+    ("zero_optimization", 5, 'zero_optimization: must be a JSON object, e.g. {"stage": 3}; got 5'),
+    ("optimizer", "AdamW", 'optimizer: must be a JSON object, e.g. {"type": "AdamW", "params": {"lr": 0.001}}; '
+                           'got "AdamW"'),
+    ("activation_checkpointing", True, "activation_checkpointing: must be a JSON object (keys such as "
+                                       "contiguous_memory_optimization, cpu_checkpointing, number_checkpoints); got true"),
+    ("wandb", True, 'wandb: must be a JSON object, e.g. {"enabled": true}; got true'),  # a pydantic field
+    ("zero_optimization.offload_param", "cpu", 'zero_optimization.offload_param: must be a JSON object, '
+                                               'e.g. {"device": "cpu"}; got "cpu"'),  # nested, pydantic
+])
+def test_a_block_given_as_a_value_is_refused_in_the_library(ds_keys, key, value, line):
+    """``"bf16": true`` and the like: DeepSpeed's config parser fails on them inside
+    initialize, on every rank, with a TypeError or AttributeError naming no key (the trial
+    parse reported only that, as a warning in the library). Refused everywhere now, with the
+    dotted key and the form; compared with the same config holding the block as an object
+    (no finding), and with DeepSpeed itself failing on the value."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    ds = packaged()
+    *parents, last = key.split(".")
+    node = ds
+    for part in parents:
+        node = node[part]
+    assert ds_keys.find_problems(ds) == ([], [], [])  # the block as an object (or absent): fine
+    node[last] = value
+    plain = {k: v for k, v in ds.items() if k != "hdet"}
+    with pytest.raises(Exception) as raw:  # DeepSpeed's own answer: no key named, or not as the key
+        DeepSpeedConfig({**plain, "train_batch_size": 8})
+    assert f"{key}: must be a JSON object" not in str(raw.value)
+    with pytest.raises(HDETConfigError) as e:
+        prepare_config(ds, world_size=4)
+    assert str(e.value).splitlines()[1:] == [f"  {line}"], str(e.value)
+    with pytest.raises(HDETConfigError, match=rf"deepspeed\.{key}: must be a JSON object"):
+        ds_keys.check_deepspeed_keys(ds, strict=True, prefix="deepspeed.")
+
+
+@pytest.mark.parametrize("key,value", [("zero_optimization", True), ("aio", None)])
+def test_a_value_form_deepspeed_takes_is_not_refused(ds_keys, key, value):
+    """No false alarm: DeepSpeed 0.19 still takes ``"zero_optimization": true`` (its
+    deprecated form) and ``"aio": null``; only values it fails on are refused."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = {"train_micro_batch_size_per_gpu": 1, key: value}
+    DeepSpeedConfig(dict(ds))  # DeepSpeed parses it
+    hdet_like, refused, unknown = ds_keys.find_problems(ds)
+    assert not any("must be a JSON object" in line for line in refused + unknown), (refused, unknown)
+
+
+# ---- the trainer's run config (issue 9) -----------------------------------------------------
+
+def _run_config_error(path=None, overrides=()) -> str:
+    from hdet_scale.train.config import load_run_config
+
+    with pytest.raises(HDETConfigError) as e:
+        load_run_config(str(path) if path else None, list(overrides))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("train:\n  steps: 10\ntrain:\n  steps: 20\n", "sets train twice (lines 1 and 3)"),
+    ("run_dir: a\nmodel:\n  hidden_size: 64\n  num_layers: 2\n  hidden_size: 32\n",
+     "sets model.hidden_size twice (lines 3 and 5)"),
+    ("train: {steps: 10, steps: 20}\n", "sets train.steps twice (lines 1 and 1)"),
+])
+def test_a_key_given_twice_in_the_yaml_is_named_with_its_lines(tmp_path, text, message):
+    """OmegaConf refused the file with a raw yaml ConstructorError traceback (PyYAML alone
+    keeps the last value silently)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert _run_config_error(path) == f"config file {str(path)!r} {message}: keep one (YAML does not say which would win)"
+
+
+def test_a_key_given_twice_in_the_deepspeed_json_is_named(tmp_path):
+    """json keeps the last value silently; DeepSpeed, reading the file itself, refuses it."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "type": "Adam"}}')
+    msg = _run_config_error(overrides=[f"deepspeed_config={path}"])
+    assert "ds.json" in msg and "the key 'type' twice in one object" in msg
+
+
+@pytest.mark.parametrize("where,value,line", [
+    ("override", "[1,2]", "train: must be a mapping of train.* keys, e.g. train.steps=100; got [1, 2]"),
+    ("override", "null", "train: must be a mapping of train.* keys, e.g. train.steps=100; got null"),
+    ("yaml", "[1, 2]", "train: must be a mapping of train.* keys, e.g. train: {steps: 100}; got [1, 2]"),
+    ("yaml", "5", "train: must be a mapping of train.* keys, e.g. train: {steps: 100}; got 5"),
+])
+def test_a_section_given_as_a_value_is_named(tmp_path, where, value, line):
+    """OmegaConf's merge error ("list is not a subclass of TrainConfig") named no key."""
+    if where == "yaml":
+        path = tmp_path / "run.yaml"
+        path.write_text(f"train: {value}\n")
+        assert _run_config_error(path) == f"config file {str(path)!r}: {line}"
+    else:
+        assert _run_config_error(overrides=[f"train={value}"]) == line
+
+
+@pytest.mark.parametrize("override,line", [
+    ("deepspeed.hdet.schedule=5", "deepspeed.hdet.schedule: expected an object, got int"),  # was an AttributeError
+    ("deepspeed.hdet.schedule.total_steps=abc", "deepspeed.hdet.schedule.total_steps: expected int | None, "
+                                                "got 'abc'"),  # was a TypeError ('<' between str and int)
+])
+def test_a_schedule_of_the_wrong_type_is_one_line(override, line):
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run = load_run_config(None, [override, "wandb.enabled=false"])
+    with pytest.raises(HDETConfigError) as e:
+        validate(run, 4)
+    assert str(e.value).splitlines()[1:] == [f"  {line}"], str(e.value)
+
+
+def test_hdet_logging_wandb_is_the_default_of_the_trainers_wandb(tmp_path, monkeypatch, capsys):
+    """``deepspeed.hdet.logging.wandb.*`` (a DeepSpeed JSON written for the library) was
+    ignored by hdet-train without a word. Its keys are now the defaults of the trainer's
+    ``wandb.*`` (the same WandbConfig keys); a key the run config sets wins. Compared with
+    the same run without the block. ``logging.jsonl`` has no trainer counterpart: one
+    warning, from the launcher only (not on a rank > 0 under torchrun)."""
+    from hdet_scale.train.config import load_run_config
+
+    monkeypatch.delenv("RANK", raising=False)
+    plain = load_run_config(None, [])
+    block = {"project": "from-json", "mode": "offline", "group": "g"}
+    given = [f"deepspeed.hdet.logging.wandb.{k}={v}" for k, v in block.items()]
+    run = load_run_config(None, given)
+    assert run["wandb"] == {**plain["wandb"], **block}
+    path = tmp_path / "run.yaml"
+    path.write_text("wandb:\n  project: from-yaml\n")
+    run = load_run_config(str(path), [*given, "wandb.mode=online"])
+    assert run["wandb"] == {**plain["wandb"], "project": "from-yaml", "mode": "online", "group": "g"}
+    assert capsys.readouterr().err == ""  # no jsonl: no warning
+    load_run_config(None, ["deepspeed.hdet.logging.jsonl=m.jsonl", "run_dir=runs/x"])
+    assert capsys.readouterr().err == (
+        "hdet-train: warning: deepspeed.hdet.logging.jsonl='m.jsonl' is not used by hdet-train: it writes its "
+        "metrics to run_dir/metrics.jsonl (runs/x/metrics.jsonl); choose the folder with run_dir=...\n")
+    monkeypatch.setenv("RANK", "1")
+    load_run_config(None, ["deepspeed.hdet.logging.jsonl=m.jsonl"])
+    assert capsys.readouterr().err == ""
 
 
 # ---- duplicate group indices ---------------------------------------------------------------

@@ -57,3 +57,48 @@ def test_extensions_dir_is_torch_extensions_dir_itself(tmp_path, monkeypatch):
     assert startup.extensions_dir() == str(tmp_path)
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert os.path.basename(startup.extensions_dir()).startswith("py3")
+
+
+def _advice(message: str) -> str:
+    """The command in the message's "Delete it (<command>)"."""
+    return message.split("Delete it (", 1)[1].split(")", 1)[0]
+
+
+def test_the_advice_clears_whatever_blocks_the_loader(tmp_path):
+    """Anything at the lock's name blocks torch's loader (its O_CREAT | O_EXCL open fails):
+    an empty or non-empty folder, a dangling symbolic link, a file. For each, the message
+    names what is there and its command, run in a shell, clears it, after which torch's
+    own FileBaton acquires the lock. Before the fix a folder got ``rm <lock>`` (rm refuses
+    a folder) and a dangling link, aged by stat through the link, was never called stale."""
+    import subprocess
+
+    def folder(lock):
+        lock.mkdir()
+
+    def full_folder(lock):
+        lock.mkdir()
+        (lock / "junk").write_text("x")
+
+    def dangling(lock):
+        lock.symlink_to(tmp_path / "nowhere")
+
+    def plain(lock):
+        lock.write_text("")
+
+    for make, kind, command in ((folder, "a folder", "rmdir"), (full_folder, "a folder", "rm -r"),
+                                (dangling, "a symbolic link", "rm"), (plain, None, "rm")):
+        lock = tmp_path / make.__name__ / "fused_adam" / "lock"
+        lock.parent.mkdir(parents=True)
+        make(lock)
+        assert not FileBaton(str(lock)).try_acquire()  # the loader would wait on it forever
+        os.utime(lock, (time.time() - 3600,) * 2, follow_symlinks=False)
+        assert startup.stale_trainer_locks(str(lock.parent.parent)) == [str(lock)], make.__name__
+        message = startup.stale_lock_message(str(lock))
+        assert (kind is None and "a folder" not in message and "link" not in message) or kind in message, message
+        advice = _advice(message)
+        assert advice == f"{command} {lock}", (make.__name__, advice)
+        subprocess.run(advice, shell=True, check=True)
+        assert not os.path.lexists(lock)
+        baton = FileBaton(str(lock))
+        assert baton.try_acquire()
+        baton.release()

@@ -1,0 +1,126 @@
+"""The values of a DeepSpeed config's optimizer block and the keys every backend reads.
+
+Two questions about the ``optimizer`` block that DeepSpeed itself answers only inside
+``deepspeed.initialize``, on every rank, as a traceback (or not at all):
+
+- which ``optimizer.params`` the optimizer DeepSpeed builds accepts
+  (:func:`optimizer_accepts`; :mod:`hdet_scale.ds_keys` names the unknown ones);
+- whether the values make sense (:func:`check_deepspeed_values`): DeepSpeed trains on a
+  negative, NaN or boolean LR without a word, and fails on a text one deep in the first
+  step. ``hdet-train`` and ``hdet-dryrun`` both run it before anything starts.
+
+Pure (no communication); DeepSpeed is imported only to look up its optimizer classes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from hdet_scale.ds_models import object_line
+from hdet_scale.errors import HDETConfigError
+
+# Optimizer params DeepSpeed pops before calling the constructor (engine.py,
+# _configure_basic_optimizer / get_optimizer_configuration), and those it passes itself.
+_DS_ADAM_POPPED = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
+_DS_SETS_ITSELF = {"params", "model_params", "adam_w_mode", "adamw_mode", "fp32_optimizer_states"}
+
+
+def optimizer_accepts(ds: Mapping) -> tuple[str, set[str]] | None:
+    """``(what, accepted keys)`` of the optimizer DeepSpeed will build from
+    ``optimizer.type``, or ``None`` when unknown (a type DeepSpeed rejects anyway, an
+    optional package missing, Muon's own keys, a constructor taking ``**kwargs``)."""
+    import torch
+
+    opt = ds.get("optimizer")
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("type"), str):
+        return None
+    name = opt["type"]
+    lname = name.lower()
+    params = opt.get("params")
+    extra: set[str] = set()
+    try:
+        if lname in ("adam", "adamw"):
+            from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+            torch_adam = isinstance(params, Mapping) and bool(params.get("torch_adam", False))
+            classes = [torch.optim.Adam, torch.optim.AdamW] if torch_adam else [FusedAdam, DeepSpeedCPUAdam]
+            extra = set(_DS_ADAM_POPPED)
+        elif lname == "adagrad":
+            from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+
+            classes = [torch.optim.Adagrad, DeepSpeedCPUAdagrad]
+        elif lname == "lamb":
+            from deepspeed.ops.lamb import FusedLamb
+
+            classes = [FusedLamb]
+        elif lname == "lion":
+            from deepspeed.ops.lion import DeepSpeedCPULion, FusedLion
+
+            classes = [FusedLion, DeepSpeedCPULion]
+        elif lname in ("muadam", "muadamw", "musgd"):
+            import mup
+
+            classes = [getattr(mup, {"muadam": "MuAdam", "muadamw": "MuAdamW", "musgd": "MuSGD"}[lname])]
+        elif getattr(torch.optim, name, None) is not None and lname != "muon":
+            classes = [getattr(torch.optim, name)]
+        else:
+            return None
+    except ImportError:
+        return None
+    accepted = set(extra)
+    for cls in classes:
+        sig = inspect.signature(cls).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig):
+            return None
+        accepted |= {p.name for p in sig}
+    # max_grad_norm: DeepSpeed raises and points to gradient_clipping.
+    accepted -= _DS_SETS_ITSELF | {"max_grad_norm"}
+    accepted |= extra
+    return " / ".join(f"{c.__module__.split('.')[0]}.{c.__name__}" for c in classes), accepted
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid DeepSpeed config") -> None:
+    """Check the values of ``ds`` (a DeepSpeed config as a dict) that every backend reads:
+    ``hdet`` and ``optimizer`` are objects, ``optimizer.params`` ``lr`` (> 0), ``betas``
+    (two numbers in [0, 1)), ``eps`` and ``weight_decay`` (>= 0) finite numbers, and
+    ``gradient_clipping`` a number >= 0 (default 1.0). Keys that are absent are not checked.
+
+    ``prefix`` goes before every key (the trainer's ``deepspeed.``), ``title`` heads the message.
+
+    Raises:
+        HDETConfigError: every bad value at once, each line naming its dotted key.
+    """
+    p = prefix
+    errors = []
+    if "hdet" in ds and not isinstance(ds["hdet"], Mapping):
+        errors.append(f"{p}hdet: expected an object (the HDET block), got {ds['hdet']!r}")
+    opt = ds.get("optimizer", {})
+    if not isinstance(opt, Mapping):
+        errors.append(object_line(f"{p}optimizer", opt, {"type", "params"}))
+        opt = {}
+    params = opt.get("params", {})
+    if params is not None and not isinstance(params, Mapping):
+        errors.append(object_line(f"{p}optimizer.params", params, {"lr"}))
+        params = {}
+    params = params or {}
+    if "lr" in params and not (_number(params["lr"]) and params["lr"] > 0):
+        errors.append(f"{p}optimizer.params.lr: must be a finite number > 0 (the peak LR), got {params['lr']!r}")
+    betas = params.get("betas")
+    if betas is not None and not (isinstance(betas, (list, tuple)) and len(betas) == 2
+                                  and all(_number(b) and 0 <= b < 1 for b in betas)):
+        errors.append(f"{p}optimizer.params.betas: must be two numbers in [0, 1), got {betas!r}")
+    for key in ("eps", "weight_decay"):
+        if key in params and not (_number(params[key]) and params[key] >= 0):
+            errors.append(f"{p}optimizer.params.{key}: must be a finite number >= 0, got {params[key]!r}")
+    clip = ds.get("gradient_clipping", 1.0)
+    if not (_number(clip) and clip >= 0):
+        errors.append(f"{p}gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
+    if errors:
+        raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))

@@ -1,0 +1,263 @@
+"""What a resumed ``hdet-train`` run may change from the run that wrote its checkpoint.
+
+Every save records the run's settings (:func:`record`: the resolved run config as
+``{dotted key: value}``, the ``hdet`` block with its defaults filled in) for its tag, in
+``checkpoint/hdet_run_config.json`` (:data:`RECORD_FILE`; rank 0 writes it atomically
+just before the save, and keeps only the tags the checkpoint index still lists). A resume
+compares the record of the tag ``latest`` names with its own settings before any rank
+starts (:func:`check`), so nothing of the stopped run is touched by a refusal:
+
+- A change that cannot work is an error listing every such key ``old -> new``: the
+  model's shape (the saved weights and optimizer state would not fit), the optimizer
+  type (the saved state is another optimizer's), and the HDET settings its saved state
+  is tied to (``sync_interval``, ``auto.controller``, ``auto.groups``, the explored axes,
+  their groups and kind: ``HDETScheduler.load_state_dict`` refuses them after the engine
+  start) and the schedule's length (``schedule.total_steps``). The layout (world size,
+  replicas, shard size) and the backend are checked from ``hdet_layout.json``
+  (``backends.common.check_resumable``).
+- Any other change is allowed (a lower LR on resume is common practice) and announced in
+  one warning listing every changed key ``old -> new`` and the value the resumed run
+  actually uses (:func:`notice`). That is not always the new one: the optimizer's
+  parameter groups (betas, eps, a weight decay HDET does not explore) are restored with
+  its state, the permutation generator continues from its saved state, and the
+  ``"paper"`` controller's base LR, once meta-updated, continues from the saved value.
+  tests/distributed/test_resume.py holds these statements to a real load.
+- Keys that only say where and how a run is kept (``run_dir``, ``wandb.*``,
+  ``hdet.logging``, the checkpoint cadence, ``train.steps``, ``nproc``) are not compared.
+
+A checkpoint written before the record existed (or a tag it does not list) resumes
+without this comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, checkpoint_index, read_latest, write_atomic
+from hdet_scale.backends.common import read_layout
+from hdet_scale.config import HDETConfig
+from hdet_scale.errors import HDETStateError
+from hdet_scale.train.model import VOCAB_SIZE
+
+RECORD_FILE = "hdet_run_config.json"
+RECORD_VERSION = 1
+_UNSET = object()  # a key one side does not have
+
+_NOT_COMPARED = {"run_dir", "nproc", "deepspeed_config", "backend", "train.steps", "train.eval_batches",
+                 "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints", "train.resume",
+                 "train.overwrite", "train.progress", "model.init_seed", "model.activation_checkpointing",
+                 "model.sharded_init", "deepspeed.hdet.enabled", "deepspeed.hdet.replicas", "deepspeed.hdet.bucket_mb",
+                 "deepspeed.steps_per_print", "deepspeed.wall_clock_breakdown"}
+_NOT_COMPARED_PREFIXES = ("wandb.", "deepspeed.hdet.logging.")
+_SHAPE = "the model's architecture: the saved weights and optimizer state are shaped for the checkpoint's"
+_HDET_STATE = "the saved HDET state is tied to it; HDETScheduler.load_state_dict refuses the change"
+_ERRORS = {
+    **{f"model.{k}": _SHAPE for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                                      "tie_embeddings", "vocab_size")},
+    "deepspeed.optimizer.type": "the saved optimizer state belongs to the checkpoint's optimizer",
+    "deepspeed.hdet.sync_interval": _HDET_STATE,
+    "deepspeed.hdet.auto.controller": _HDET_STATE,
+    "deepspeed.hdet.auto.groups": _HDET_STATE,
+    "deepspeed.hdet.schedule.total_steps": "the schedule's length; train.steps sets it unless "
+                                           "deepspeed.hdet.schedule.total_steps is given",
+}
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def record(run: dict) -> dict[str, Any]:
+    """The run's settings as ``{dotted key: JSON value}`` (``run``: a resolved run config,
+    ``train.config.load_run_config``): the ``hdet`` block parsed with its defaults, and
+    ``model.vocab_size`` (fixed by the byte vocabulary, recorded should it ever change)."""
+    hdet = HDETConfig.from_dict(run["deepspeed"].get("hdet") or {}).to_dict()
+    tree = {**run, "model": {**run["model"], "vocab_size": VOCAB_SIZE}, "deepspeed": {**run["deepspeed"], "hdet": hdet}}
+    return json.loads(json.dumps(_flatten(tree), default=str))  # the values as they read back
+
+
+def _read(path: str) -> dict:
+    """The record file at ``path`` (``{}`` when there is none).
+
+    Raises:
+        HDETStateError: it is not the JSON this module writes (the message names it).
+    """
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("runs", {}), dict):
+            raise ValueError("not a JSON object with a 'runs' object")
+    except (OSError, ValueError) as e:
+        raise HDETStateError(f"train.resume: {path} is damaged ({e}); it records the settings each checkpoint was "
+                             "saved with: remove it to resume without comparing them") from None
+    return data
+
+
+def save_record(save_dir: str, tag: str, run: dict) -> None:
+    """Rank 0, just before the save of ``tag`` into ``save_dir``: record ``run``'s
+    settings for ``tag``, keeping those of the tags the checkpoint index still lists.
+    Atomic (``checkpoint_io.write_atomic``). A damaged record file is replaced: the older
+    tags then resume unchecked, as before the record existed."""
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, RECORD_FILE)
+    try:
+        runs = _read(path).get("runs", {})
+        with open(os.path.join(save_dir, LAYOUT_FILE)) as f:
+            index = checkpoint_index(json.load(f), read_latest(save_dir))
+    except (HDETStateError, OSError, ValueError, TypeError, AttributeError):
+        runs, index = {}, {}
+    runs = {t: r for t, r in runs.items() if t in index and t != tag}
+    runs[tag] = record(run)
+    write_atomic(path, json.dumps({"version": RECORD_VERSION, "runs": runs}))
+
+
+def _fmt(value: Any) -> str:
+    return "(unset)" if value is _UNSET else json.dumps(value)
+
+
+def _first_meta_step(rec: dict) -> int:
+    """The step of the first auto-LR meta-update of the run recorded in ``rec``
+    (``HDETConfig.first_meta_step``)."""
+    interval = rec.get("deepspeed.hdet.sync_interval") or 1
+    return max(math.ceil((rec.get("deepspeed.hdet.auto.warmup_steps") or 0) / interval), 1) * interval
+
+
+def _axis_keys(rec: dict) -> set[str]:
+    return {k.split(".")[3] for k in rec if k.startswith("deepspeed.hdet.axes.")}
+
+
+def _fold_lone_axes(rec: dict, other: dict) -> dict:
+    """``rec`` with each axis that ``other`` does not explore as one key
+    (``deepspeed.hdet.axes.weight_decay: {...}``): an added or removed axis is one line."""
+    lone = _axis_keys(rec) - _axis_keys(other)
+    if not lone:
+        return rec
+    out = {}
+    for k, v in rec.items():
+        parts = k.split(".")
+        if k.startswith("deepspeed.hdet.axes.") and parts[3] in lone:
+            out.setdefault(".".join(parts[:4]), {})[".".join(parts[4:])] = v
+        else:
+            out[k] = v
+    return out
+
+
+def _error_reason(key: str, saved: dict, now: dict) -> str | None:
+    if key in _ERRORS:
+        return _ERRORS[key]
+    if key.startswith("deepspeed.hdet.axes."):
+        axis = key.split(".")[3]
+        if axis not in _axis_keys(saved) or axis not in _axis_keys(now):
+            return "the explored axes, to which the saved HDET state is tied"
+        if key.endswith((".groups", ".kind")):
+            return _HDET_STATE
+    return None
+
+
+def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
+    """Which value of the changed ``key`` the resumed run uses, and why."""
+    uses = f"the resumed run uses {'its default' if new is _UNSET else _fmt(new)}"
+    kept = f"the resumed run keeps the checkpoint's value {_fmt(saved.get(key, _UNSET))}"
+    auto_lr = (saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved)
+               and saved.get("deepspeed.hdet.axes.lr.auto") is not False)
+    if key == "deepspeed.optimizer.params.lr" and now.get("deepspeed.hdet.schedule.max_lr") is not None:
+        return "no effect on the LR: deepspeed.hdet.schedule.max_lr sets the peak"
+    if key in ("deepspeed.optimizer.params.lr", "deepspeed.hdet.schedule.max_lr"):
+        if auto_lr and saved.get("deepspeed.hdet.auto.controller") == "paper":
+            return ("the resumed run keeps the checkpoint's base LR: the 'paper' controller continues from its saved, "
+                    "meta-updated base; the new peak only moves its floor")
+        learned = ", times the auto-LR multiplier restored from the checkpoint" if auto_lr else ""
+        return f"{uses}: the schedule's peak LR{learned}"
+    if key.startswith("deepspeed.optimizer.params."):
+        name = key.split(".")[3]
+        if name in _axis_keys(now):
+            return f"{uses}: HDET sets it every step (deepspeed.hdet.axes.{name})"
+        if name == "betas" and now.get("deepspeed.hdet.schedule.cycle_momentum"):
+            return (f"{kept} for beta2; beta1 follows the momentum cycle of deepspeed.hdet.schedule: the optimizer's "
+                    "parameter groups are restored with its state")
+        return f"{kept}: the optimizer's parameter groups are restored with its state"
+    if key == "deepspeed.hdet.seed":
+        return f"{kept}: the replica permutations continue from the generator state saved in the checkpoint"
+    if key.startswith("deepspeed.hdet.warm_init."):
+        return "no effect on a resumed run: warm initialisation runs only at step 0"
+    if key == "deepspeed.hdet.auto.enabled":
+        return f"{uses}; what auto-LR learned up to the checkpoint (restored from it) stays in effect"
+    if key == "seed":
+        return f"{uses}: it draws the training and probe batches (dropout continues from the RNG state saved)"
+    return uses
+
+
+def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
+    """``(errors, changes)``: one line per changed key, ``"key: old -> new ..."``, for
+    the record ``saved`` of a checkpoint at optimizer step ``step`` and this run's
+    record ``now`` (both :func:`record`). Errors say what the key determines; changes say
+    which value the resumed run uses. Pure."""
+    errors, changes = [], []
+    saved, now = _fold_lone_axes(saved, now), _fold_lone_axes(now, saved)
+    for key in sorted(set(saved) | set(now)):
+        if key in _NOT_COMPARED or key.startswith(_NOT_COMPARED_PREFIXES):
+            continue
+        old, new = saved.get(key, _UNSET), now.get(key, _UNSET)
+        if old == new or (key == "deepspeed.optimizer.type" and str(old).lower() == str(new).lower()):
+            continue  # DeepSpeed reads optimizer names case-insensitively
+        line = f"{key}: {_fmt(old)} -> {_fmt(new)}"
+        reason = _error_reason(key, saved, now)
+        if reason is not None:
+            errors.append(f"{line}: {reason}")
+        else:
+            changes.append(f"{line}: {_uses(key, new, saved, now, step)}")
+    return errors, changes
+
+
+def _saved_record(save_dir: str) -> tuple[dict | None, str | None, int]:
+    tag = read_latest(save_dir)
+    step = read_layout(save_dir)["step"]
+    runs = _read(os.path.join(save_dir, RECORD_FILE)).get("runs", {})
+    saved = runs.get(tag)
+    return (saved if isinstance(saved, dict) else None), tag, step
+
+
+def check(run: dict, save_dir: str) -> list[str]:
+    """Compare the resumed run ``run`` with the record of the checkpoint ``latest`` names
+    in ``save_dir`` (after ``common.check_resumable`` passed). Returns the allowed
+    changes (:func:`compare`; empty without a record). Reads files only.
+
+    Raises:
+        HDETStateError: a change that cannot work, listing every such key with its
+            checkpoint value -> new value; or a damaged record file.
+    """
+    saved, tag, step = _saved_record(save_dir)
+    if saved is None:
+        return []
+    errors, changes = compare(saved, record(run), step)
+    if errors:
+        raise HDETStateError(f"train.resume: the checkpoint {save_dir} ({tag}, step {step}) cannot continue with "
+                             "these settings changed since it was saved (checkpoint -> this run):\n  "
+                             + "\n  ".join(errors) + "\nResume with the checkpoint's values, or start the changed "
+                             "run in another run_dir")
+    return changes
+
+
+def notice(run: dict, save_dir: str) -> str | None:
+    """The one warning for a resume from ``save_dir`` whose settings changed (every
+    changed key, ``old -> new``, and the value the resumed run uses), or ``None``.
+
+    Raises:
+        HDETStateError: as :func:`check`.
+    """
+    changes = check(run, save_dir)
+    if not changes:
+        return None
+    _, tag, step = _saved_record(save_dir)
+    return (f"train.resume: continuing {save_dir} ({tag}, step {step}) with settings changed since that checkpoint "
+            "was saved (checkpoint -> this run):\n  " + "\n  ".join(changes))

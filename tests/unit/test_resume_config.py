@@ -1,0 +1,159 @@
+"""What a resumed run may change (``hdet_scale/train/resume_config.py``): the settings
+record a save leaves, the refusal of changes that cannot work, and the warning's claim of
+which value the resumed run uses, held to a loaded ``HDETScheduler``.
+
+File operations and one scheduler in this process; the real saves and a real DeepSpeed
+resume with changed settings: tests/distributed/test_resume.py. The launcher's messages:
+tests/distributed/test_bad_inputs.py (``resume_*_changed`` rows).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hdet_scale.autolr import build_schedule
+from hdet_scale.backends.checkpoint_io import commit, prune, retire_tag
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETStateError
+from hdet_scale.train import resume_config, rundir
+from hdet_scale.train.config import load_run_config
+
+
+def run_config(run_dir, *overrides) -> dict:
+    return load_run_config(None, [f"run_dir={run_dir}", "wandb.enabled=false", *overrides])
+
+
+def save(ckpt, step: int, run: dict | None) -> None:
+    """What a trainer save leaves, in its order: rank 0's record of ``run`` (when given),
+    the tag's folders, then the commit of the layout and ``latest``."""
+    tag = f"global_step{step}"
+    if run is not None:
+        resume_config.save_record(str(ckpt), tag, run)
+    retire_tag(str(ckpt), 2, tag)
+    for r in range(2):
+        (ckpt / f"replica_{r}" / tag).mkdir(parents=True)
+    commit(str(ckpt), {"world_size": 4, "replicas": 2, "shard_size": 2, "step": step, "total_steps": 300,
+                       "backend": "deepspeed"}, tag)
+
+
+def test_a_changed_model_shape_is_refused_naming_every_key(tmp_path):
+    """One HDETStateError listing each shape key with checkpoint -> new value and the
+    checkpoint's tag and step; a hyperparameter changed alongside is not an error."""
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 10, run_config(tmp_path))
+    changed = run_config(tmp_path, "model.hidden_size=64", "model.num_layers=2", "deepspeed.optimizer.params.lr=0.001",
+                         "deepspeed.optimizer.type=Adam", "deepspeed.hdet.sync_interval=5")
+    with pytest.raises(HDETStateError) as err:
+        resume_config.check(changed, str(ckpt))
+    msg = str(err.value)
+    for line in ("model.hidden_size: 128 -> 64", "model.num_layers: 4 -> 2", 'deepspeed.optimizer.type: "AdamW" -> "Adam"',
+                 "deepspeed.hdet.sync_interval: 25 -> 5", "global_step10, step 10", "another run_dir"):
+        assert line in msg, (line, msg)
+    assert "optimizer.params.lr" not in msg
+    # an axis added is one line, not one per field
+    with pytest.raises(HDETStateError) as err:
+        resume_config.check(run_config(tmp_path, "deepspeed.hdet.axes.weight_decay.spread_ratio=0.1"), str(ckpt))
+    assert str(err.value).count("deepspeed.hdet.axes.weight_decay") == 1, str(err.value)
+
+
+def test_the_warning_lists_each_change_and_the_value_used(tmp_path):
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 10, run_config(tmp_path))
+    assert resume_config.notice(run_config(tmp_path), str(ckpt)) is None
+    # where and how the run is kept: not compared
+    same = run_config(tmp_path / "moved", "train.progress=false", "train.checkpoint_every=5", "wandb.mode=offline",
+                      "deepspeed.hdet.logging.every=5", "nproc=4")
+    assert resume_config.notice(same, str(ckpt)) is None
+    changed = run_config(tmp_path, "deepspeed.optimizer.params.lr=0.001", "deepspeed.optimizer.params.betas=[0.8,0.99]",
+                         "deepspeed.hdet.axes.lr.spread_ratio=0.2", "deepspeed.hdet.seed=3", "data.seq_len=64",
+                         "deepspeed.hdet.warm_init.nu=0.5", "seed=4")
+    note = resume_config.notice(changed, str(ckpt))
+    lines = {line.split(":")[0].strip(): line for line in note.splitlines()[1:]}
+    assert note.startswith(f"train.resume: continuing {ckpt} (global_step10, step 10)")
+    expect = {
+        "deepspeed.optimizer.params.lr": "0.003 -> 0.001: the resumed run uses 0.001: the schedule's peak LR",
+        "deepspeed.optimizer.params.betas": "[0.9, 0.95] -> [0.8, 0.99]: the resumed run keeps the checkpoint's value "
+                                            "[0.9, 0.95]",
+        "deepspeed.hdet.axes.lr.spread_ratio": "0.111 -> 0.2: the resumed run uses 0.2",
+        "deepspeed.hdet.seed": "0 -> 3: the resumed run keeps the checkpoint's value 0",
+        "data.seq_len": "128 -> 64: the resumed run uses 64",
+        "deepspeed.hdet.warm_init.nu": "0.01 -> 0.5: no effect on a resumed run",
+        "seed": "0 -> 4: the resumed run uses 4",
+    }
+    assert set(lines) == set(expect), note
+    for key, words in expect.items():
+        assert words in lines[key], (key, lines[key])
+    assert "auto-LR multiplier" not in lines["deepspeed.optimizer.params.lr"]  # step 10 < first meta-update (25)
+
+
+def test_each_tag_is_compared_with_its_own_record(tmp_path):
+    """A record per tag, for the tags the index lists: a save cut short after its record
+    (latest still on the previous tag) compares with the previous tag's settings, and
+    pruned tags' records go with the next save. A checkpoint without a record resumes
+    unchecked; a damaged record file is named."""
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 5, None)  # before the record existed
+    assert resume_config.check(run_config(tmp_path, "model.hidden_size=64"), str(ckpt)) == []
+    save(ckpt, 10, run_config(tmp_path))
+    lower = run_config(tmp_path, "deepspeed.optimizer.params.lr=0.001")
+    resume_config.save_record(str(ckpt), "global_step15", lower)  # ...and the save of step 15 died here
+    assert len(resume_config.check(lower, str(ckpt))) == 1  # latest: global_step10, saved with lr 0.003
+    save(ckpt, 15, lower)
+    assert resume_config.check(lower, str(ckpt)) == []
+    prune(str(ckpt), 2, keep=1)
+    save(ckpt, 20, lower)
+    assert sorted(json.loads((ckpt / resume_config.RECORD_FILE).read_text())["runs"]) == ["global_step15",
+                                                                                            "global_step20"]
+    (ckpt / resume_config.RECORD_FILE).write_text('{"runs": [1')
+    with pytest.raises(HDETStateError, match=f"{resume_config.RECORD_FILE} is damaged.*remove it"):
+        resume_config.check(lower, str(ckpt))
+
+
+def test_resume_notice_only_for_a_resume(tmp_path, monkeypatch):
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    save(tmp_path / "checkpoint", 10, run_config(tmp_path))
+    changed = ["deepspeed.optimizer.params.lr=0.001", "train.overwrite=true"]
+    assert rundir.resume_notice(run_config(tmp_path, *changed)) is None  # a replacing run: nothing to compare
+    assert "0.003 -> 0.001" in rundir.resume_notice(run_config(tmp_path, *changed, "train.resume=true"))
+
+
+def _scheduler(run: dict, lr: float) -> HDETScheduler:
+    cfg = HDETConfig.from_dict(run["deepspeed"]["hdet"])
+    return HDETScheduler(cfg, {0: [{"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": []}]})
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("controller", ["log", "paper"])
+def test_the_lr_the_warning_names_is_the_lr_a_loaded_scheduler_sets(tmp_path, controller):
+    """A checkpoint at step 30 (after the first auto-LR meta-update, at 25) with a learned
+    multiplier ("log") or a meta-updated base ("paper"), resumed with the peak LR changed
+    from 0.003 to 0.001 through the same load every backend runs last (load_state_dict).
+    "log": the new peak applies, times the restored multiplier; "paper": the saved base
+    continues, whatever the new peak. Exact: the same float operations."""
+    old_run = run_config(tmp_path, f"deepspeed.hdet.auto.controller={controller}")
+    new_run = run_config(tmp_path, f"deepspeed.hdet.auto.controller={controller}", "deepspeed.optimizer.params.lr=0.001")
+    old = _scheduler(old_run, 0.003)
+    old.step_count = 30
+    key = ("lr", 0)
+    if controller == "log":
+        old.controller.log_m[key] = 0.4
+    else:
+        old.controller.base[key] = 0.0042
+    old.controller.updates = 1
+    new = _scheduler(new_run, 0.001)
+    new.load_state_dict(old.state_dict())
+    if controller == "log":
+        want = build_schedule(new.config).value(30, 0.001) * math.exp(0.4)
+        claim = "uses 0.001: the schedule's peak LR, times the auto-LR multiplier restored from the checkpoint"
+    else:
+        want = 0.0042
+        claim = "keeps the checkpoint's base LR"
+    assert new.base_value("lr", 0) == want
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 30, old_run)
+    assert claim in resume_config.notice(new_run, str(ckpt))
