@@ -4,7 +4,9 @@ fan-out multipliers and the derived auto-LR decay. ``--backend deepspeed`` (defa
 checks the DeepSpeed keys HDET depends on; ``fsdp2``, ``ddp`` and ``fairscale`` check the
 ``hdet`` block alone. Every backend also gets the checks ``hdet-train`` runs on the JSON:
 unknown keys, blocks given as a value, and the optimizer values
-(``ds_values.check_deepspeed_values``). Exit 0 when valid, 2 with the errors if not."""
+(``ds_values.check_deepspeed_values``), all errors in one message (a missing
+``total_steps`` too). The plan lists a few groups and counts the rest: the same time and
+memory for any world size. Exit 0 when valid, 2 with the errors if not."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import argparse
 import math
 import sys
 import warnings
+from typing import Callable
 
-from hdet_scale import axes as ax
 from hdet_scale.backends import BACKENDS
 from hdet_scale.errors import HDETConfigError
 
@@ -22,6 +24,65 @@ INSIDE_REPLICA = {"deepspeed": "ZeRO-3 partitions parameters, gradients and opti
                   "fsdp2": "FSDP2 shards parameters, gradients and optimizer state",
                   "ddp": "every rank holds the full model and optimizer state",
                   "fairscale": "OSS shards the optimizer state; every rank holds the full model"}
+
+
+# Groups, ranks and replicas printed one by one up to this many; beyond, the first few and
+# the last: a plan for a million ranks is read, not scrolled (and printing it would take
+# memory and time in proportion to the world).
+_LISTED = 8
+_HEAD = 3
+# hdet.schedule.total_steps while checking a file that leaves it to the trainer.
+_STAND_IN_TOTAL = 10**12
+_MISSING_TOTAL = ("hdet.schedule.total_steps: must be an integer >= 1; the file leaves it to the trainer "
+                  "(hdet-train sets it from train.steps): pass --total-steps N (the checks that depend on the run "
+                  "length were not run)")
+
+
+def _with_missing_total(error: str | None) -> str:
+    """One message: the missing total_steps first, then the lines of ``error`` (a
+    message checked with the stand-in length: its own heading dropped)."""
+    lines = error.splitlines() if error else []
+    if len(lines) > 1 and lines[0].endswith(":"):
+        lines = lines[1:]
+    return "invalid config:\n  " + "\n  ".join([_MISSING_TOTAL] + [line.strip() for line in lines])
+
+
+def _listed(count: int, item: Callable[[int], str], gap: str) -> list[str]:
+    """``item(i)`` for each ``i < count``; beyond :data:`_LISTED`, the first few, then
+    ``gap`` formatted with the number left out, then the last."""
+    if count <= _LISTED:
+        return [item(i) for i in range(count)]
+    return [item(i) for i in range(_HEAD)] + [gap.format(count - _HEAD - 1)] + [item(count - 1)]
+
+
+def _ranks(first: int, stride: int, count: int) -> str:
+    """The ranks ``first, first + stride, ...`` (``count`` of them), as a list or elided."""
+    shown = _listed(count, lambda i: str(first + i * stride), "... {} more ...")
+    return "[" + ", ".join(shown) + "]" + (f" ({count} ranks)" if count > _LISTED else "")
+
+
+def layout_report(world_size: int, replicas: int) -> str:
+    """The text of ``topology.Layout.describe`` (identical up to :data:`_LISTED` groups of
+    :data:`_LISTED` ranks; elided beyond), in time and memory independent of the world size."""
+    shards = world_size // replicas
+    return "\n".join(
+        [f"world {world_size} = {replicas} replicas x {shards} shards"]
+        + _listed(replicas, lambda r: f"  shard group   {r}: ranks {_ranks(r * shards, 1, shards)}",
+                  "  ... {} more shard groups ...")
+        + _listed(shards, lambda j: f"  replica group {j}: ranks {_ranks(j, shards, replicas)}",
+                  "  ... {} more replica groups ..."))
+
+
+def _offset(j: int, replicas: int) -> float:
+    # axes.spread_offsets(replicas)[j], without the list of all R (tests compare the two).
+    center = (replicas - 1) / 2
+    return (j - center) / max(center, 0.5)
+
+
+def _per_replica(replicas: int, value: Callable[[float], float]) -> str:
+    """``value(offset_j)`` for each replica ``j``, rounded, as a list or elided."""
+    shown = _listed(replicas, lambda j: repr(round(value(_offset(j, replicas)), 6)), "... {} more ...")
+    return "[" + ", ".join(shown) + "]" + (f" ({replicas} replicas)" if replicas > _LISTED else "")
 
 
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed") -> str:
@@ -36,6 +97,8 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
     try:
         config = _load_ds_config(config)
+    except HDETConfigError:
+        raise  # a key given twice: the message names the file and the key already
     except (OSError, ValueError, TypeError) as e:
         raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}") from None
     if not isinstance(config, dict):
@@ -48,9 +111,9 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     check_deepspeed_keys(config, strict=True, optimizer_params=backend == "deepspeed")
     if not isinstance(config.get("hdet", {}), dict):
         raise HDETConfigError(f"hdet: expected an object, got {config['hdet']!r}")
-    # The values hdet-train refuses before any rank starts (a negative, NaN or text LR):
-    # the trainer's engines read them whatever the backend.
-    check_deepspeed_values(config)
+    # The values hdet-train refuses before any rank starts (a negative, NaN or text LR, a
+    # batch size < 1 or not matching the world): the trainer's engines read them whatever the backend.
+    check_deepspeed_values(config, world_size=world_size)
     if "hdet" not in config:
         if backend == "deepspeed":
             return "no hdet block: plain DeepSpeed"
@@ -64,8 +127,12 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
                                   f"{sched['total_steps']} in the file")
         sched["total_steps"] = total_steps
     from hdet_scale.autolr import build_schedule, decay_for, drowning_warning
-    from hdet_scale.topology import Layout
 
+    # A file that leaves total_steps to the trainer is checked with a stand-in run length
+    # too long for any check to fail on, so that its other errors show in the same message.
+    missing_total = sched.get("total_steps") is None
+    if missing_total:
+        sched["total_steps"] = _STAND_IN_TOTAL
     with warnings.catch_warnings():
         # Reported below as a line of the report, not twice.
         warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
@@ -79,11 +146,12 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
                 cfg = resolve_config(config, world_size)
         except HDETConfigError as e:
-            if sched.get("total_steps") is None and "schedule.total_steps" in str(e):
-                raise HDETConfigError(f"{e}\n  (hdet.schedule.total_steps is left to the trainer in this file: "
-                                      "pass --total-steps)") from None
+            if missing_total:
+                raise HDETConfigError(_with_missing_total(str(e))) from None
             raise
-    lines = [Layout(world_size, cfg.replicas).describe()]
+    if missing_total:
+        raise HDETConfigError(_with_missing_total(None))
+    lines = [layout_report(world_size, cfg.replicas)]
     if cfg.single_replica_warning:
         lines.append(f"warning: {cfg.single_replica_warning}")
     lines.append(f"{backend}, inside each replica (shard group of {world_size // cfg.replicas} ranks): "
@@ -94,11 +162,9 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     schedule = build_schedule(cfg)
     for name, axis in sorted(cfg.axes.items()):
         if axis.kind == "multiplicative":
-            mult = ax.multipliers(cfg.replicas, axis.spread_ratio)
-            lines.append(f"axis {name}: multipliers {[round(m, 6) for m in mult]}")
+            lines.append(f"axis {name}: multipliers {_per_replica(cfg.replicas, lambda o: 1.0 + axis.spread_ratio * o)}")
         else:
-            off = [axis.spread_ratio * o for o in ax.spread_offsets(cfg.replicas)]
-            lines.append(f"axis {name}: offsets {[round(o, 6) for o in off]}")
+            lines.append(f"axis {name}: offsets {_per_replica(cfg.replicas, lambda o: axis.spread_ratio * o)}")
         if cfg.auto.enabled and cfg.axis_auto(name) and cfg.auto.controller == "paper":
             gamma = decay_for(cfg, schedule, name, 1.0)
             lines.append(f"  auto-LR decay gamma per sync: {gamma:.6g}")

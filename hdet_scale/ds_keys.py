@@ -326,6 +326,39 @@ def _parse(cls: Any, trial: dict, refused: list[str], unknown: list[str], prefix
     return None
 
 
+class RepeatedKeyError(ValueError):
+    """A JSON object that has the same key twice; ``key``: that key. The message reads
+    after the file's name (``f"{path!r} {e}"``)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"has the key {key!r} twice in one object: keep one (DeepSpeed refuses such a "
+                         "file; Python's json would keep the last silently)")
+        self.key = key
+
+
+def _unique_pairs(pairs: list) -> dict:
+    seen: dict = {}
+    for k, v in pairs:
+        if k in seen:
+            raise RepeatedKeyError(k)
+        seen[k] = v
+    return seen
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads`` that refuses an object with a key twice, as DeepSpeed does when it
+    reads a config file (``hdet-train``, ``hdet-dryrun`` and ``hdet_scale.initialize``
+    all read DeepSpeed JSON through this).
+
+    Raises:
+        RepeatedKeyError: a key given twice (a ``ValueError``, naming the key).
+        ValueError: not valid JSON (``json.JSONDecodeError``).
+    """
+    import json
+
+    return json.loads(text, object_pairs_hook=_unique_pairs)
+
+
 def check_deepspeed_keys(ds: Mapping, strict: bool = False, prefix: str = "",
                          optimizer_params: bool = True) -> list[str]:
     """Refuse or warn about unknown keys of the DeepSpeed config ``ds`` (see the module

@@ -7,7 +7,9 @@ Two questions about the ``optimizer`` block that DeepSpeed itself answers only i
   (:func:`optimizer_accepts`; :mod:`hdet_scale.ds_keys` names the unknown ones);
 - whether the values make sense (:func:`check_deepspeed_values`): DeepSpeed trains on a
   negative, NaN or boolean LR without a word, and fails on a text one deep in the first
-  step. ``hdet-train`` and ``hdet-dryrun`` both run it before anything starts.
+  step; a batch key <= 0 is an assertion on every rank naming none of them. ``hdet-train``,
+  ``hdet-dryrun`` and ``hdet_scale.initialize`` (``prepare_config``) all run it before
+  anything starts.
 
 Pure (no communication); DeepSpeed is imported only to look up its optimizer classes.
 """
@@ -86,11 +88,42 @@ def _number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid DeepSpeed config") -> None:
+# What each batch key counts, for the messages.
+BATCH_KEYS = {"train_micro_batch_size_per_gpu": "samples per rank per micro-step",
+              "gradient_accumulation_steps": "micro-steps per optimizer step",
+              "train_batch_size": "samples per optimizer step over all ranks"}
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def batch_errors(ds: Mapping, prefix: str = "", world_size: int | None = None) -> list[str]:
+    """The lines for the batch keys of ``ds``: each one present must be an integer >= 1
+    (DeepSpeed asserts on a product <= 0 inside ``initialize``, on every rank, naming
+    none of them, and takes 1.5 as a float batch size). With ``world_size`` (the
+    data-parallel ranks over all replicas) and all three present:
+    ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x
+    world_size``, the line naming the three values and the product."""
+    errors = [f"{prefix}{k}: must be an integer >= 1 ({what}), got {ds[k]!r}"
+              for k, what in BATCH_KEYS.items() if k in ds and not _positive_int(ds[k])]
+    tbs, micro, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                           "gradient_accumulation_steps"))
+    if world_size is not None and not errors and None not in (tbs, micro, gas) and tbs != micro * gas * world_size:
+        errors.append(f"{prefix}train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
+                      f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {micro * gas * world_size} "
+                      "(samples per optimizer step over all ranks)")
+    return errors
+
+
+def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid DeepSpeed config",
+                           world_size: int | None = None) -> None:
     """Check the values of ``ds`` (a DeepSpeed config as a dict) that every backend reads:
     ``hdet`` and ``optimizer`` are objects, ``optimizer.params`` ``lr`` (> 0), ``betas``
-    (two numbers in [0, 1)), ``eps`` and ``weight_decay`` (>= 0) finite numbers, and
-    ``gradient_clipping`` a number >= 0 (default 1.0). Keys that are absent are not checked.
+    (two numbers in [0, 1)), ``eps`` and ``weight_decay`` (>= 0) finite numbers,
+    ``gradient_clipping`` a number >= 0 (default 1.0), and the batch keys
+    (:func:`batch_errors`; their consistency only with ``world_size``). Keys that are
+    absent are not checked.
 
     ``prefix`` goes before every key (the trainer's ``deepspeed.``), ``title`` heads the message.
 
@@ -122,5 +155,6 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
     clip = ds.get("gradient_clipping", 1.0)
     if not (_number(clip) and clip >= 0):
         errors.append(f"{p}gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
+    errors += batch_errors(ds, p, world_size)
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))

@@ -12,9 +12,19 @@ not have (``hdet-dryrun``); ``Topology`` adds the process groups from a DeviceMe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hdet_scale.errors import HDETConfigError
+
+
+def _divisors(n: int) -> list[int] | str:
+    """The divisors of ``n`` in order, by trial up to sqrt(n) (hdet-dryrun takes any
+    world size); for a world above 10**14 (10**7 trials) the rule instead of the list."""
+    if n > 10**14:
+        return f"the divisors of {n}"
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)
@@ -28,10 +38,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.world_size % self.replicas != 0:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise HDETConfigError(
                 f"hdet.replicas: {self.replicas} replicas do not divide the world of {self.world_size} ranks; "
-                f"allowed values for this world: {divisors}")
+                f"allowed values for this world: {_divisors(self.world_size)}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
 

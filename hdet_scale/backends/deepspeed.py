@@ -16,7 +16,6 @@ deepspeed 0.19 (see ``_check_zero3``), and the tests compare the result with
 from __future__ import annotations
 
 import copy
-import json
 import os
 from typing import Any, Callable, Sequence
 
@@ -29,7 +28,8 @@ from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, 
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.config import HDETConfig
-from hdet_scale.ds_keys import check_deepspeed_keys
+from hdet_scale.ds_keys import RepeatedKeyError, check_deepspeed_keys, loads_json
+from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Layout, Topology
@@ -53,7 +53,8 @@ class DeepSpeedBackend:
     sub-group, this rank's ``1/S`` of the parameters). ``refresh()`` copies them into the
     low-precision working partitions (bf16 / fp16 / fp32) and re-gathers ZeRO-3's
     persistent (small, never partitioned) parameters, so the next forward pass reads
-    the averaged weights.
+    the averaged weights: one all-gather on the shard group for all of them (per dtype),
+    none when S = 1.
     """
 
     shares_gradients = False  # ZeRO reduces inside the shard group only: HDET's hook crosses replicas
@@ -124,10 +125,15 @@ class DeepSpeedBackend:
         opt._partition_all_parameters()
         for i in range(len(opt.fp16_groups)):
             opt._reassign_or_swap_out_partitioned_parameters(i)
-        if opt.persistent_parameters:
-            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+        # hpZ's secondary copies hold the pre-converge values, and the coalesced gather
+        # below reads them when present: drop them first (the next step rebuilds them).
         if hasattr(opt, "invalidate_secondary_tensor"):
             opt.invalidate_secondary_tensor()
+        if opt.persistent_parameters:
+            # all_gather_coalesced (what ZeRO-3's prefetch uses) packs every partition into
+            # one flat all_gather_into_tensor per dtype; param.all_gather, despite calling
+            # a "coalesced" helper, issues one all-gather per parameter.
+            opt.persistent_parameters[0].all_gather_coalesced(opt.persistent_parameters).wait()
 
     def install_grad_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
         """Run ``hook([flat gradient partition])`` at every accumulation boundary, after
@@ -148,9 +154,20 @@ class DeepSpeedBackend:
 
 
 def _load_ds_config(config: str | dict) -> dict:
+    """A copy of ``config``, or the JSON file it names. A key given twice in one object is
+    refused, as DeepSpeed and ``hdet-train`` refuse it (``json`` would keep the last).
+
+    Raises:
+        HDETConfigError: a key given twice (naming the file and the key).
+        OSError, ValueError: the file cannot be read, or is not JSON.
+    """
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
-            return json.load(f)
+            text = f.read()
+        try:
+            return loads_json(text)
+        except RepeatedKeyError as e:
+            raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} {e}") from None
     return copy.deepcopy(dict(config))
 
 
@@ -174,6 +191,7 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
     """
     ds = _load_ds_config(ds_config)
     check_deepspeed_keys(ds)
+    check_deepspeed_values(ds)  # a negative LR or batch size, before DeepSpeed trains on it or asserts per rank
     block = ds.pop("hdet", None)
     # No block (or null): plain DeepSpeed, as if "enabled": false.
     cfg = HDETConfig.from_dict(block) if block is not None else HDETConfig(enabled=False)

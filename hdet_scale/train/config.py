@@ -1,7 +1,8 @@
 """The trainer's run config: packaged YAML defaults, a user YAML, ``key=value`` overrides.
 
 Merged with OmegaConf against a structured schema, so an unknown or mistyped key is an
-error naming it. The ``deepspeed`` section is the DeepSpeed JSON (``deepspeed_config``)
+error naming it; each override is parsed alone (a bad value, a key given twice, a section
+given as a value: the message names the override) and interpolations are resolved here. The ``deepspeed`` section is the DeepSpeed JSON (``deepspeed_config``)
 with overrides merged on top; its ``hdet`` block is validated by ``HDETConfig``, its
 values by :func:`hdet_scale.ds_values.check_deepspeed_values`. The hdet block's
 ``logging.wandb.*`` keys are the defaults of the trainer's ``wandb.*`` (``_hdet_logging``).
@@ -20,6 +21,7 @@ from importlib import resources
 from typing import Any
 
 from hdet_scale.config import WandbConfig
+from hdet_scale.ds_keys import RepeatedKeyError, loads_json
 from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.backends import BACKENDS
@@ -82,6 +84,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     explicit_wandb: set = set()  # the wandb.* keys the user sets (they win over the hdet block's)
+    cfg = None
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(packaged("default.yaml")))
         if path is not None:
@@ -89,17 +92,14 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
             _check_sections(sections, f"config file {path!r}: ", yaml_form=True)
             explicit_wandb |= set(sections.get("wandb") or {})
             cfg = OmegaConf.merge(cfg, user)
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
-        dotlist = OmegaConf.from_dotlist(overrides)
-        sections = OmegaConf.to_container(dotlist, resolve=False)
-        _check_sections(sections, "", yaml_form=False)
+        dotlist, sections = _parse_overrides(overrides)
         explicit_wandb |= set(sections.get("wandb") or {})
         cfg = OmegaConf.merge(cfg, dotlist)
+        # Interpolations (${...}) are resolved here, once: a bad one is a config error
+        # naming its key, not a traceback wherever the value is first read.
+        run = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
-        raise HDETConfigError(_describe(e)) from None
-    run = OmegaConf.to_container(cfg, resolve=True)
+        raise HDETConfigError(_describe(e, cfg, overrides, path)) from None
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
     ds = _load_deepspeed_json(ds_path)
     if not isinstance(run["deepspeed"] or {}, dict):
@@ -124,6 +124,56 @@ def _check_sections(top: dict, where: str, yaml_form: bool) -> None:
                     f"{name}.{key}={json.dumps(value).strip(chr(34))}")
             raise HDETConfigError(f"{where}{name}: must be a mapping of {name}.* keys, e.g. {form}; "
                                   f"got {json.dumps(top[name], default=str)}")
+
+
+def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
+    """The ``key=value`` overrides as one OmegaConf node and as a plain dict
+    (interpolations unresolved). Each is parsed alone, so that every error names its
+    override: a value that is not YAML (``train.steps=[1,``), a section given as a value
+    (``train=[1,2]``, the line of :func:`_check_sections`), a key given twice
+    (``train.steps=5 train.steps=7``; refused as Hydra does, rather than keeping the
+    last silently) and a key set both as a value and inside it (``deepspeed.hdet=5
+    deepspeed.hdet.replicas=2``: OmegaConf's result depends on the order)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
+    nodes, setters = [], {}  # setters: dotted key -> the override that sets it
+    for o in overrides:
+        key, value = o.split("=", 1)
+        try:
+            node = OmegaConf.from_dotlist([o])
+        except (yaml.YAMLError, ValueError, OmegaConfBaseException) as e:
+            why = " ".join(str(getattr(e, "problem", None) or e).splitlines()[0].split())
+            raise HDETConfigError(f"override {o!r}: the value {value!r} of {key} is not a valid YAML value ({why}); "
+                                  "quote it for a string, e.g. 'run_dir=\"a,b\"'") from None
+        tree = OmegaConf.to_container(node, resolve=False)
+        _check_sections(tree, "", yaml_form=False)
+        for leaf in _leaves(tree):
+            if leaf in setters:
+                raise HDETConfigError(f"multiple values for {leaf}: {setters[leaf]!r} and {o!r}; keep one")
+            parts = leaf.split(".")
+            outer = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in setters), None)
+            inner = next((k for k in setters if k.startswith(leaf + ".")), None)
+            if outer is not None or inner is not None:
+                (value_by, whole), inside_by = (((setters[outer], outer), o) if outer is not None
+                                                else ((o, leaf), setters[inner]))
+                raise HDETConfigError(f"{value_by!r} sets {whole} to a single value and {inside_by!r} sets a key "
+                                      f"inside it: keep one")
+            setters[leaf] = o
+        nodes.append(node)
+    merged = OmegaConf.merge(OmegaConf.create(), *nodes)
+    return merged, OmegaConf.to_container(merged, resolve=False)
+
+
+def _leaves(tree: Any, path: str = "") -> list[str]:
+    """The dotted keys an override's value sets: a non-empty mapping sets its keys, any
+    other value (a list too) the key itself."""
+    if isinstance(tree, dict) and tree:
+        return [leaf for k, v in tree.items() for leaf in _leaves(v, f"{path}{k}.")]
+    return [] if isinstance(tree, dict) else [path[:-1]]
 
 
 def _hdet_logging(run: dict, explicit: set) -> None:
@@ -224,10 +274,9 @@ def _load_deepspeed_json(path: str) -> dict:
     if not text.strip():
         raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
     try:
-        ds = json.loads(text, object_pairs_hook=_no_repeated_keys)
-    except _RepeatedKey as e:
-        raise HDETConfigError(f"deepspeed_config: file {path!r} has the key {e.args[0]!r} twice in one object: keep "
-                              "one (DeepSpeed refuses such a file; json keeps the last silently)") from None
+        ds = loads_json(text)
+    except RepeatedKeyError as e:
+        raise HDETConfigError(f"deepspeed_config: file {path!r} {e}") from None
     except ValueError as e:
         raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
     if not isinstance(ds, dict):
@@ -236,24 +285,23 @@ def _load_deepspeed_json(path: str) -> dict:
     return ds
 
 
-class _RepeatedKey(Exception):
-    pass
+def _describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str | None = None) -> str:
+    """One line naming the dotted key, and for an unknown key the valid ones; for an
+    interpolation that cannot be resolved, the interpolation and where it was set
+    (``cfg``: the merged config, ``overrides`` and ``path``: the user's)."""
+    from omegaconf.errors import GrammarParseError, InterpolationResolutionError
 
-
-def _no_repeated_keys(pairs: list) -> dict:
-    seen: dict = {}
-    for k, v in pairs:
-        if k in seen:
-            raise _RepeatedKey(k)
-        seen[k] = v
-    return seen
-
-
-def _describe(e: Exception) -> str:
-    """One line naming the dotted key, and for an unknown key the valid ones."""
     key = getattr(e, "full_key", None) or ""
     msg = getattr(e, "msg", None) or str(e)
     msg = msg.splitlines()[0]
+    if isinstance(e, (InterpolationResolutionError, GrammarParseError)) and key:
+        setter = [o for o in overrides if o.split("=", 1)[0] == key]
+        where = (f"override {setter[-1]!r}" if setter else f"config file {path!r}" if path is not None
+                 else "the packaged defaults")
+        raw = _raw_value(cfg, key)
+        shown = f"the interpolation {raw!r}" if isinstance(raw, str) and "${" in raw else "its interpolation"
+        return (f"{key}: {shown} ({where}) cannot be resolved: {msg}. Interpolations are resolved when the "
+                "config is read; write a literal ${ as \\${")
     if "not in" in msg and key:
         node: Any = RunConfig
         for part in key.split(".")[:-1]:
@@ -264,6 +312,21 @@ def _describe(e: Exception) -> str:
             valid = ", ".join(f.name for f in dataclasses.fields(node))
             return f"{key}: unknown key; valid keys: {valid}"
     return f"{key}: {msg}" if key else msg
+
+
+def _raw_value(cfg: Any, key: str) -> Any:
+    """The value of the dotted ``key`` in the OmegaConf ``cfg`` as written (unresolved), or ``None``."""
+    from omegaconf import OmegaConf
+
+    if cfg is None:
+        return None
+    try:
+        node: Any = OmegaConf.to_container(cfg, resolve=False)
+    except Exception:  # a config OmegaConf cannot even copy: the message names the key anyway
+        return None
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _validate(run: dict) -> None:

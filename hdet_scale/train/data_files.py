@@ -129,7 +129,8 @@ def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
     """
     parts = [p.strip() for p in path.split(",") if p.strip()]
     if not parts:
-        raise HDETConfigError(f"data.path={path!r} names no path")
+        raise HDETConfigError(f"data.path={path!r} names no path: give a text file or folder, or leave data.path "
+                              "out (or null) to train on the built-in corpus (the Python standard library's sources)")
     files: list[tuple[str, pathlib.Path]] = []
     seen: set[pathlib.Path] = set()
     for index, part in enumerate(parts):

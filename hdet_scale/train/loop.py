@@ -34,6 +34,7 @@ from hdet_scale.train.engines import build_engine, check_engine_config
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, loss_fn
 from hdet_scale.train.startup import watch_op_locks
+from hdet_scale.train.stopping import note_step
 
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
@@ -227,6 +228,7 @@ def train(run: dict) -> dict:
                        "train/backward_passes": engine.backward_passes, "train/tokens_seen": engine.tokens * world}
         t_last = now
         engine.step(loss)
+        note_step(sched.step_count)  # the step a stop line names (stopping.py)
         rundir.maybe_kill(fault, rank, sched.step_count)
         # Data (ByteBatches.batch(step)), the LR schedule and the HDET state are keyed by the
         # step, the RNG is saved per rank: a resume from here continues this run exactly.

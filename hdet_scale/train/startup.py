@@ -21,16 +21,30 @@ here: the message names it and how to clear it, and the run exits with
 Two checks use that rule: :func:`stale_trainer_locks` (the local launcher, before any rank
 starts) and :func:`watch_op_locks` (every rank, while it builds its engine: it names the
 lock its main thread is actually waiting on).
+
+A stopped start never leaves its own lock (a Ctrl-C during start-up used to block every
+later start): inside :func:`watch_op_locks` the rank records each lock it *itself* creates
+(torch's ``FileBaton.try_acquire`` succeeding; SIGINT/SIGTERM blocked across the create and
+the record, and across the remove and the unrecord), and while it holds one a SIGINT or
+SIGTERM first removes it (:func:`release_held_locks`: only a file that is still the one it
+created, never a lock another process holds or waits on), stops the build processes it
+started while holding it (``ninja``), then goes on as the signal would have (the handler
+that was there, or the default: death by that signal). The stop paths that end a rank with
+``os._exit`` call :func:`release_held_locks` too. A rank waiting on another's lock holds
+none: it dies as before. Only SIGKILL (the launcher's, 15 s after its SIGTERM, or the OOM
+killer) can still leave a lock; the next start then names it once it is 30 s old.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 #: Exit code of a start refused (launcher) or stopped (rank) by a stale lock.
 STALE_LOCK_EXIT = 3
@@ -155,6 +169,150 @@ def _waited_on_lock(thread_id: int) -> str | None:
     return None
 
 
+# ---- the locks this process holds: removed when a signal stops it ---------------------
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# lock path -> (its open descriptor, st_dev and st_ino of the file this process created, its
+# child PIDs before). The descriptor stays open until the release: the inode cannot be reused.
+_held: dict[str, tuple[int, int, int, frozenset[int]]] = {}
+_replaced: dict[int, Any] = {}  # signal -> the handler _on_stop stands in for while a lock is held
+
+
+def _children() -> frozenset[int]:
+    """PIDs of this process's children (``/proc/*/stat``); empty where ``/proc`` is absent."""
+    me, found = os.getpid(), set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return frozenset()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == me:
+                    found.add(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue
+    return frozenset(found)
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM held back in this thread (delivered when the block ends)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def held_locks() -> list[str]:
+    """The op-build locks this process created (inside :func:`watch_op_locks`) and holds."""
+    return list(_held)
+
+
+def release_held_locks() -> list[str]:
+    """Remove the locks :func:`held_locks` names, each only while its path is still the file
+    this process created (same device and inode as its still open descriptor), after SIGTERM to the processes this one
+    started while holding it (the op build: ``ninja``, whose compilers it stops). For the
+    stop paths; never raises. Returns the paths removed."""
+    removed = []
+    for path, (fd, dev, ino, before) in list(_held.items()):
+        for pid in _children() - before:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        try:
+            st, mine = os.lstat(path), os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino) == (dev, ino):
+                os.remove(path)
+                removed.append(path)
+        except OSError:
+            pass
+        _held.pop(path, None)
+    return removed
+
+
+def _on_stop(signum: int, frame: Any) -> None:
+    """SIGINT / SIGTERM while this process holds a lock: remove it, then what the signal
+    would have done without this handler."""
+    release_held_locks()
+    previous = _replaced.get(signum, signal.SIG_DFL)
+    _disarm()
+    if callable(previous):
+        previous(signum, frame)  # e.g. stopping.install_rank_handlers': os._exit
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # the default action: death by this signal, as before
+    time.sleep(5)  # not reached while the signal is unblocked here
+    os._exit(128 + signum)
+
+
+def _arm() -> None:
+    if _replaced or threading.current_thread() is not threading.main_thread():
+        return  # armed, or not allowed (the stop paths still call release_held_locks)
+    for s in _STOP_SIGNALS:
+        previous = signal.getsignal(s)
+        if previous not in (signal.SIG_IGN, None):  # ignored (a local launcher's rank: SIGINT) stays ignored
+            _replaced[s] = previous
+            signal.signal(s, _on_stop)
+
+
+def _disarm() -> None:
+    if not _replaced or threading.current_thread() is not threading.main_thread():
+        return
+    for s, previous in _replaced.items():
+        signal.signal(s, previous)
+    _replaced.clear()
+
+
+def _try_acquire(baton: Any, original: Any) -> bool:
+    with _stop_signals_blocked():  # a signal between the create and the record would leave the file
+        before = _children()
+        acquired = original(baton)
+        if acquired:
+            st = os.fstat(baton.fd)
+            _held[baton.lock_file_path] = (baton.fd, st.st_dev, st.st_ino, before)
+            _arm()
+    return acquired
+
+
+def _release(baton: Any, original: Any) -> None:
+    with _stop_signals_blocked():
+        try:
+            original(baton)
+        finally:
+            _held.pop(baton.lock_file_path, None)
+            if not _held:
+                _disarm()
+
+
+@contextlib.contextmanager
+def _tracking_batons() -> Iterator[None]:
+    """Route torch's ``FileBaton.try_acquire`` / ``release`` through the recording above
+    (class attributes: every baton of this process, whichever module made it)."""
+    from torch.utils.file_baton import FileBaton
+
+    acquire, release = FileBaton.try_acquire, FileBaton.release
+    if getattr(acquire, "_hdet_tracked", False):  # nested: already routed
+        yield
+        return
+
+    def try_acquire(self: Any) -> bool:
+        return _try_acquire(self, acquire)
+
+    def release_(self: Any) -> None:
+        _release(self, release)
+
+    try_acquire._hdet_tracked = True  # type: ignore[attr-defined]
+    FileBaton.try_acquire, FileBaton.release = try_acquire, release_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileBaton.try_acquire, FileBaton.release = acquire, release  # type: ignore[method-assign]
+        _held.clear()  # the loader releases in its own finally: nothing is held past here
+        _disarm()
+
+
 @contextlib.contextmanager
 def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0,
                    waiting_note_s: float = 20.0) -> Iterator[None]:
@@ -167,7 +325,8 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
     :data:`STALE_LOCK_EXIT` at once (``os._exit``: the main thread is stuck, and nothing
     was written yet). A wait on a lock a live process holds (a build in progress) is
     reported once after ``waiting_note_s``, when ``announce`` (local rank 0), and
-    otherwise left alone. Call from the main thread."""
+    otherwise left alone. Inside, the locks this process creates are recorded and a
+    SIGINT / SIGTERM removes them (module docstring). Call from the main thread."""
     main_id = threading.get_ident()
     done = threading.Event()
 
@@ -184,6 +343,7 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
                 # Every rank that finds it says so: the launcher may end the others (local
                 # rank 0 included) as soon as the first exits, before they look.
                 os.write(2, f"hdet-train: error: {stale_lock_message(lock)}\n".encode())
+                release_held_locks()  # none while waiting, as torch loads one op at a time
                 os._exit(STALE_LOCK_EXIT)
             if announce and not noted and time.monotonic() - since >= waiting_note_s:
                 holders = lock_holders(lock)
@@ -194,6 +354,7 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
     thread = threading.Thread(target=watch, name="hdet-op-lock-watch", daemon=True)
     thread.start()
     try:
-        yield
+        with _tracking_batons():
+            yield
     finally:
         done.set()

@@ -10,8 +10,9 @@ exactly. Steps after it are lost (``train.checkpoint_every`` bounds how many).
 - Local launcher (``hdet-train`` started bare, ``cli._launch_local``): the ranks start
   with SIGINT ignored, so a Ctrl-C, which the terminal sends to every process of the job,
   is acted on by the launcher alone: it sends SIGTERM to every rank (default action: the
-  rank ends at once, printing nothing), SIGKILL after :data:`GRACE_S` to any rank still
-  there (a second signal: at once), then prints :func:`stop_message`.
+  rank ends at once, printing nothing; a rank holding a DeepSpeed op-build lock first
+  removes it, ``startup.py``), SIGKILL after :data:`GRACE_S` to any rank still there (a
+  second signal: at once), then prints :func:`stop_message`.
 - Under ``torchrun`` (which forwards the signal it gets to every worker) or the
   ``deepspeed`` launcher: :func:`install_rank_handlers` makes each rank end on SIGINT or
   SIGTERM without a ``KeyboardInterrupt`` traceback, rank 0 printing the line.
@@ -29,6 +30,32 @@ from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, latest_step, read_lat
 #: Seconds the launcher gives its ranks to end after SIGTERM before it kills them.
 GRACE_S = 15.0
 _NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+# The optimizer step this attempt (this process, or the launcher's ranks) reached: the stop
+# line names it, not the last record of metrics.jsonl, which an earlier, stopped attempt of
+# a resumed run may have written before this one trained a step.
+_step: int | None = None
+_shared: Any = None  # the launcher's shared integer (multiprocessing.Value), in rank 0
+
+
+def share_progress(value: Any) -> None:
+    """Rank 0 of the local launcher: also write every :func:`note_step` into ``value``
+    (a ``multiprocessing.Value("q")``), which the launcher reads when it stops the run."""
+    global _shared
+    _shared = value
+
+
+def note_step(step: int) -> None:
+    """The training loop, after each optimizer step: ``step`` optimizer steps are done."""
+    global _step
+    _step = step
+    if _shared is not None:
+        _shared.value = step
+
+
+def attempt_step() -> int | None:
+    """The last step :func:`note_step` got in this process, ``None`` before the first."""
+    return _step
 
 
 def exit_code(signum: int) -> int:
@@ -55,33 +82,13 @@ def last_checkpoint(run_dir: str) -> tuple[str, int | None] | None:
     return os.path.join(ckpt, f"replica_*/{tag}"), step
 
 
-def last_logged_step(run_dir: str) -> int | None:
-    """The ``step`` of the last complete record in ``run_dir/metrics.jsonl`` (rank 0
-    writes a record per optimizer step, line-buffered), or ``None``."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 65536))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(step, int):
-            return step
-    return None
-
-
-def stop_message(signum: int, run: dict[str, Any], who: str) -> str:
+def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -> str:
     """The one line printed when ``signum`` stopped the run: ``who`` ended (e.g. "all 4
-    ranks ended"), at which step, and the checkpoint to resume from (or that there is
-    none and what to do instead)."""
+    ranks ended"), at which step (``step``: the last optimizer step this attempt completed,
+    :func:`note_step`; ``None``: "before its first step"), and the checkpoint to resume
+    from (or that there is none and what to do instead)."""
     run_dir = run["run_dir"]
-    step = last_logged_step(run_dir)
-    at = f" at step {step}" if step is not None else ""
+    at = f" at step {step}" if step is not None else " before its first step"
     head = f"hdet-train: stopped by {_NAMES.get(signum, signal.Signals(signum).name)}{at}; {who}."
     saved = last_checkpoint(run_dir)
     if saved is not None:
@@ -103,10 +110,13 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
     Python runs the handler between bytecodes of the main thread: a rank inside a
     collective whose peer already ended gets the peer's error first, then the handler."""
 
+    from hdet_scale.train.startup import release_held_locks
+
     def handler(signum: int, frame: Any) -> None:
+        release_held_locks()  # a DeepSpeed op lock this rank holds (start-up) must not outlive it
         if announce:
-            os.write(2, (stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)") + "\n")
-                     .encode())
+            os.write(2, (stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",
+                                      attempt_step()) + "\n").encode())
         os._exit(exit_code(signum))
 
     for s in (signal.SIGINT, signal.SIGTERM):

@@ -101,6 +101,12 @@ def setup_cases(d) -> None:
     for name, edit in {"lr_negative": {"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "bf16_true": {"bf16": True},
                        "total_steps_fraction": {"hdet": {**zero3["hdet"], "schedule": {"total_steps": 10.5}}}}.items():
         (d / f"{name}.json").write_text(json.dumps({**zero3, **edit}))
+    # round 2: a batch key < 1, a key twice in the hdet block, no total_steps and other errors
+    (d / "gas_negative.json").write_text(json.dumps({**zero3, "gradient_accumulation_steps": -1}))
+    (d / "hdet_twice.json").write_text(json.dumps(zero3).replace('"replicas": 2', '"replicas": 2, "replicas": 4'))
+    (d / "no_total_scheduler.json").write_text(json.dumps(
+        {**zero3, "scheduler": {"type": "WarmupLR", "params": {}}, "zero_optimization": {"stage": 2},
+         "hdet": {"replicas": 2, "sync_interval": 10}}))
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
@@ -153,6 +159,16 @@ CASES = [
     ("ds_json_missing", ["deepspeed_config={d}/nope.json"], {}, 2, ["nope.json", "does not exist"], None),
     ("ds_json_folder", ["deepspeed_config={d}/folder.json"], {}, 2, ["folder.json", "folder"], None),
     ("ds_section_scalar", ["deepspeed=5"], {}, 2, ["deepspeed:", "mapping"], None),
+    # round 2: each override alone (not YAML, a section then its key, a key twice), interpolations at load
+    ("override_not_yaml", ["train.steps=[1,"], {}, 2, ["override 'train.steps=[1,'", "not a valid YAML value"], None),
+    ("section_then_its_key", ["train=[1,2]", "train.progress=false"], {}, 2, ["train: must be a mapping"], None),
+    ("override_twice", ["train.steps=5", "train.steps=7"], {}, 2,
+     ["multiple values for train.steps: 'train.steps=5' and 'train.steps=7'"], None),
+    ("interpolation_env_unset", ["run_dir=${{oc.env:HDET_TEST_NOPE_NOT_SET}}"], {}, 2,
+     ["run_dir: the interpolation '${{oc.env:HDET_TEST_NOPE_NOT_SET}}'", "Environment variable"], None),
+    # F1: DeepSpeed asserted in every rank after 29 s
+    ("ds_json_gas_negative", ["deepspeed_config={d}/gas_negative.json"], {}, 2,
+     ["deepspeed.gradient_accumulation_steps: must be an integer >= 1", "got -1"], None),
     # a DeepSpeed block given as a value: DeepSpeed's TypeError inside every rank named no key
     ("ds_bf16_value", ["deepspeed.bf16=true"], {}, 2, ['deepspeed.bf16: must be a JSON object, e.g. {{"enabled": true}}'],
      None),
@@ -179,6 +195,10 @@ CASES = [
     ("data_missing", ["data.path=/nonexistent/corpus"], {}, 2, ["data.path"], None),
     ("data_too_small", ["data.path={d}/tiny.txt"], {}, 2, ["data.seq_len"], None),
     ("data_empty", ["data.path={d}/empty.txt"], {}, 2, ["data.path"], None),
+    # an empty value (an unset $DATA) is not null: it trained on the built-in corpus without a word
+    ("data_path_empty", ["data.path="], {}, 2, ["data.path: empty value", "data.path=null", "built-in corpus"], None),
+    ("data_path_blank", ["data.path=  "], {}, 2, ["data.path: empty value", "data.path=null"], None),
+    ("data_path_quoted_empty", ['data.path=""'], {}, 2, ["data.path='' names no path", "built-in corpus"], None),
     ("data_val_fraction", ["data.val_fraction=1.5"], {}, 2, ["data.val_fraction"], None),
     ("data_max_bytes", ["data.max_bytes=0"], {}, 2, ["data.max_bytes"], None),
     # a file that is not text, or not a regular file (a FIFO must not block the start)
@@ -264,6 +284,14 @@ CASES = [
      ["HDET_FAULT_KILL='4:5' would never fire", "rank in [0, 3] (world size 4)"], None),
     ("fault_hook_step_out_of_range", [], {"HDET_FAULT_KILL": "0:301"}, 2,
      ["HDET_FAULT_KILL='0:301'", "step in [1, 300] (train.steps)"], None),
+    # stray launcher variables without torchrun: a traceback from DeepSpeed's MPI discovery in every rank
+    ("env_rank_without_master", [], {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0"}, 2,
+     ["RANK=0 WORLD_SIZE=4 LOCAL_RANK=0 set, but MASTER_ADDR, MASTER_PORT not", "env -u RANK -u WORLD_SIZE -u LOCAL_RANK",
+      "torchrun"], None),
+    ("env_world_size_alone", [], {"WORLD_SIZE": "2"}, 2, ["WORLD_SIZE=2 set, but RANK, MASTER_ADDR, MASTER_PORT not"],
+     None),
+    ("env_rank_out_of_range", [], {"RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     2, ["RANK not in [0, WORLD_SIZE)", "env -u RANK"], None),
     ("stale_op_lock", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "rm {run}_ext/fused_adam/lock", "prebuilt"], plant_stale_lock),
     ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
@@ -305,6 +333,11 @@ DRYRUN_CASES = [
     ("dryrun_bf16_value", ["{d}/bf16_true.json"], ['bf16: must be a JSON object, e.g. {"enabled": true}; got true']),
     ("dryrun_total_steps_fraction", ["{d}/total_steps_fraction.json"],
      ["hdet.schedule.total_steps: expected int | None, got 10.5"]),  # the only line: test_dryrun.py
+    # round 2: rc 0 before for the first two; the third hid the other errors behind the missing total_steps
+    ("dryrun_gas_negative", ["{d}/gas_negative.json"], ["gradient_accumulation_steps: must be an integer >= 1", "got -1"]),
+    ("dryrun_key_twice", ["{d}/hdet_twice.json"], ["hdet_twice.json", "has the key 'replicas' twice in one object"]),
+    ("dryrun_no_total_steps_and_more", ["{d}/no_total_scheduler.json"],
+     ["pass --total-steps", "  scheduler:", "  zero_optimization.stage"]),
 ]
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 
 import pytest
-from cli_processes import run_cli
+from cli_processes import ENV, left_behind, processes_with, run_cli, with_marker
 
 from hdet_scale.train import startup
 
@@ -44,3 +46,63 @@ def test_ranks_name_a_stale_op_lock_instead_of_hanging(tmp_path):
     assert 1 <= len(named) <= 2 and all(f"rm {lock}" in line for line in named), err[-3000:]
     assert seconds < 60 and not leftovers, (seconds, leftovers)
     assert lock.exists()
+
+
+# A stand-in for ninja, first on PATH: torch's loader runs ``ninja -v`` in <op folder> while it
+# holds <op folder>/lock (a no-op when built). This one notes where it runs, then waits: a
+# rank is held inside the lock window, deterministically, until the test signals.
+NINJA_SHIM = """#!{python}
+import os, sys, time
+if sys.argv[1:2] != ["--version"]:  # torch's availability check: answered at once
+    with open(os.environ["HDET_TEST_NINJA_MARK"], "a") as f:
+        f.write(os.getcwd() + "\\n")
+    time.sleep(120)
+os.execv({real!r}, [{real!r}, *sys.argv[1:]])
+"""
+
+
+def test_a_signal_during_op_loading_leaves_no_lock(tmp_path):
+    """Issue 9, F9. SIGTERM to ``hdet-train`` while a rank holds an op-build lock (inside
+    torch's loader, running ninja) used to leave the lock, and every later start failed on
+    it (exit 3). Now the rank removes its own lock and stops its build before it ends: exit
+    143 well inside the launcher's 15 s grace (no SIGKILL needed), no ``lock`` anywhere in
+    the (private) extensions folder, no process left behind (the ninja stand-in included),
+    and the stop line says no step was trained ("before its first step")."""
+    built = startup.extensions_dir()
+    ext = tmp_path / "ext"
+    for op in ("deepspeed_shm_comm", "fused_adam"):
+        shutil.copytree(os.path.join(built, op), ext / op, ignore=shutil.ignore_patterns("lock"))
+    shim_dir, mark = tmp_path / "bin", tmp_path / "ninja_ran"
+    shim_dir.mkdir()
+    (shim_dir / "ninja").write_text(NINJA_SHIM.format(python=sys.executable, real=shutil.which("ninja")))
+    (shim_dir / "ninja").chmod(0o755)
+    env, tag = with_marker({**ENV, "TORCH_EXTENSIONS_DIR": str(ext), "HDET_TEST_NINJA_MARK": str(mark),
+                            "PATH": f"{shim_dir}{os.pathsep}{ENV['PATH']}"})
+    cmd = [sys.executable, "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "nproc=2", "train.steps=10",
+           "deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5", "wandb.enabled=false",
+           "train.progress=false", "data.max_bytes=200000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not mark.exists():  # a rank holds <op>/lock and runs "ninja" under it
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no rank reached the op build in time"
+            time.sleep(0.1)
+        held = mark.read_text().split()[0]
+        assert os.path.exists(os.path.join(held, "lock"))
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+        while processes_with(tag) and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+    finally:
+        leftovers = left_behind(tag, wait_s=0)
+    assert proc.returncode == 143, (proc.returncode, err[-3000:])
+    locks = [str(p) for p in ext.rglob("lock")]
+    assert not locks, (locks, err[-3000:])
+    assert not leftovers, leftovers
+    assert seconds < 10, (seconds, err[-3000:])  # the ranks ended by themselves, not by the SIGKILL at 15 s
+    lines = [line for line in err.splitlines() if line.startswith("hdet-train: stopped by")]
+    assert len(lines) == 1 and "SIGTERM before its first step" in lines[0], err[-3000:]
+    assert "Traceback" not in err, err[-3000:]

@@ -262,6 +262,27 @@ def test_layout_not_dividing_world_names_key_and_divisors():
     assert "[1, 2, 3, 6]" in msg
 
 
+def test_layout_divisors_are_those_of_trying_every_count_in_bounded_time():
+    """The allowed replica counts named when R does not divide W were found by trying
+    every count up to W: O(W), minutes for hdet-dryrun --world-size 10**10. Now by trial
+    up to sqrt(W): the same lists as trying every count (W up to 400), 10**12 + 1 =
+    73 x 137 x 99990001 in well under the 5 s asserted (load margin), and the rule
+    instead of a list above 10**14."""
+    import time
+
+    from hdet_scale.topology import _divisors
+
+    for w in range(1, 401):
+        assert _divisors(w) == [d for d in range(1, w + 1) if w % d == 0]
+    start = time.perf_counter()
+    with pytest.raises(HDETConfigError) as e:
+        Layout(world_size=10**12 + 1, replicas=2)
+    assert time.perf_counter() - start < 5
+    assert str(e.value).endswith("[1, 73, 137, 10001, 99990001, 7299270073, 13698630137, 1000000000001]")
+    with pytest.raises(HDETConfigError, match=f"allowed values for this world: the divisors of {10**15 + 1}"):
+        Layout(world_size=10**15 + 1, replicas=2)
+
+
 def test_layout_zero_replicas_rejected():
     with pytest.raises(HDETConfigError, match="hdet.replicas"):
         Layout(world_size=8, replicas=0)

@@ -136,3 +136,147 @@ def test_auto_lr_summary_per_controller():
     assert "warning: hdet.auto: the decay" in text and "at most 15.00%" in text
     warm = {**ZERO3, "hdet": {**BLOCK, "warm_init": {"enabled": True, "nu": 0.02}}}
     assert "warm init: noise std nu=0.02" in describe(warm, world_size=8)
+
+
+# ---- batch keys, repeated JSON keys, all errors at once, huge worlds (issue 9, round 2) ----
+
+@pytest.mark.parametrize("key", ["gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"])
+@pytest.mark.parametrize("value", [-1, 0, 1.5, True, "8"])
+def test_a_batch_key_that_is_not_a_positive_integer_is_one_line_everywhere(key, value, tmp_path):
+    """Issue 9 F1-F3: ``"gradient_accumulation_steps": -1`` (or 0) got past hdet-train to
+    an AssertionError in every rank after 29-113 s, and hdet-dryrun said valid; 1.5 was
+    refused inside the ranks under another key's name (the micro-batch, 12.0). The trainer,
+    the dry run and the library's prepare_config now refuse it with the same line, naming
+    the key (the trainer's with its ``deepspeed.`` prefix)."""
+    from hdet_scale.backends.deepspeed import prepare_config
+    from hdet_scale.train.config import load_run_config
+
+    cfg = {**ZERO3, key: value}
+    what = {"gradient_accumulation_steps": "micro-steps per optimizer step",
+            "train_micro_batch_size_per_gpu": "samples per rank per micro-step",
+            "train_batch_size": "samples per optimizer step over all ranks"}[key]
+    line = f"{key}: must be an integer >= 1 ({what}), got {value!r}"
+    with pytest.raises(HDETConfigError) as dry:
+        describe(cfg, world_size=8, backend="fsdp2")
+    with pytest.raises(HDETConfigError) as lib:
+        prepare_config(cfg, world_size=8)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(HDETConfigError) as train:
+        load_run_config(None, [f"deepspeed_config={path}", "wandb.enabled=false"])
+    assert str(dry.value).splitlines()[1:] == [f"  {line}"] == str(lib.value).splitlines()[1:]
+    assert str(train.value).splitlines()[1:] == [f"  deepspeed.{line}"]
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
+def test_a_global_batch_that_does_not_match_the_world_names_the_product(backend):
+    """``train_batch_size`` = micro x accumulation x W: 2 x 3 x 8 = 48 passes, 40 is one
+    line naming the three values and the product, for every backend (the trainer's
+    engines all read it)."""
+    ok = {**ZERO3, "gradient_accumulation_steps": 3, "train_batch_size": 48}
+    assert "world 8" in describe(ok, world_size=8, backend=backend)
+    with pytest.raises(HDETConfigError) as e:
+        describe({**ok, "train_batch_size": 40}, world_size=8, backend=backend)
+    assert str(e.value).splitlines()[1:] == [
+        "  train_batch_size: 40 must equal train_micro_batch_size_per_gpu (2) x gradient_accumulation_steps (3) x "
+        "world size (8) = 48 (samples per optimizer step over all ranks)"]
+
+
+def test_the_library_runs_the_value_checks():
+    """A negative LR passed hdet_scale.initialize (prepare_config ran no value check); the
+    same config with a positive LR passes."""
+    from hdet_scale.backends.deepspeed import prepare_config
+
+    cfg = {**ZERO3, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert prepare_config(cfg, world_size=8)[0].replicas == 4
+    with pytest.raises(HDETConfigError, match=r"optimizer.params.lr: must be a finite number > 0 \(the peak LR\), "
+                                              r"got -0.001"):
+        prepare_config({**cfg, "optimizer": {"type": "AdamW", "params": {"lr": -1e-3}}}, world_size=8)
+
+
+def test_a_key_twice_in_the_json_file_is_refused_by_the_library_and_the_dry_run(tmp_path, capsys):
+    """Issue 9 S2: hdet-dryrun (and hdet_scale.initialize) read the file with json.load,
+    which keeps the last "replicas" silently, while hdet-train refused it. All three now
+    read it with ds_keys.loads_json and name the file and the key; the same file without
+    the repetition passes."""
+    from hdet_scale.backends.deepspeed import prepare_config
+    from hdet_scale.train.config import load_run_config
+
+    text = json.dumps(ZERO3)
+    path = tmp_path / "ds.json"
+    path.write_text(text.replace('"replicas": 4', '"replicas": 4, "replicas": 2'))
+    tail = "has the key 'replicas' twice in one object: keep one"
+    with pytest.raises(HDETConfigError, match=f"DeepSpeed config '{path}' {tail}"):
+        prepare_config(str(path), world_size=8)
+    assert main([str(path), "--world-size", "8"]) == 2
+    assert f"hdet-dryrun: error: DeepSpeed config '{path}' {tail}" in capsys.readouterr().err
+    with pytest.raises(HDETConfigError, match=f"deepspeed_config: file '{path}' {tail}"):
+        load_run_config(None, [f"deepspeed_config={path}", "wandb.enabled=false"])
+    path.write_text(text)
+    assert prepare_config(str(path), world_size=8)[0].replicas == 4
+    assert main([str(path), "--world-size", "8"]) == 0
+
+
+def test_without_total_steps_every_other_error_is_reported_too(capsys, tmp_path):
+    """Issue 9 S3: without --total-steps the dry run reported only the missing
+    total_steps. Now one message: that line, then what the same file with --total-steps
+    reports (a scheduler block, ZeRO stage 2)."""
+    bad = {**ZERO3, "zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {}},
+           "hdet": {**BLOCK, "schedule": {"name": "onecycle"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(bad))
+    assert main([str(path), "--world-size", "8", "--total-steps", "1000"]) == 2
+    given = capsys.readouterr().err.strip().splitlines()
+    assert main([str(path), "--world-size", "8"]) == 2
+    missing = capsys.readouterr().err.strip().splitlines()
+    assert len(given) == 3 and given[1].startswith("  scheduler:") and given[2].startswith("  zero_optimization.stage")
+    assert missing == ["hdet-dryrun: error: invalid config:",
+                       "  hdet.schedule.total_steps: must be an integer >= 1; the file leaves it to the trainer "
+                       "(hdet-train sets it from train.steps): pass --total-steps N (the checks that depend on the "
+                       "run length were not run)"] + given[1:]
+
+
+@pytest.mark.parametrize("world", range(1, 41))
+def test_the_plan_is_the_layouts_for_small_worlds(world):
+    """The bounded plan (dryrun.layout_report) is Layout.describe's text wherever every
+    group and rank is listed (up to 8 of each), for every replica count dividing W."""
+    from hdet_scale.dryrun import layout_report
+    from hdet_scale.topology import Layout
+
+    for r in (r for r in range(1, world + 1) if world % r == 0 and max(r, world // r) <= 8):
+        assert layout_report(world, r) == Layout(world, r).describe()
+
+
+def test_the_plan_of_a_large_world_lists_the_ends_of_what_layout_lists():
+    """W = 2 x 500 (1000 replica groups, shard groups of 500 ranks) and R = 1000 (the
+    per-replica multipliers): the lines shown are Layout's and axes.multipliers' own,
+    the rest is counted."""
+    from hdet_scale import axes
+    from hdet_scale.dryrun import _per_replica, layout_report
+    from hdet_scale.topology import Layout
+
+    text = layout_report(1000, 2).splitlines()
+    lay = Layout(1000, 2)
+    s0 = lay.shard_group_ranks(0)
+    assert text[1] == f"  shard group   0: ranks [{s0[0]}, {s0[1]}, {s0[2]}, ... 496 more ..., {s0[-1]}] (500 ranks)"
+    assert text[3:8] == [f"  replica group {j}: ranks {lay.replica_group_ranks(j)}" for j in range(3)] + [
+        "  ... 496 more replica groups ...", f"  replica group 499: ranks {lay.replica_group_ranks(499)}"]
+    m = [round(x, 6) for x in axes.multipliers(1000, 0.3)]
+    assert _per_replica(1000, lambda o: 1.0 + 0.3 * o) == f"[{m[0]}, {m[1]}, {m[2]}, ... 996 more ..., {m[-1]}] (1000 replicas)"
+
+
+@pytest.mark.parametrize("replicas", [2, 10**6])
+def test_a_huge_world_is_described_in_bounded_time_and_lines(replicas):
+    """Issue 9 F10: --world-size 10**9 ran out of memory (23 GB) building every group, and
+    10**6 printed 500k lines. W = 10**12 now takes well under a second here (the bound
+    asserted, 5 s, leaves room for a loaded machine; the old code would take hours) and
+    prints a fixed number of lines, whatever R."""
+    import time
+
+    cfg = {**ZERO3, "hdet": {**BLOCK, "replicas": replicas}}
+    start = time.perf_counter()
+    text = describe(cfg, world_size=10**12)
+    assert time.perf_counter() - start < 5
+    assert len(text.splitlines()) < 30
+    assert f"world {10**12} = {replicas} replicas x {10**12 // replicas} shards" in text
+    assert f"({replicas} replicas)" in text if replicas > 8 else "multipliers [0.7, 1.3]" in text

@@ -517,3 +517,78 @@ def test_one_replica_with_a_spread_or_auto_lr_warns(block, warns):
     else:
         assert len(msgs) == 1 and warns in msgs[0] and "HDET does nothing" in msgs[0]  # the dry run does not repeat it
         assert f"warning: hdet.replicas: 1 replica with {warns}" in report
+
+
+# ---- overrides and interpolations of the run config (issue 9, config & dryrun round 2) ------
+
+@pytest.mark.parametrize("overrides,line", [
+    # a raw yaml.parser.ParserError traceback
+    (["train.steps=[1,"], "override 'train.steps=[1,': the value '[1,' of train.steps is not a valid YAML value "
+                          "(did not find expected node content); quote it for a string, e.g. 'run_dir=\"a,b\"'"),
+    # a raw ValueError from OmegaConf.update; "Cannot merge incompatible container types"; accepted
+    (["train=[1,2]", "train.progress=false"], "train: must be a mapping of train.* keys, e.g. train.steps=100; "
+                                              "got [1, 2]"),
+    (["train.progress=false", "train=[1,2]"], "train: must be a mapping of train.* keys, e.g. train.steps=100; "
+                                              "got [1, 2]"),
+    (["model=5", "model.hidden_size=64"], "model: must be a mapping of model.* keys, e.g. model.hidden_size=256; "
+                                          "got 5"),
+    # the last value won silently
+    (["train.steps=5", "train.steps=7"], "multiple values for train.steps: 'train.steps=5' and 'train.steps=7'; "
+                                         "keep one"),
+    (["deepspeed.hdet={replicas: 3}", "deepspeed.hdet.replicas=2"],
+     "multiple values for deepspeed.hdet.replicas: 'deepspeed.hdet={replicas: 3}' and 'deepspeed.hdet.replicas=2'; "
+     "keep one"),
+    (["deepspeed.hdet.replicas=2", "deepspeed.hdet=5"],
+     "'deepspeed.hdet=5' sets deepspeed.hdet to a single value and 'deepspeed.hdet.replicas=2' sets a key inside "
+     "it: keep one"),
+])
+def test_each_override_error_names_the_override(overrides, line):
+    assert _run_config_error(overrides=overrides) == line
+
+
+def test_overrides_that_do_not_collide_still_merge_and_override_the_yaml(tmp_path):
+    """The checks above refuse only what collides: a mapping and a key it does not set
+    merge, and an override still replaces the run YAML's value. Compared with the same
+    settings given as separate keys (the plain-dict results must be equal)."""
+    from hdet_scale.train.config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 20\n")
+    merged = load_run_config(str(path), ["deepspeed.hdet={replicas: 4}", "deepspeed.hdet.sync_interval=5",
+                                         "train.steps=30", "wandb.enabled=false"])
+    separate = load_run_config(None, ["deepspeed.hdet.replicas=4", "deepspeed.hdet.sync_interval=5",
+                                      "train.steps=30", "wandb.enabled=false"])
+    assert merged == separate
+    assert (merged["train"]["steps"], merged["deepspeed"]["hdet"]["replicas"],
+            merged["deepspeed"]["hdet"]["sync_interval"]) == (30, 4, 5)
+
+
+@pytest.mark.parametrize("where,key,text,cause", [
+    ("override", "train.steps", "${oops}", "Interpolation key 'oops' not found"),
+    ("override", "run_dir", "${oc.env:HDET_TEST_NOPE_NOT_SET}", "Environment variable 'HDET_TEST_NOPE_NOT_SET' not found"),
+    ("override", "run_dir", "${foo:bar}", "Unsupported interpolation type foo"),
+    ("override", "train.steps", "${run_dir}", "could not be converted to Integer"),
+    ("override", "deepspeed.hdet.replicas", "${oops}", "Interpolation key 'oops' not found"),
+    ("yaml", "train.steps", "${oops}", "Interpolation key 'oops' not found"),
+])
+def test_an_interpolation_that_cannot_be_resolved_names_key_and_interpolation(tmp_path, monkeypatch, where, key,
+                                                                              text, cause):
+    """Raw OmegaConf tracebacks (InterpolationKeyError...) before: interpolations are
+    now resolved when the config is read. The same interpolation resolves when what it
+    names exists (the environment variable set), to the value a literal gives."""
+    from hdet_scale.train.config import load_run_config
+
+    monkeypatch.delenv("HDET_TEST_NOPE_NOT_SET", raising=False)
+    if where == "yaml":
+        path = tmp_path / "run.yaml"
+        section, leaf = key.split(".")
+        path.write_text(f"{section}:\n  {leaf}: {text}\n")
+        msg, source = _run_config_error(path), f"config file {str(path)!r}"
+    else:
+        msg, source = _run_config_error(overrides=[f"{key}={text}"]), f"override '{key}={text}'"
+    assert msg.startswith(f"{key}: the interpolation {text!r} ({source}) cannot be resolved: "), msg
+    assert cause in msg and "\n" not in msg, msg
+    monkeypatch.setenv("HDET_TEST_NOPE_NOT_SET", str(tmp_path / "r"))
+    resolved = load_run_config(None, ["run_dir=${oc.env:HDET_TEST_NOPE_NOT_SET}/x", "wandb.enabled=false"])
+    literal = load_run_config(None, [f"run_dir={tmp_path / 'r'}/x", "wandb.enabled=false"])
+    assert resolved == literal

@@ -9,6 +9,7 @@ starts) and tests/distributed/test_startup.py (every rank, under torchrun).
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from torch.utils.file_baton import FileBaton
@@ -102,3 +103,116 @@ def test_the_advice_clears_whatever_blocks_the_loader(tmp_path):
         baton = FileBaton(str(lock))
         assert baton.try_acquire()
         baton.release()
+
+
+# ---- a signal while this process holds a lock (issue 9, F9) ------------------------------
+# A rank stopped while torch's loader held <op>/lock used to leave it behind, and every later
+# start waited on it. These run a real child process doing what the loader does (torch's own
+# FileBaton inside startup.watch_op_locks, a build child like ninja), signal it, and look at
+# the files and processes.
+
+HOLDER = r"""
+import os, signal, subprocess, sys, time
+from torch.utils.file_baton import FileBaton
+from hdet_scale.train import startup, stopping
+mode, lock, theirs = sys.argv[1:4]
+if mode == "torchrun":  # the rank-side handlers a torchrun rank installs (cli.main)
+    stopping.install_rank_handlers({"run_dir": os.path.dirname(lock), "train": {"checkpoint_every": 0}}, True)
+else:  # a local launcher's rank: SIGINT ignored, SIGTERM left at its default
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+with startup.watch_op_locks(announce=False):
+    assert not FileBaton(theirs).try_acquire()  # another process's lock: never recorded
+    baton = FileBaton(lock)
+    assert baton.try_acquire()
+    build = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # "ninja", started while held
+    print(build.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def _holder(tmp_path, mode: str):
+    import subprocess
+    import sys
+
+    lock, theirs = tmp_path / "op" / "lock", tmp_path / "other" / "lock"
+    lock.parent.mkdir()
+    theirs.parent.mkdir()
+    theirs.write_text("")
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, mode, str(lock), str(theirs)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    build = int(child.stdout.readline() or 0)
+    assert build and lock.exists(), child.communicate()
+    return child, build, lock, theirs
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True  # ended; its parent (gone too) just did not reap it yet
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_while_holding_an_op_lock_removes_it_and_stops_the_build(tmp_path):
+    """A local launcher's rank (SIGTERM at its default) holding the lock: it still dies by
+    SIGTERM (exit -15, as before), but its lock is gone, its build child stopped, and the
+    lock of another process it looked at stays."""
+    child, build, lock, theirs = _holder(tmp_path, "local")
+    child.send_signal(signal.SIGINT)  # ignored in such a rank: nothing happens
+    time.sleep(0.5)
+    assert child.poll() is None and lock.exists()
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGTERM, err
+    assert not lock.exists() and theirs.exists(), err
+    assert _gone(build), "the build process outlived the stopped rank"
+
+
+def test_sigint_under_torchrun_removes_the_lock_and_says_before_the_first_step(tmp_path):
+    """A torchrun rank (stopping.install_rank_handlers): its exit code and line as before,
+    the lock removed first. The line says the attempt trained no step (there is none here
+    to name; before the fix it read the step of metrics.jsonl, which an earlier attempt of a
+    resumed run may have written)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 8}\n')  # an earlier attempt's record
+    child, build, lock, theirs = _holder(tmp_path, "torchrun")
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=30)
+    assert child.returncode == 130, err
+    assert not lock.exists() and theirs.exists(), err
+    assert _gone(build)
+    assert "stopped by SIGINT (Ctrl-C) before its first step" in err and "step 8" not in err, err
+
+
+def test_recorded_locks_only_while_held_and_never_a_replaced_file(tmp_path, monkeypatch):
+    """Acquire and release inside watch_op_locks: recorded, then not, and the signal
+    handlers are back as they were. A lock file replaced at the same path (removed by hand,
+    then created by another process) is not the one this process made: never removed."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    lock = tmp_path / "op" / "lock"
+    lock.parent.mkdir()
+    with startup.watch_op_locks(announce=False):
+        baton = FileBaton(str(lock))
+        assert baton.try_acquire()
+        assert startup.held_locks() == [str(lock)]
+        assert signal.getsignal(signal.SIGTERM) is startup._on_stop
+        baton.release()
+        assert startup.held_locks() == [] and not lock.exists()
+        assert {s: signal.getsignal(s) for s in before} == before
+        baton = FileBaton(str(lock))
+        assert baton.try_acquire()
+        os.remove(lock)  # by hand, while this process holds it open
+        lock.write_text("someone else's")  # a new file at the same path
+        assert startup.release_held_locks() == [] and lock.exists()
+        assert startup.held_locks() == []
+        os.close(baton.fd)
+    assert {s: signal.getsignal(s) for s in before} == before
+    # outside watch_op_locks nothing is recorded
+    os.remove(lock)
+    baton = FileBaton(str(lock))
+    assert baton.try_acquire() and startup.held_locks() == []
+    baton.release()
