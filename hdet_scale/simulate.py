@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from hdet_scale import warm_init as wi
-from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.averaging import accumulate_dtype, persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.probe import probe_value, require_probe
@@ -61,23 +61,19 @@ def _converge_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(model.parameters()) + persistent_float_buffers(model)
 
 
-def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    # As averaging.mean_all_reduce_: fp16/bf16 are summed in float32 and cast back once.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 @torch.no_grad()
 def _mean_into_all(tensors: Sequence[torch.Tensor], keep: Sequence[bool]) -> None:
     """Write the mean of ``tensors[r]`` over the r with ``keep[r]`` into every tensor.
 
     Sum in replica order in float32 (float64 stays float64), then divide by the number of
-    contributors, then cast back: the arithmetic of ``averaging.mean_all_reduce_``."""
+    contributors, then cast back: the arithmetic of ``averaging.mean_all_reduce_``, whose
+    bucketing (slices, in place or streamed) is element-wise and does not change it."""
     n = sum(keep)
     acc = None
     for t, k in zip(tensors, keep):
         if not k:
             continue
-        x = t.to(_accumulate_dtype(t.dtype))
+        x = t.to(accumulate_dtype(t.dtype))
         acc = x.clone() if acc is None else acc.add_(x)
     acc.div_(n)
     for t in tensors:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale import warm_init as wi
-from hdet_scale.averaging import mean_all_reduce_
+from hdet_scale.averaging import BucketBuffer, mean_all_reduce_
 from hdet_scale.errors import HDETStepMismatchError
 from hdet_scale.probe import probe_value
 from hdet_scale.topology import Topology
@@ -97,12 +97,17 @@ class DistributedSync(LossAccumulator):
             every replica applies the mean gradient of all W ranks, paper Sec. 3.1);
             ``"replica"`` installs nothing. A backend with ``shares_gradients = True``
             does the global average itself (its engine's own all-reduce).
+
+    Memory: one reusable bucket (``self.bucket``, at most ``bucket_bytes`` per dtype and
+    device, allocated on first use and kept) serves converge and every gradient-sharing
+    call; nothing else is allocated per call (:mod:`hdet_scale.averaging`).
     """
 
     def __init__(self, topology: Topology, backend: Backend, bucket_bytes: int, gradient_sharing: str) -> None:
         self.topology = topology
         self.backend = backend
         self.bucket_bytes = bucket_bytes
+        self.bucket = BucketBuffer()
         self.replicas = topology.replicas
         self.local_replicas = [topology.replica_index]
         super().__init__()
@@ -110,7 +115,7 @@ class DistributedSync(LossAccumulator):
             backend.install_grad_hook(self.share_gradients)
 
     def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:
-        mean_all_reduce_(grads, self.topology.replica_group, self.bucket_bytes)
+        mean_all_reduce_(grads, self.topology.replica_group, self.bucket_bytes, buffer=self.bucket)
 
     def interval_losses(self, step: int) -> tuple[list[float], list[int]]:
         """Mean loss of every replica over the interval (mean over its S ranks and
@@ -189,5 +194,6 @@ class DistributedSync(LossAccumulator):
         keep = finite[self.topology.replica_index] if n else True
         n = n or self.replicas
         tensors = list(self.backend.master_tensors()) + list(self.backend.buffers())
-        mean_all_reduce_(tensors, self.topology.replica_group, self.bucket_bytes, contribute=keep, contributors=n)
+        mean_all_reduce_(tensors, self.topology.replica_group, self.bucket_bytes, contribute=keep, contributors=n,
+                         buffer=self.bucket)
         self.backend.refresh()

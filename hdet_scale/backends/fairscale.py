@@ -171,7 +171,10 @@ class OSSBackend(FullParamsBackend):
 
     @torch.no_grad()
     def refresh(self) -> None:
-        self.optimizer._broadcast_params()
+        # S = 1: this rank owns every bucket, nothing to send (OSS would still issue a
+        # broadcast per bucket on its one-rank group).
+        if self.optimizer.world_size > 1:
+            self.optimizer._broadcast_params()
 
 
 def _check_kwargs(optim_kwargs: dict, ddp_kwargs: dict) -> None:

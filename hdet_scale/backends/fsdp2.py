@@ -112,7 +112,8 @@ class FSDP2Backend:
         # only on reshard. Under no_grad, to_local() returns the local tensor itself (no
         # autograd view), safe to modify in place.
         self.refresh()
-        return [_local(p) for p in self.module.parameters() if p.is_floating_point()]
+        return [p.to_local() if hasattr(p, "to_local") else p
+                for p in self.module.parameters() if p.is_floating_point()]
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.module)
@@ -138,11 +139,6 @@ def _materialize(model: nn.Module, device: torch.device, init_weights: Callable[
         if name in kept:
             b.copy_(kept[name])
     init_weights(model)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return t.to_local() if hasattr(t, "to_local") else t
 
 
 def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
