@@ -10,7 +10,7 @@ Exit codes (docs/config.md, "Exit codes and signals"):
   2    bad input: config, data, run_dir or checkpoint (one message on stderr, naming the
        key or file; found before any rank starts where it can be)
   3    a stale DeepSpeed op build lock blocks the start (the message names the file)
-  130  stopped by SIGINT (Ctrl-C); 143: by SIGTERM. Every rank ends; the line printed
+  130  stopped by SIGINT (Ctrl-C); 143: by SIGTERM; 129: by SIGHUP. Every rank ends; the line printed
        names the last checkpoint (continue with train.resume=true)
 """
 
@@ -50,7 +50,40 @@ _EMPTY_IS_NOT_NULL = {
     "data.path": "leave data.path out (or data.path=null) to train on the built-in corpus (the Python standard "
                  "library's sources)",
     "deepspeed_config": "leave deepspeed_config out (or deepspeed_config=null) for the packaged DeepSpeed JSON",
+    "run_dir": "leave run_dir out for the default (runs/default)",
 }
+
+#: What one local rank holds before its model (interpreter, torch, DeepSpeed, the corpus):
+#: 140-270 MiB measured per rank on this CPU machine. The launcher refuses an ``nproc``
+#: whose ranks could not even start in the memory available (nproc=100000 once took a
+#: shared machine down with the out-of-memory killer).
+RANK_FLOOR_MIB = 200
+
+
+def _mem_available_mib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_local_ranks(nproc: int) -> None:
+    """Refuse ``nproc`` local ranks that cannot fit in this machine's available memory at
+    :data:`RANK_FLOOR_MIB` each, before any is started.
+
+    Raises:
+        HDETConfigError: naming ``nproc``, the memory needed and available.
+    """
+    available = _mem_available_mib()
+    if available is not None and nproc * RANK_FLOOR_MIB > available:
+        raise HDETConfigError(
+            f"nproc={nproc}: {nproc} local ranks need at least {nproc * RANK_FLOOR_MIB / 1024:.1f} GiB before the "
+            f"model (about {RANK_FLOOR_MIB} MiB each), and this machine has {available / 1024:.1f} GiB available: "
+            f"at most {int(available // RANK_FLOOR_MIB)} ranks fit; nproc is the ranks on this machine (one per GPU)")
 
 
 def _check_empty_overrides(overrides: list[str]) -> None:
@@ -166,6 +199,7 @@ def _free_port() -> int:
 
 def _end(procs: list, grace: float) -> None:
     """SIGTERM to every rank still running, SIGKILL to any left after ``grace`` s."""
+    procs = [p for p in procs if p.pid is not None]  # started (a signal may stop the starting)
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -199,16 +233,22 @@ def _launch_local(run: dict) -> int:
                     p.kill()
         received.append(signum)
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    # The ranks start with SIGINT ignored (kept through exec; Python then installs no
-    # KeyboardInterrupt handler): the terminal sends a Ctrl-C to every process of the job,
-    # and only this launcher acts on it, ending the ranks with SIGTERM (stopping.py).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # The ranks start with SIGINT and SIGHUP ignored (kept through exec; Python then
+    # installs no KeyboardInterrupt handler): the terminal sends a Ctrl-C, or SIGHUP when it
+    # closes, to every process of the job, and only this launcher acts on it, ending the
+    # ranks with SIGTERM (stopping.py). Between two starts the launcher listens, so a
+    # signal while many ranks start stops the starting.
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for p in procs:
+            if received:
+                break
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
             p.start()
-        signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGHUP, on_signal)
         while any(p.is_alive() for p in procs) and not received:
             if not errors.empty():  # a rank's bad input (_rank_main): end all ranks now
                 break
@@ -296,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         validate(run, run["nproc"])
+        _check_local_ranks(run["nproc"])
         _print_resume_notice(run)
         if run["backend"] == "deepspeed":
             stale = stale_trainer_locks()

@@ -171,7 +171,7 @@ def _waited_on_lock(thread_id: int) -> str | None:
 
 # ---- the locks this process holds: removed when a signal stops it ---------------------
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # lock path -> (its open descriptor, st_dev and st_ino of the file this process created, its
 # child PIDs before). The descriptor stays open until the release: the inode cannot be reused.
 _held: dict[str, tuple[int, int, int, frozenset[int]]] = {}

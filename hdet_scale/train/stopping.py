@@ -29,7 +29,7 @@ from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, latest_step, read_lat
 
 #: Seconds the launcher gives its ranks to end after SIGTERM before it kills them.
 GRACE_S = 15.0
-_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP (terminal closed)"}
 
 # The optimizer step this attempt (this process, or the launcher's ranks) reached: the stop
 # line names it, not the last record of metrics.jsonl, which an earlier, stopped attempt of
@@ -59,7 +59,7 @@ def attempt_step() -> int | None:
 
 
 def exit_code(signum: int) -> int:
-    """``128 + signum``: 130 for SIGINT, 143 for SIGTERM."""
+    """``128 + signum``: 130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP."""
     return 128 + int(signum)
 
 
@@ -119,5 +119,5 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
                                       attempt_step()) + "\n").encode())
         os._exit(exit_code(signum))
 
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, handler)

@@ -190,6 +190,8 @@ CASES = [
     ("wrong_type", ["train.steps=ten"], {}, 2, ["train.steps"], None),
     ("unknown_key", ["train.stepz=10"], {}, 2, ["stepz"], None),
     ("nproc_zero", ["nproc=0"], {}, 2, ["nproc"], None),
+    # 100000 local ranks were started until the out-of-memory killer took the machine down
+    ("nproc_beyond_memory", ["nproc=100000"], {}, 2, ["nproc=100000", "GiB available", "ranks fit"], None),
     ("bad_backend", ["backend=fsdp"], {}, 2, ["backend"], None),
     # data
     ("data_missing", ["data.path=/nonexistent/corpus"], {}, 2, ["data.path"], None),
@@ -197,6 +199,7 @@ CASES = [
     ("data_empty", ["data.path={d}/empty.txt"], {}, 2, ["data.path"], None),
     # an empty value (an unset $DATA) is not null: it trained on the built-in corpus without a word
     ("data_path_empty", ["data.path="], {}, 2, ["data.path: empty value", "data.path=null", "built-in corpus"], None),
+    ("run_dir_empty", ["run_dir="], {}, 2, ["run_dir: empty value", "runs/default"], None),
     ("data_path_blank", ["data.path=  "], {}, 2, ["data.path: empty value", "data.path=null"], None),
     ("data_path_quoted_empty", ['data.path=""'], {}, 2, ["data.path='' names no path", "built-in corpus"], None),
     ("data_val_fraction", ["data.val_fraction=1.5"], {}, 2, ["data.val_fraction"], None),

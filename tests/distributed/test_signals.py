@@ -140,3 +140,17 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
     rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGKILL, after=None)
     assert rc == -signal.SIGKILL
     assert seconds < STOP_S and not leftovers, (seconds, leftovers, err[-3000:])
+
+
+def test_sighup_to_the_launcher_stops_like_sigterm(tmp_path):
+    """SIGHUP (the terminal closed): before, the ranks ended but the launcher printed no
+    line (exit 129 with a semaphore warning only). Now as SIGTERM: one line naming the
+    signal and the last checkpoint, exit 128 + 1, nothing left behind (DDP, 2 ranks)."""
+    run_dir = tmp_path / "run"
+    cmd = [*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", *ARGS]
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGHUP, after=None)
+    assert rc == 128 + signal.SIGHUP, (rc, err[-3000:])
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and "SIGHUP" in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err
+    assert "Traceback" not in err, err
