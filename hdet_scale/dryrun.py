@@ -1,8 +1,10 @@
 """``hdet-dryrun CONFIG.json --world-size W [--backend B]``: check an ``"hdet"`` block for a
 world you do not have, in one CPU process, and print the replica x shard groups, the
 fan-out multipliers and the derived auto-LR decay. ``--backend deepspeed`` (default) also
-checks the DeepSpeed keys HDET depends on; ``fsdp2``, ``ddp`` and ``fairscale`` check the
-``hdet`` block alone. Every backend also gets the checks ``hdet-train`` runs on the JSON:
+checks the DeepSpeed keys HDET depends on; ``fsdp2``, ``ddp`` and ``fairscale`` check what
+that engine reads of the file as ``hdet-train`` does (``engines.check_engine_config``: a
+torch optimizer and its arguments, no ``scheduler`` block, no fp16, bf16 with fsdp2 only)
+and ignore the rest. Every backend also gets the checks ``hdet-train`` runs on the JSON:
 unknown keys, blocks given as a value, and the optimizer values
 (``ds_values.check_deepspeed_values``), all errors in one message (a missing
 ``total_steps`` too). The plan lists a few groups and counts the rest: the same time and
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 import sys
 import warnings
 from typing import Callable
@@ -45,6 +49,23 @@ def _with_missing_total(error: str | None) -> str:
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
     return "invalid config:\n  " + "\n  ".join([_MISSING_TOTAL] + [line.strip() for line in lines])
+
+
+def _yaml_hint(path: object, error: Exception) -> str:
+    """A hint when ``path`` failed as JSON and looks like YAML (by its name, or a first
+    line ``key: ...``): most likely an ``hdet-train`` run config; empty otherwise."""
+    if not isinstance(error, ValueError) or not isinstance(path, (str, os.PathLike)):
+        return ""
+    looks = os.fspath(path).endswith((".yaml", ".yml"))
+    if not looks:
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = next((line for line in f if line.strip() and not line.lstrip().startswith("#")), "")
+            looks = re.match(r"^[A-Za-z_][\w.-]*\s*:(\s|$)", first) is not None
+        except (OSError, ValueError):
+            return ""
+    return ("; this looks like YAML (an hdet-train run config?); hdet-dryrun reads a DeepSpeed JSON (the file "
+            "hdet-train's deepspeed_config= names)") if looks else ""
 
 
 def _listed(count: int, item: Callable[[int], str], gap: str) -> list[str]:
@@ -100,7 +121,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     except HDETConfigError:
         raise  # a key given twice: the message names the file and the key already
     except (OSError, ValueError, TypeError) as e:
-        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}") from None
+        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}{_yaml_hint(config, e)}") from None
     if not isinstance(config, dict):
         raise HDETConfigError(f"the config must be a JSON object, got {type(config).__name__}")
     # Strict, unlike the library (see hdet_scale.ds_keys): a dry run exists to find what
@@ -114,6 +135,12 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     # The values hdet-train refuses before any rank starts (a negative, NaN or text LR, a
     # batch size < 1 or not matching the world): the trainer's engines read them whatever the backend.
     check_deepspeed_values(config, world_size=world_size)
+    if backend != "deepspeed":
+        # What hdet-train refuses for this engine (a Lamb optimizer, SGD given betas, fp16):
+        # the trainer's own check, so the two cannot drift apart.
+        from hdet_scale.train.engines import check_engine_config
+
+        check_engine_config(config, backend, world_size, prefix="", title="invalid config")
     if "hdet" not in config:
         if backend == "deepspeed":
             return "no hdet block: plain DeepSpeed"

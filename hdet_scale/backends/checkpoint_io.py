@@ -42,8 +42,43 @@ LATEST_FILE = "latest"
 DEFAULT_TAG = re.compile(r"global_step\d+")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Remove the temp files :func:`write_atomic` left for ``path`` (``<path>.tmp<pid>``)
+    whose process is gone (a rank stopped by a signal mid-write ends with ``os._exit``) or
+    is this one. A live process's temp file, mid-write, is kept. Returns the paths removed;
+    never raises."""
+    folder, name = os.path.split(path)
+    pattern = re.compile(re.escape(name) + r"\.tmp(\d+)")
+    removed = []
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return removed
+    for entry in entries:
+        m = pattern.fullmatch(entry)
+        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+            try:
+                os.remove(os.path.join(folder, entry))
+                removed.append(os.path.join(folder, entry))
+            except OSError:
+                pass
+    return removed
+
+
 def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``."""
+    """Write ``text`` to ``path`` through a temp file in the same folder and ``os.replace``;
+    first removes the temp files an earlier write of ``path`` left (:func:`remove_stale_temps`)."""
+    remove_stale_temps(path)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)

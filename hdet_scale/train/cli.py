@@ -11,7 +11,8 @@ Exit codes (docs/config.md, "Exit codes and signals"):
        key or file; found before any rank starts where it can be)
   3    a stale DeepSpeed op build lock blocks the start (the message names the file)
   130  stopped by SIGINT (Ctrl-C); 143: by SIGTERM; 129: by SIGHUP. Every rank ends; the line printed
-       names the last checkpoint (continue with train.resume=true)
+       names the last checkpoint (continue with train.resume=true). A signal after the run wrote
+       summary.json: 0 (the run is complete)
 """
 
 from __future__ import annotations
@@ -214,8 +215,15 @@ def _end(procs: list, grace: float) -> None:
 
 def _launch_local(run: dict) -> int:
     from hdet_scale.train.startup import STALE_LOCK_EXIT
-    from hdet_scale.train.stopping import GRACE_S, exit_code, stop_message
+    from hdet_scale.train.stopping import (
+        GRACE_S,
+        completed_message,
+        exit_code,
+        run_completed,
+        stop_message,
+    )
 
+    started = time.time()  # a summary.json from before this launch is an earlier attempt's
     n = run["nproc"]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     ctx = get_context("spawn")
@@ -261,6 +269,9 @@ def _launch_local(run: dict) -> int:
             time.sleep(0.2)
         if received:
             _end(procs, GRACE_S)
+            if run_completed(run, started):  # the ranks were past the last file: nothing to resume
+                print(completed_message(received[0], run), file=sys.stderr, flush=True)
+                return 0
             step = progress.value if progress.value >= 0 else None
             print(stop_message(received[0], run, f"all {n} ranks ended", step), file=sys.stderr, flush=True)
             return exit_code(received[0])
@@ -310,27 +321,44 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     path, overrides = _split_args(argv)
+    # Under a launcher, the errors found before train() (command line, config, environment)
+    # are the same on every rank: rank 0 alone prints them, the others exit 2 silently.
+    # Errors inside train() may be one rank's own (a file it fails to load): each prints.
+    quiet = False
     try:
         from hdet_scale.train.config import load_run_config
 
         launched = _started_by_launcher()
+        quiet = launched and int(os.environ["RANK"]) != 0  # an integer: _started_by_launcher checked it
         _check_empty_overrides(overrides)
         run = load_run_config(path, overrides)
         if launched:
             from hdet_scale.train.loop import train
-            from hdet_scale.train.stopping import install_rank_handlers
+            from hdet_scale.train.startup import check_extensions_dir
+            from hdet_scale.train.stopping import install_rank_handlers, settle
 
             rank = int(os.environ["RANK"])
+            if run["backend"] == "deepspeed":
+                # this machine's setting: its local rank 0 names it (one line per machine)
+                quiet = os.environ.get("LOCAL_RANK", str(rank)).strip() != "0"
+                check_extensions_dir()
             install_rank_handlers(run, announce=rank == 0)
             if rank == 0:
                 _print_resume_notice(run, quiet_errors=True)
-            summary = train(run)
+            quiet = False
+            try:
+                summary = train(run)
+            except (HDETConfigError, HDETStateError):
+                settle(_USER_ERROR)  # refused: a signal from the launcher ending the job is no stop to report
+                raise
+            settle(0)  # done: a signal now (the launcher ending the job) changes nothing
             if rank == 0:
                 print(json.dumps(summary, indent=2), flush=True)
             return 0
         from hdet_scale.train.loop import validate
         from hdet_scale.train.startup import (
             STALE_LOCK_EXIT,
+            check_extensions_dir,
             stale_lock_message,
             stale_trainer_locks,
         )
@@ -339,12 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         _check_local_ranks(run["nproc"])
         _print_resume_notice(run)
         if run["backend"] == "deepspeed":
+            check_extensions_dir()  # before stale_trainer_locks looks inside it
             stale = stale_trainer_locks()
             if stale:
                 print(f"hdet-train: error: {stale_lock_message(stale[0])}", file=sys.stderr)
                 return STALE_LOCK_EXIT
     except (HDETConfigError, HDETStateError) as e:
-        print(f"hdet-train: error: {e}", file=sys.stderr)
+        if not quiet:
+            print(f"hdet-train: error: {e}", file=sys.stderr)
         return _USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C while the config is read and checked: nothing started yet
         print("hdet-train: stopped by SIGINT (Ctrl-C) before any rank started", file=sys.stderr)

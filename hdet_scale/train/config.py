@@ -311,7 +311,28 @@ def _describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: st
         if dataclasses.is_dataclass(node):
             valid = ", ".join(f.name for f in dataclasses.fields(node))
             return f"{key}: unknown key; valid keys: {valid}"
+    if msg.startswith("Cannot convert 'ListConfig' to string") and key:
+        return f"{key}: {_list_for_string(key, msg)}"
     return f"{key}: {msg}" if key else msg
+
+
+def _list_for_string(key: str, msg: str) -> str:
+    """OmegaConf's "Cannot convert 'ListConfig' to string: '[...]'" in words: a key that
+    takes one string was given a list; ``data.path`` takes several as one comma-separated
+    string (``data.load_corpus``), shown with the list's own items."""
+    import ast
+    import re
+
+    found = re.search(r": '(\[.*\])'$", msg)
+    try:
+        items = [str(x) for x in ast.literal_eval(found.group(1))] if found else []
+    except (ValueError, SyntaxError):
+        items = []
+    text = f"expected one string, got a list{' ' + repr(items) if items else ''}"
+    if key == "data.path":
+        example = ",".join(items) if items else "a.txt,b.txt"
+        text += f"; give several files or folders as one comma-separated string: data.path={example}"
+    return text
 
 
 def _raw_value(cfg: Any, key: str) -> Any:

@@ -43,12 +43,14 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check_engine_config(ds: dict, backend: str, world_size: int) -> None:
+def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "deepspeed.",
+                        title: str = "invalid run config") -> None:
     """Checks of the ``deepspeed`` section for the fsdp2 / ddp / fairscale backends
     (DeepSpeed's own are in ``backends.deepspeed.prepare_config``; the values every
     backend reads, ``gradient_clipping`` and the optimizer's ``lr`` / ``betas`` / ``eps``,
     are checked once for all when the run config loads: ``train.config``). Pure: the same
-    verdict on every rank, before any collective.
+    verdict on every rank, before any collective. ``hdet-dryrun --backend B`` runs it too
+    (on the DeepSpeed JSON itself: ``prefix=""``, its keys as the file spells them).
 
     Raises:
         HDETConfigError: every problem at once, each naming its ``deepspeed.*`` key.
@@ -57,33 +59,33 @@ def check_engine_config(ds: dict, backend: str, world_size: int) -> None:
     opt = ds.get("optimizer") or {}
     kind, params = optimizer_class_name(opt.get("type")), opt.get("params", {}) or {}
     if kind not in OPTIMIZERS:
-        errors.append(f"deepspeed.optimizer.type: the {backend} backend builds a torch optimizer: one of "
+        errors.append(f"{prefix}optimizer.type: the {backend} backend builds a torch optimizer: one of "
                       f"{', '.join(OPTIMIZERS)} (any case), got {opt.get('type')!r}")
     else:
         accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
         unknown = sorted(set(params) - accepted)
         if unknown:
-            errors.append(f"deepspeed.optimizer.params: {unknown} are not arguments of torch.optim.{kind} "
+            errors.append(f"{prefix}optimizer.params: {unknown} are not arguments of torch.optim.{kind} "
                           f"(accepted: {', '.join(sorted(accepted))})")
     if "scheduler" in ds:
-        errors.append("deepspeed.scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
+        errors.append(f"{prefix}scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
     micro, gas = ds.get("train_micro_batch_size_per_gpu", 1), ds.get("gradient_accumulation_steps", 1)
     if not _positive_int(micro):
-        errors.append(f"deepspeed.train_micro_batch_size_per_gpu: must be an integer >= 1, got {micro!r}")
+        errors.append(f"{prefix}train_micro_batch_size_per_gpu: must be an integer >= 1, got {micro!r}")
     if not _positive_int(gas):
-        errors.append(f"deepspeed.gradient_accumulation_steps: must be an integer >= 1, got {gas!r}")
+        errors.append(f"{prefix}gradient_accumulation_steps: must be an integer >= 1, got {gas!r}")
     tbs = ds.get("train_batch_size")
     if tbs is not None and _positive_int(micro) and _positive_int(gas) and tbs != micro * gas * world_size:
-        errors.append(f"deepspeed.train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
+        errors.append(f"{prefix}train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
                       f"gradient_accumulation_steps ({gas}) x world size ({world_size})")
     if ds.get("bf16", {}).get("enabled", False) and backend != "fsdp2":
-        errors.append(f"deepspeed.bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
+        errors.append(f"{prefix}bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
                       "is available with backend deepspeed or fsdp2")
     if ds.get("fp16", {}).get("enabled", False):
-        errors.append(f"deepspeed.fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
+        errors.append(f"{prefix}fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
                       "support it (use bf16 with fsdp2, or backend deepspeed)")
     if errors:
-        raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
+        raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))
 
 
 class DeepSpeedEngine:

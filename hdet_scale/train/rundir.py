@@ -11,12 +11,16 @@ in a way that turns another rank's "resume" into something else.
 
 from __future__ import annotations
 
+import glob
+import io
 import json
 import os
 import pickle
 import shutil
 import signal
 import tempfile
+import zipfile
+import zlib
 from typing import Any
 
 from hdet_scale.backends.checkpoint_io import (
@@ -221,24 +225,104 @@ def resume_notice(run: dict) -> str | None:
 def load(engine: Any, path: str) -> None:
     """The backend's load of the checkpoint ``latest`` names in ``path``. Its files were
     checked before any rank started (``common.check_resumable``); damage that check
-    cannot see (a file changed in the middle) fails here, and the error names the folder.
+    cannot see (bytes changed inside a file of the right size) fails here, and the error
+    names the file when a look at this rank's replica folder finds it (each member of a
+    ``torch.save`` archive against its CRC-32, :func:`damaged_file`), else the folder.
 
     Raises:
-        HDETStateError: the engine could not read the checkpoint (the folder and the
-            engine's own error).
+        HDETStateError: the engine could not read the checkpoint (the file or folder and
+            the engine's own error); also for ``torch.distributed.checkpoint``'s
+            ``CheckpointException`` (FSDP2), a ``BaseException`` that wraps each rank's
+            error, when one of those is a damaged file's.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         engine.load(path)
     except HDETStateError:
         raise
-    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
-        # torch.load's damaged-archive error is a RuntimeError ("PytorchStreamReader ..."); other
-        # RuntimeErrors here are a peer's failure seen in a collective: not this file's fault.
-        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+    except CheckpointException as e:
+        # DCP gathers every shard rank's exception and raises this on all of them alike.
+        inner = [exc for exc, _ in e.failures.values() if _is_file_error(exc)]
+        if not inner:
             raise
-        tag = read_latest(path)
-        raise HDETStateError(f"train.resume: could not load the checkpoint {path}/replica_*/{tag}: "
-                             f"{type(e).__name__}: {' '.join(str(e).split())[:500]}") from e
+        raise _load_error(engine, path, inner[0]) from e
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        if not _is_file_error(e):
+            raise
+        raise _load_error(engine, path, e) from e
+
+
+def _is_file_error(e: BaseException) -> bool:
+    """Whether ``e`` is what reading a damaged checkpoint file raises. torch.load's
+    damaged-archive error is a RuntimeError ("PytorchStreamReader ..."); other RuntimeErrors
+    here are a peer's failure seen in a collective: not a file's fault."""
+    if isinstance(e, RuntimeError):
+        return "PytorchStreamReader" in str(e)
+    return isinstance(e, (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError))
+
+
+def _load_error(engine: Any, path: str, e: BaseException) -> HDETStateError:
+    """The message for a checkpoint that failed to load with ``e``: the damaged file if
+    this rank's replica folder shows one, else the checkpoint's folders."""
+    tag = read_latest(path)
+    topology = getattr(getattr(engine, "scheduler", None), "topology", None)
+    replica = getattr(topology, "replica_index", "*")
+    where = f"{path}/replica_*/{tag}"
+    for folder in sorted(glob.glob(os.path.join(path, f"replica_{replica}", tag))):
+        bad = damaged_file(folder)
+        if bad is not None:
+            where = f"file {bad}"
+            break
+    return HDETStateError(f"train.resume: could not load the checkpoint {where}: {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:500]}")
+
+
+def damaged_file(folder: str) -> str | None:
+    """The first file in ``folder`` whose ``torch.save`` archive fails its own check, with
+    why (``"<path> (<reason>)"``), or ``None``. Each member of the archive is read against the
+    CRC-32 its zip header records (``zipfile.testzip``: streamed, a member at a time, so
+    memory stays bounded); a DCP ``.distcp`` file holds one such archive per item, at the
+    offsets its ``.metadata`` lists. Reads the whole folder: for the failure path only."""
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    slices: dict[str, list[tuple[int, int]]] = {}
+    if ".metadata" in names:
+        try:
+            import torch.distributed.checkpoint as dcp
+
+            storage = dcp.FileSystemReader(folder).read_metadata().storage_data or {}
+            for info in storage.values():
+                if not getattr(info, "transform_descriptors", None):  # compressed: not a plain archive
+                    slices.setdefault(info.relative_path, []).append((info.offset, info.length))
+        except Exception as e:  # noqa: BLE001 - an unreadable .metadata is the damaged file
+            return f"{os.path.join(folder, '.metadata')} (unreadable: {type(e).__name__})"
+    for name in names:
+        file = os.path.join(folder, name)
+        try:
+            if name in slices:
+                with open(file, "rb") as f:
+                    for offset, length in sorted(slices[name]):
+                        f.seek(offset)
+                        bad = _bad_member(io.BytesIO(f.read(length)))
+                        if bad:
+                            return f"{file} ({bad} at offset {offset})"
+            elif name.endswith(".pt") and zipfile.is_zipfile(file):
+                bad = _bad_member(file)
+                if bad:
+                    return f"{file} ({bad})"
+        except OSError as e:
+            return f"{file} ({e.strerror or e})"
+    return None
+
+
+def _bad_member(archive: Any) -> str | None:
+    try:
+        with zipfile.ZipFile(archive) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error) as e:
+        return f"not a readable archive: {e}"
+    return f"member {bad} fails its CRC check" if bad else None
+
 
 def fault_point(world_size: int | None = None, steps: int | None = None) -> tuple[int, int] | None:
     """The fault-injection hook for tests, ``HDET_FAULT_KILL="<rank>:<step>"``: that global

@@ -107,8 +107,45 @@ def lock_age(path: str, now: float | None = None) -> float | None:
     ``O_CREAT | O_EXCL`` open fails on any name that exists, a dangling link included."""
     try:
         return (time.time() if now is None else now) - os.lstat(path).st_mtime
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # gone, or a file where a folder of its path should be
         return None
+
+
+def check_extensions_dir(root: str | None = None) -> None:
+    """Refuse an extensions folder (default :func:`extensions_dir`, i.e.
+    ``$TORCH_EXTENSIONS_DIR``) that torch's op loader could not use: a file, a folder
+    that cannot be created, or one this process cannot write. Each rank would otherwise
+    end in a raw ``NotADirectoryError`` / ``FileNotFoundError`` traceback from the
+    loader's ``os.makedirs``. Creates nothing that outlives the check (a probe folder,
+    removed at once).
+
+    Raises:
+        HDETConfigError: naming ``TORCH_EXTENSIONS_DIR`` (or the default folder), its value
+            and the problem.
+    """
+    from hdet_scale.errors import HDETConfigError
+
+    given = root is not None or "TORCH_EXTENSIONS_DIR" in os.environ
+    root = extensions_dir() if root is None else root
+    name = (f"TORCH_EXTENSIONS_DIR={root!r}" if given else f"the DeepSpeed op folder {root}")
+    fix = ("point TORCH_EXTENSIONS_DIR at a folder you can write (or unset it for the default, "
+           "~/.cache/torch_extensions), where DeepSpeed keeps its compiled ops")
+    path = os.path.abspath(root or ".")  # "" is the working directory, as torch reads it
+    # The nearest part of the path that exists: everything below it the loader must create.
+    probe_in = path
+    while not os.path.lexists(probe_in) and os.path.dirname(probe_in) != probe_in:
+        probe_in = os.path.dirname(probe_in)
+    if not os.path.isdir(probe_in):
+        what = "is a file" if probe_in == path else f"cannot be created: {probe_in} is a file, not a folder"
+        raise HDETConfigError(f"{name} {what}: {fix}")
+    import tempfile
+
+    # os.access is no answer as root (it says yes for /proc): try what the loader will do.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hdet_probe_", dir=probe_in))
+    except OSError as e:
+        what = "is not writable" if probe_in == path else f"cannot be created in {probe_in}"
+        raise HDETConfigError(f"{name} {what} ({e.strerror or e}): {fix}") from None
 
 
 def is_stale(path: str, stale_after_s: float = STALE_AFTER_S) -> bool:

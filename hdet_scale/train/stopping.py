@@ -102,18 +102,64 @@ def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -
             "or choose another run_dir.")
 
 
+# What a signal does once this process's outcome is settled (settle): None while it trains.
+_outcome: int | None = None
+
+
+def settle(code: int) -> None:
+    """This rank's outcome is decided (``0``: done, every file written; ``2``: its input was
+    refused, the error printed): a later signal (the launcher ending the job) ends it with
+    ``code`` and prints nothing, no stop line, no resume advice for a run that is complete
+    or was refused."""
+    global _outcome
+    _outcome = code
+
+
+def run_completed(run: dict[str, Any], since: float) -> bool:
+    """Whether ``run_dir/summary.json`` is a complete JSON object written at or after
+    ``since`` (``time.time()``; an earlier attempt's file does not count): the trainer
+    writes it last, after the final checkpoint, so nothing is left to resume. Never raises."""
+    path = os.path.join(run["run_dir"], "summary.json")
+    try:
+        if os.stat(path).st_mtime < since:
+            return False
+        with open(path) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def completed_message(signum: int, run: dict[str, Any]) -> str:
+    """The line for a signal that came after the run completed (:func:`run_completed`)."""
+    name = _NAMES.get(signum, signal.Signals(signum).name)
+    return (f"hdet-train: {name} came after the run completed ({os.path.join(run['run_dir'], 'summary.json')} "
+            "written, final checkpoint saved): nothing is lost and nothing is left to resume.")
+
+
 def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
     """A rank started by ``torchrun`` or the ``deepspeed`` launcher: on SIGINT or SIGTERM
     end at once with :func:`exit_code` (``os._exit``: no ``KeyboardInterrupt`` traceback,
     no waiting on peers that are ending too; the metrics file is line-buffered, the
     checkpoint atomic), printing :func:`stop_message` first when ``announce`` (rank 0).
+    Once :func:`settle` fixed the outcome it ends with that code, silently; once this
+    attempt wrote ``summary.json`` (:func:`run_completed`) with 0, ``announce`` printing
+    :func:`completed_message`. A rank that does not announce prints nothing.
     Python runs the handler between bytecodes of the main thread: a rank inside a
     collective whose peer already ended gets the peer's error first, then the handler."""
+    import time
 
     from hdet_scale.train.startup import release_held_locks
 
+    since = time.time()
+
     def handler(signum: int, frame: Any) -> None:
         release_held_locks()  # a DeepSpeed op lock this rank holds (start-up) must not outlive it
+        if _outcome is not None:
+            os._exit(_outcome)
+        if run_completed(run, since):  # between summary.json and train's return: done
+            if announce:
+                os.write(2, (completed_message(signum, run) + "\n").encode())
+            os._exit(0)
         if announce:
             os.write(2, (stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",
                                       attempt_step()) + "\n").encode())

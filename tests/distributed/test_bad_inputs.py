@@ -107,6 +107,8 @@ def setup_cases(d) -> None:
     (d / "no_total_scheduler.json").write_text(json.dumps(
         {**zero3, "scheduler": {"type": "WarmupLR", "params": {}}, "zero_optimization": {"stage": 2},
          "hdet": {"replicas": 2, "sync_interval": 10}}))
+    # round 3 (issue 9 F4): an optimizer the ddp engine cannot build (hdet-train refuses it)
+    (d / "lamb.json").write_text(json.dumps({**zero3, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
@@ -295,6 +297,11 @@ CASES = [
      None),
     ("env_rank_out_of_range", [], {"RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      2, ["RANK not in [0, WORLD_SIZE)", "env -u RANK"], None),
+    # issue 9, F1/F2: an extensions folder torch's loader cannot use (a raw traceback before, in the launcher or each rank)
+    ("extensions_dir_is_a_file", [], {"TORCH_EXTENSIONS_DIR": "{d}/a_file"}, 2,
+     ["TORCH_EXTENSIONS_DIR='{d}/a_file' is a file"], None),
+    ("extensions_dir_not_creatable", [], {"TORCH_EXTENSIONS_DIR": "/proc/hdetx"}, 2,
+     ["TORCH_EXTENSIONS_DIR='/proc/hdetx' cannot be created in /proc"], None),
     ("stale_op_lock", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "rm {run}_ext/fused_adam/lock", "prebuilt"], plant_stale_lock),
     ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
@@ -341,6 +348,9 @@ DRYRUN_CASES = [
     ("dryrun_key_twice", ["{d}/hdet_twice.json"], ["hdet_twice.json", "has the key 'replicas' twice in one object"]),
     ("dryrun_no_total_steps_and_more", ["{d}/no_total_scheduler.json"],
      ["pass --total-steps", "  scheduler:", "  zero_optimization.stage"]),
+    # round 3: rc 0 before; the words of hdet-train's engines.check_engine_config
+    ("dryrun_lamb_ddp", ["{d}/lamb.json", "--backend", "ddp", "--total-steps", "10"],
+     ["optimizer.type: the ddp backend builds a torch optimizer", "got 'Lamb'"]),
 ]
 
 

@@ -187,3 +187,35 @@ def test_a_diverged_runs_summary_is_strict_json():
                   nonfinite=lambda x: None)
     assert _json.loads(_json.dumps(s, allow_nan=False)) == {"val_loss": None, "val_ppl": None, "peak": [1.5, None],
                                                             "n": 3}
+
+
+def test_write_atomic_removes_the_temp_files_a_stopped_write_left(tmp_path):
+    """Issue 9, F5: a rank stopped by a signal mid-save (``os._exit``) left
+    ``latest.tmp<pid>`` behind for good. The next write of the same file removes the temp
+    files of processes that are gone (a real child, ended by SIGKILL after it wrote one),
+    keeps a live process's (this test's parent: a write in progress) and other files'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from hdet_scale.backends.checkpoint_io import write_atomic
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    script = ("import os, sys, time; open(f'{sys.argv[1]}.tmp{os.getpid()}', 'w').write('glob'); "
+              "print(flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", script, str(ckpt / "latest")], stdout=subprocess.PIPE, text=True)
+    child.stdout.readline()  # its temp file is written
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    dead = ckpt / f"latest.tmp{child.pid}"
+    live = ckpt / f"latest.tmp{os.getppid()}"
+    other = ckpt / f"hdet_layout.json.tmp{child.pid}"  # another file's: left to that file's next write
+    live.write_text("x")
+    other.write_text("x")
+    assert dead.exists()
+    write_atomic(str(ckpt / "latest"), "global_step4")
+    assert read_latest(str(ckpt)) == "global_step4"
+    assert not dead.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["latest", live.name, other.name])

@@ -442,3 +442,19 @@ def test_new_auto_keys_round_trip():
     assert (cfg.auto.controller, cfg.auto.fitness, cfg.auto.groups, cfg.auto.max_factor, cfg.auto.decay) == \
         ("paper", "train_loss", "independent", 10.0, 0.01)
     assert HDETConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_a_list_for_data_path_names_the_comma_separated_form(tmp_path):
+    """Issue 9: ``data.path=[b.txt,a.txt]`` said "Cannot convert 'ListConfig' to string". Now
+    the key, the list, and the form data.load_corpus reads (one comma-separated string),
+    from an override and from a YAML file alike."""
+    from hdet_scale.train.config import load_run_config
+
+    want = ("data.path: expected one string, got a list ['b.txt', 'a.txt']; give several files or folders as one "
+            "comma-separated string: data.path=b.txt,a.txt")
+    run = tmp_path / "run.yaml"
+    run.write_text("data:\n  path: [b.txt, a.txt]\n")
+    for path, overrides in ((None, ["data.path=[b.txt,a.txt]"]), (str(run), [])):
+        with pytest.raises(HDETConfigError) as err:
+            load_run_config(path, overrides)
+        assert str(err.value) == want, str(err.value)

@@ -11,7 +11,10 @@ from hdet_scale.errors import HDETConfigError
 
 BLOCK = {"replicas": 4, "sync_interval": 100, "axes": {"lr": {"spread_ratio": 0.3}},
          "schedule": {"name": "onecycle", "total_steps": 1000}, "auto": {"enabled": True, "warmup_steps": 500}}
-ZERO3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}, "hdet": BLOCK}
+# The optimizer block: the fsdp2 / ddp / fairscale engines build a torch optimizer from it
+# and hdet-train refuses a file without one for them (engines.check_engine_config).
+ZERO3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "hdet": BLOCK}
 
 
 def test_deepspeed_report_names_groups_and_multipliers():
@@ -280,3 +283,47 @@ def test_a_huge_world_is_described_in_bounded_time_and_lines(replicas):
     assert len(text.splitlines()) < 30
     assert f"world {10**12} = {replicas} replicas x {10**12 // replicas} shards" in text
     assert f"({replicas} replicas)" in text if replicas > 8 else "multipliers [0.7, 1.3]" in text
+
+
+@pytest.mark.parametrize("edit,backend,deepspeed_ok", [
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "ddp", True),
+    ({"optimizer": None, "fp16": {"enabled": True}}, "fsdp2", True),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}}, "ddp", False),
+    ({"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {}}}, "fairscale", False),
+])
+def test_engine_checks_are_hdet_trains(edit, backend, deepspeed_ok, tmp_path, capsys):
+    """Issue 9 F4: ``hdet-dryrun --backend ddp`` said 0 for a Lamb optimizer, SGD given betas,
+    fp16 or a scheduler block, all of which hdet-train refuses for that engine. The dry run
+    now runs the trainer's check (``engines.check_engine_config``): exit 2, and its lines
+    are exactly the trainer's (``loop.validate``) without the ``deepspeed.`` prefix."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    cfg = {k: v for k, v in {**ZERO3, **edit}.items() if v is not None}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    assert main([str(path), "--world-size", "8", "--backend", backend]) == 2
+    dry = capsys.readouterr().err.strip().splitlines()
+    run = load_run_config(None, [f"deepspeed_config={path}", f"backend={backend}", f"data.path={path}"])
+    with pytest.raises(HDETConfigError) as train:
+        validate(run, 8)
+    lines = [line.strip().removeprefix("deepspeed.") for line in str(train.value).splitlines()[1:]]
+    assert lines and [line.strip() for line in dry[1:]] == lines, (dry, lines)
+    # the same file passes for the engine that supports it (DeepSpeed: Lamb, fp16, a scheduler)
+    if deepspeed_ok:
+        assert main([str(path), "--world-size", "8", "--backend", "deepspeed"]) == 0
+
+
+def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
+    """Issue 9: ``hdet-dryrun run.yaml`` said only "Expecting value: line 1 column 1". A file
+    that looks like YAML (by its name or a first line ``key:``) now says what it probably is;
+    a JSON file cut short does not get the hint."""
+    text = "# a run\ntrain:\n  steps: 10\nrun_dir: x\n"
+    for name in ("run.yaml", "run.json"):
+        (tmp_path / name).write_text(text)
+        assert main([str(tmp_path / name), "--world-size", "4"]) == 2
+        err = capsys.readouterr().err
+        assert "Expecting value" in err and "this looks like YAML (an hdet-train run config?)" in err, err
+    (tmp_path / "cut.json").write_text('{"hdet": ')
+    assert main([str(tmp_path / "cut.json"), "--world-size", "4"]) == 2
+    assert "YAML" not in capsys.readouterr().err

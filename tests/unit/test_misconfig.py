@@ -510,7 +510,9 @@ def test_one_replica_with_a_spread_or_auto_lr_warns(block, warns):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_config(cfg)
-        report = describe({"hdet": cfg.to_dict()}, world_size=2, backend="ddp")
+        # the optimizer block: hdet-train (and so the dry run) refuses ddp without one
+        report = describe({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "hdet": cfg.to_dict()},
+                          world_size=2, backend="ddp")
     msgs = [str(w.message) for w in caught if "hdet.replicas: 1 replica" in str(w.message)]
     if warns is None:
         assert msgs == [] and "warning: hdet.replicas" not in report

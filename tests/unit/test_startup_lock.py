@@ -216,3 +216,96 @@ def test_recorded_locks_only_while_held_and_never_a_replaced_file(tmp_path, monk
     baton = FileBaton(str(lock))
     assert baton.try_acquire() and startup.held_locks() == []
     baton.release()
+
+
+# ---- issue 9, F1/F2: an extensions folder torch's loader cannot use ------------------------
+
+def test_an_unusable_extensions_dir_is_named_and_nothing_is_created(tmp_path):
+    """A file, a path under a file, a folder that cannot be created (/proc refuses mkdir,
+    even to root, whom os.access would answer yes): one HDETConfigError naming
+    TORCH_EXTENSIONS_DIR and the value. A creatable path passes and is not created. The
+    stale-lock scan of a file no longer raises NotADirectoryError (the F1 traceback)."""
+    import pytest
+
+    from hdet_scale.errors import HDETConfigError
+
+    a_file = tmp_path / "ok.json"
+    a_file.write_text("{}")
+    assert startup.stale_trainer_locks(str(a_file)) == []
+    for root, text in [(a_file, "is a file"), (a_file / "x", f"cannot be created: {a_file} is a file"),
+                       ("/proc/hdetx", "cannot be created in /proc")]:
+        with pytest.raises(HDETConfigError) as e:
+            startup.check_extensions_dir(str(root))
+        assert f"TORCH_EXTENSIONS_DIR='{root}' {text}" in str(e.value), str(e.value)
+    startup.check_extensions_dir(str(tmp_path / "new" / "ext"))
+    startup.check_extensions_dir(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json"]
+
+
+# ---- issue 9, F6/F7: what a torchrun rank prints, and exits with, when a signal ends it -----
+
+RANK = r"""
+import json, os, sys, time
+from hdet_scale.train import stopping
+mode, run_dir, announce = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+run = {"run_dir": run_dir, "train": {"checkpoint_every": 0}}
+stopping.install_rank_handlers(run, announce)
+if mode == "refused":  # cli.main: train() refused the input, the error printed; the launcher ends the job
+    stopping.settle(2)
+elif mode == "completed":  # train() wrote summary.json, then the signal (before it returned)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({"val_loss": 1.0}, f)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _rank(tmp_path, mode: str, announce: bool):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", RANK, mode, str(tmp_path), "1" if announce else "0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert child.stdout.readline() == "ready\n", child.communicate()
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=30)
+    return child.returncode, err
+
+
+def test_sigterm_after_a_refusal_or_the_summary_gives_no_resume_advice(tmp_path):
+    """F6: a refused rank (stopping.settle(2)) that the launcher then ends by SIGTERM exits 2
+    and prints nothing (it printed "stopped by SIGTERM ...; continue with
+    train.resume=true", advice that was just refused). F7: SIGTERM once this attempt wrote
+    summary.json exits 0, rank 0 saying the run is complete (it exited 143 advising a
+    resume that is then refused). The reference: a summary.json from an earlier attempt
+    (older than this process) still gives 143 and the stop line; a rank that does not
+    announce prints nothing in every case."""
+    for announce in (True, False):
+        assert _rank(tmp_path, "refused", announce) == (2, "")
+    rc, err = _rank(tmp_path, "completed", True)
+    assert rc == 0 and "came after the run completed" in err and "resume=true" not in err, (rc, err)
+    assert _rank(tmp_path, "completed", False) == (0, "")
+    os.utime(tmp_path / "summary.json", (time.time() - 3600,) * 2)  # an earlier attempt's
+    rc, err = _rank(tmp_path, "earlier", True)
+    assert rc == 143 and "stopped by SIGTERM before its first step" in err, (rc, err)
+    assert _rank(tmp_path, "earlier", False) == (143, "")
+
+
+def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    """F6: every torchrun rank validates the same command line; rank 0 prints the one
+    error line, the others exit 2 silently (N copies before). In-process: cli.main with
+    the variables torchrun sets."""
+    from hdet_scale.train import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    lines = {}
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert cli.main(["wandb.enabled=false", "train.stpes=3"]) == 2
+        lines[rank] = capsys.readouterr().err
+    assert lines["0"].count("hdet-train: error: train.stpes: unknown key") == 1, lines
+    assert lines["1"] == "", lines
