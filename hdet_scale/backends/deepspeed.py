@@ -53,8 +53,7 @@ class DeepSpeedBackend:
     sub-group, this rank's ``1/S`` of the parameters). ``refresh()`` copies them into the
     low-precision working partitions (bf16 / fp16 / fp32) and re-gathers ZeRO-3's
     persistent (small, never partitioned) parameters, so the next forward pass reads
-    the averaged weights: one all-gather on the shard group for all of them (per dtype),
-    none when S = 1.
+    the averaged weights (one all-gather per persistent parameter).
     """
 
     shares_gradients = False  # ZeRO reduces inside the shard group only: HDET's hook crosses replicas
@@ -125,15 +124,13 @@ class DeepSpeedBackend:
         opt._partition_all_parameters()
         for i in range(len(opt.fp16_groups)):
             opt._reassign_or_swap_out_partitioned_parameters(i)
-        # hpZ's secondary copies hold the pre-converge values, and the coalesced gather
-        # below reads them when present: drop them first (the next step rebuilds them).
+        # One all-gather per persistent parameter. all_gather_coalesced (one per dtype) was
+        # tried and returned uninitialised values on CPU / gloo once in three CI runs
+        # (test_warm_init_adds_independent_noise_per_replica[deepspeed]: rms 6e17).
+        if opt.persistent_parameters:
+            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
         if hasattr(opt, "invalidate_secondary_tensor"):
             opt.invalidate_secondary_tensor()
-        if opt.persistent_parameters:
-            # all_gather_coalesced (what ZeRO-3's prefetch uses) packs every partition into
-            # one flat all_gather_into_tensor per dtype; param.all_gather, despite calling
-            # a "coalesced" helper, issues one all-gather per parameter.
-            opt.persistent_parameters[0].all_gather_coalesced(opt.persistent_parameters).wait()
 
     def install_grad_hook(self, hook: Callable[[list[torch.Tensor]], None]) -> None:
         """Run ``hook([flat gradient partition])`` at every accumulation boundary, after
