@@ -219,12 +219,25 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     return "\n".join(lines)
 
 
+class _Once(argparse.Action):
+    """Store an option's value, refusing a second occurrence: argparse would keep the last
+    one, so ``--total-steps 100 ... --total-steps 10`` would check a run the user did not
+    mean, without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_seen_{self.dest}", False):
+            parser.error(f"{option_string} given twice: give it once")
+        setattr(namespace, f"_seen_{self.dest}", True)
+        setattr(namespace, self.dest, values)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hdet-dryrun", description=__doc__)
     p.add_argument("config", help="DeepSpeed JSON with an 'hdet' block")
-    p.add_argument("--backend", default="deepspeed", choices=BACKENDS, help="training engine (default: deepspeed)")
-    p.add_argument("--world-size", type=int, required=True, help="total number of ranks W")
-    p.add_argument("--total-steps", type=int, default=None,
+    p.add_argument("--backend", default="deepspeed", choices=BACKENDS, action=_Once,
+                   help="training engine (default: deepspeed)")
+    p.add_argument("--world-size", type=int, required=True, action=_Once, help="total number of ranks W")
+    p.add_argument("--total-steps", type=int, default=None, action=_Once,
                    help="optimizer steps of the run, when hdet.schedule.total_steps is not in the file")
     args = p.parse_args(argv)
     try:

@@ -26,11 +26,13 @@ as resuming a multi-replica checkpoint does anyway (``common.check_resumable``).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import zipfile
+import zlib
 from typing import Any
 
 import torch
@@ -248,6 +250,81 @@ def _damaged_dcp(folder: str) -> list[str]:
         elif size < end:
             problems.append(f"{path}: truncated ({size} bytes; .metadata records {end})")
     return problems
+
+# ---- checksums ------------------------------------------------------------------------
+# Bytes changed inside a file of the right size (a bad disk block, a copy tool's bug) pass
+# the checks above and may even load: a weight tensor reads as NaN, an RNG state as
+# another. Every member of a torch.save archive carries a CRC-32 in its zip header, so a
+# load first reads each file of the checkpoint once against them.
+
+def damaged_file(folder: str, part: int = 0, parts: int = 1) -> str | None:
+    """The first file in ``folder`` whose ``torch.save`` archive fails its own check, with
+    why (``"<path> (<reason>)"``), or ``None``. Each member of the archive is read against the
+    CRC-32 its zip header records (``zipfile.testzip``: streamed, a member at a time, so
+    memory stays bounded); a DCP ``.distcp`` file holds one such archive per item, at the
+    offsets its ``.metadata`` lists. With ``parts > 1`` only the files ``part, part +
+    parts, ...`` of the sorted listing are read (each rank of a shard group its share)."""
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    slices: dict[str, list[tuple[int, int]]] = {}
+    if ".metadata" in names:
+        try:
+            import torch.distributed.checkpoint as dcp
+
+            storage = dcp.FileSystemReader(folder).read_metadata().storage_data or {}
+            for info in storage.values():
+                if not getattr(info, "transform_descriptors", None):  # compressed: not a plain archive
+                    slices.setdefault(info.relative_path, []).append((info.offset, info.length))
+        except Exception as e:  # noqa: BLE001 - an unreadable .metadata is the damaged file
+            return f"{os.path.join(folder, '.metadata')} (unreadable: {type(e).__name__})"
+    for name in names[part::parts]:
+        file = os.path.join(folder, name)
+        try:
+            if name in slices:
+                with open(file, "rb") as f:
+                    for offset, length in sorted(slices[name]):
+                        f.seek(offset)
+                        bad = _bad_member(io.BytesIO(f.read(length)))
+                        if bad:
+                            return f"{file} ({bad} at offset {offset})"
+            elif name.endswith(".pt") and zipfile.is_zipfile(file):
+                bad = _bad_member(file)
+                if bad:
+                    return f"{file} ({bad})"
+        except OSError as e:
+            return f"{file} ({e.strerror or e})"
+    return None
+
+
+def _bad_member(archive: Any) -> str | None:
+    try:
+        with zipfile.ZipFile(archive) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error) as e:
+        return f"not a readable archive: {e}"
+    return f"member {bad} fails its CRC check" if bad else None
+
+
+def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
+    """Before a load: every file of this replica's folder ``replica_<r>/<tag>`` read once
+    against its archive's CRC-32s (:func:`damaged_file`), the files split over the shard
+    group's ranks, so the checkpoint is read once more in all (I/O ~ its size, spread
+    over every rank). Collective on the world group (every rank calls it), so all ranks
+    raise alike rather than some entering the load's collectives.
+
+    Raises:
+        HDETStateError: a file fails its check; the message names it and why.
+    """
+    from hdet_scale.errors import HDETStateError
+
+    folder = os.path.join(load_dir, f"replica_{topology.replica_index}", tag)
+    mine = damaged_file(folder, topology.shard_index, topology.shard_size)
+    found: list[str | None] = [None] * topology.world_size
+    dist.all_gather_object(found, mine, group=topology.world_group)
+    bad = [f for f in found if f]
+    if bad:
+        raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has a damaged file: {bad[0]}; its bytes changed "
+                             "after it was written. Restore it from a copy, resume from an older checkpoint by "
+                             f"writing its tag into {os.path.join(load_dir, LATEST_FILE)}, or start a new run_dir")
 
 # ---- RNG ------------------------------------------------------------------------------
 # Dropout draws from the process's global torch RNG; a resumed rank restores its own so

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target,
                                         default_device, finish_checkpoint, init_process_group, load_hdet_state,
                                         make_logger, replica_dir, resolve_config, save_hdet_state, unwrap, use_topology,
@@ -145,6 +146,7 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, "ddp", tag)
+    verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
     module = unwrap(model)
     device = next(module.parameters()).device

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.config import HDETConfig
 from hdet_scale.ds_keys import RepeatedKeyError, check_deepspeed_keys, loads_json
-from hdet_scale.ds_values import check_deepspeed_values
+from hdet_scale.ds_values import batch_errors, check_deepspeed_values
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Layout, Topology
@@ -228,18 +229,16 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
         if ds.get("fp16", {}).get("enabled", False) and cfg.gradient_sharing == "replica":
             errors.append("fp16.enabled: fp16 loss scaling skips steps per replica, which would desynchronise "
                           "the sync steps under hdet.gradient_sharing='replica'; use bf16 or 'global'")
+        # The batch keys are integers >= 1 here (check_deepspeed_values above); their product
+        # over the whole world is the shared check's (ds_values.batch_errors), with the
+        # default accumulation of 1 filled in as DeepSpeed does.
         tbs = ds.get("train_batch_size")
-        if tbs is not None and (not isinstance(tbs, int) or isinstance(tbs, bool)):
-            errors.append(f"train_batch_size: must be an integer (samples over all ranks), got {tbs!r}")
-        micro, gas = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps", 1)
-        if isinstance(tbs, int) and isinstance(micro, int) and isinstance(gas, int) and tbs != micro * gas * world:
-            errors.append(f"train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
-                          f"gradient_accumulation_steps ({gas}) x world size ({world}) = {micro * gas * world} "
-                          "(samples per optimizer step over all ranks)")
-        elif isinstance(tbs, int) and tbs % cfg.replicas:
+        product = batch_errors({"gradient_accumulation_steps": 1, **ds}, world_size=world)
+        errors += product
+        if tbs is not None and not product and tbs % cfg.replicas:
             errors.append(f"train_batch_size: {tbs} (samples over all ranks) must be divisible by "
                           f"hdet.replicas={cfg.replicas}")
-        elif isinstance(tbs, int):
+        elif tbs is not None and not product:
             ds["train_batch_size"] = tbs // cfg.replicas
     if errors:
         raise HDETConfigError("invalid DeepSpeed config for hdet:\n  " + "\n  ".join(errors))
@@ -414,6 +413,7 @@ def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: s
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, "deepspeed", tag)
+    verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
     _, client = engine.load_checkpoint(os.path.dirname(rdir), tag=tag, load_lr_scheduler_states=False)
     load_hdet_state(rdir, t, scheduler)

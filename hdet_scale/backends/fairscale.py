@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.common import (
     build_topology,
     use_topology,
@@ -323,6 +324,7 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND, tag)
+    verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
     module = unwrap(model)
     device = next(module.parameters()).device

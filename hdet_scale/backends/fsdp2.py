@@ -46,6 +46,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.averaging import persistent_float_buffers
+from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.common import (build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target, default_device,
                                         finish_checkpoint,
                                         init_process_group, load_hdet_state, make_logger, replica_dir,
@@ -315,6 +316,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
 
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND_NAME, tag)
+    verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
     saved_keys = dcp.FileSystemReader(rdir).read_metadata().state_dict_metadata
     with_optimizer = any(k.startswith("optim.") for k in saved_keys)

@@ -291,7 +291,7 @@ def _launch_local(run: dict) -> int:
         codes = set(failed.values())
         if codes == {STALE_LOCK_EXIT}:
             return STALE_LOCK_EXIT  # local rank 0 named the lock
-        print(f"hdet-train: rank(s) {sorted(failed)} failed (exit codes {list(failed.values())})", file=sys.stderr)
+        print(f"hdet-train: {describe_failures(failed)}", file=sys.stderr)
         return 1
     finally:
         for s, handler in previous.items():
@@ -315,6 +315,28 @@ def _print_resume_notice(run: dict, quiet_errors: bool = False) -> None:
         print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
 
 
+def describe_failures(failed: dict[int, int]) -> str:
+    """``{rank: Process.exitcode}`` of the ranks that failed, in words: a negative code is
+    the signal that killed the rank (the out-of-memory killer's SIGKILL, most often), a
+    positive one its exit status. The ranks the first failure took down are listed after it."""
+    def one(code: int) -> str:
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name} (signal {-code})"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    by_kind: dict[str, list[int]] = {}
+    for rank, code in sorted(failed.items()):
+        by_kind.setdefault(one(code), []).append(rank)
+    killed = [k for k in by_kind if k.startswith("killed")]
+    parts = [f"rank(s) {ranks} {kind}" for kind, ranks in sorted(by_kind.items(), key=lambda kv: kv[0] not in killed)]
+    hint = ("; a rank killed by SIGKILL is often the out-of-memory killer's work (see dmesg), "
+            "or a kill -9" if "killed by SIGKILL (signal 9)" in by_kind else "")
+    return "failed: " + ", ".join(parts) + hint
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -324,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     # Under a launcher, the errors found before train() (command line, config, environment)
     # are the same on every rank: rank 0 alone prints them, the others exit 2 silently.
     # Errors inside train() may be one rank's own (a file it fails to load): each prints.
-    quiet = False
+    quiet = launched = False
     try:
         from hdet_scale.train.config import load_run_config
 
@@ -333,11 +355,13 @@ def main(argv: list[str] | None = None) -> int:
         _check_empty_overrides(overrides)
         run = load_run_config(path, overrides)
         if launched:
-            from hdet_scale.train.loop import train
+            from hdet_scale.train.loop import train, validate
             from hdet_scale.train.startup import check_extensions_dir
             from hdet_scale.train.stopping import install_rank_handlers, settle
 
             rank = int(os.environ["RANK"])
+            # the run's own checks read the same files on every rank: one message, rank 0's
+            checked = validate(run, int(os.environ["WORLD_SIZE"]))
             if run["backend"] == "deepspeed":
                 # this machine's setting: its local rank 0 names it (one line per machine)
                 quiet = os.environ.get("LOCAL_RANK", str(rank)).strip() != "0"
@@ -347,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 _print_resume_notice(run, quiet_errors=True)
             quiet = False
             try:
-                summary = train(run)
+                summary = train(run, checked)
             except (HDETConfigError, HDETStateError):
                 settle(_USER_ERROR)  # refused: a signal from the launcher ending the job is no stop to report
                 raise
@@ -376,8 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         if not quiet:
             print(f"hdet-train: error: {e}", file=sys.stderr)
         return _USER_ERROR
-    except KeyboardInterrupt:  # Ctrl-C while the config is read and checked: nothing started yet
-        print("hdet-train: stopped by SIGINT (Ctrl-C) before any rank started", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C while the config is read and checked: nothing trained yet
+        if not launched:
+            print("hdet-train: stopped by SIGINT (Ctrl-C) before any rank started", file=sys.stderr)
+        elif os.environ.get("RANK", "0").strip() == "0":  # the launcher signals every rank: one line
+            print("hdet-train: stopped by SIGINT (Ctrl-C) during start-up, before the first step",
+                  file=sys.stderr)
         return 128 + signal.SIGINT
     return _launch_local(run)
 

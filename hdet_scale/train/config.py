@@ -200,10 +200,19 @@ def _hdet_logging(run: dict, explicit: set) -> None:
               "choose the folder with run_dir=...", file=sys.stderr, flush=True)
 
 
+def relative_note(path: str) -> str:
+    """For a path that names nothing: where a relative one was looked for. A path inside a
+    YAML file is read from the working directory, as on the command line (and as
+    Accelerate reads ``deepspeed_config_file``), not from the YAML file's folder."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" (a relative path is read from the working directory {os.getcwd()}, not from a config file's folder)"
+
+
 def _read_text(path: str, what: str) -> str:
     """The text of ``path``; HDETConfigError naming ``what`` and the file otherwise."""
     if not os.path.exists(path):
-        raise HDETConfigError(f"{what} {path!r} does not exist")
+        raise HDETConfigError(f"{what} {path!r} does not exist{relative_note(path)}")
     if os.path.isdir(path):
         raise HDETConfigError(f"{what} {path!r} is a folder, not a file")
     try:

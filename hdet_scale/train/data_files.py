@@ -17,6 +17,7 @@ import stat
 import sysconfig
 
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.config import relative_note
 
 #: Directory names never descended into when collecting the default corpus.
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -118,12 +119,22 @@ def _one_file(part: str, p: pathlib.Path) -> None:
         )
 
 
+# Kernel pseudo-filesystems: their "files" are generated on read (and a folder such as
+# /proc/self walks the live process), so a run on them trains on whatever the system says.
+PSEUDO_ROOTS = ("/proc", "/sys")
+
+
+def _pseudo_root(p: pathlib.Path) -> str | None:
+    real = os.path.realpath(p)
+    return next((r for r in PSEUDO_ROOTS if real == r or real.startswith(r + "/")), None)
+
+
 def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
     """Resolve ``data.path`` into ``([(key, file)], source)`` in concatenation order.
 
     Raises:
         HDETConfigError: naming the part of ``data.path`` that names nothing, a broken
-            link, something other than a regular file or folder (a device such as
+            link, a path in /proc or /sys, something other than a regular file or folder (a device such as
             ``/dev/null``, a FIFO, a socket), an unreadable or non-text file, or a
             folder without any text file.
     """
@@ -144,9 +155,14 @@ def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
             if os.path.islink(p):
                 raise HDETConfigError(f"data.path: {part!r} is a broken symbolic link (to "
                                       f"{os.readlink(p)!r}, which does not exist)") from None
-            raise HDETConfigError(f"data.path: {part!r} does not exist") from None
+            raise HDETConfigError(f"data.path: {part!r} does not exist{relative_note(part)}") from None
         except OSError as e:
             raise HDETConfigError(f"data.path: {part!r} cannot be read: {e.strerror or e}") from None
+        pseudo = _pseudo_root(p)
+        if pseudo is not None:
+            raise HDETConfigError(f"data.path: {part!r} is in {pseudo}, a kernel pseudo-filesystem whose files "
+                                  "describe the running system and change while it runs: data.path takes text "
+                                  "files or folders of them")
         if stat.S_ISDIR(mode):
             members = _folder_files(p)
             if not members:

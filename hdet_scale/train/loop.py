@@ -150,12 +150,14 @@ class Probe:
         return total / len(self.batches)
 
 
-def train(run: dict) -> dict:
+def train(run: dict, checked: tuple | None = None) -> dict:
     """Train one rank of the run described by ``run`` (see ``load_run_config``).
-    Returns the summary (on every rank); rank 0 writes it to ``run_dir/summary.json``."""
+    ``checked``: what :func:`validate` returned for this run and world, when the caller
+    ran it already (it reads the corpus). Returns the summary (on every rank); rank 0
+    writes it to ``run_dir/summary.json``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    hcfg, corpus = validate(run, world)
+    hcfg, corpus = checked if checked is not None else validate(run, world)
     # Dropout draws from the global RNG, which torch seeds at random in every process: seed
     # it per rank, so a run repeats (a resumed run restores it from its checkpoint).
     torch.manual_seed(run["seed"] * 1_000_003 + rank)

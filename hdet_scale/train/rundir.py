@@ -12,21 +12,20 @@ in a way that turns another rank's "resume" into something else.
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import tempfile
-import zipfile
-import zlib
 from typing import Any
 
 from hdet_scale.backends.checkpoint_io import (
     LATEST_FILE,
     LAYOUT_FILE,
     checkpoint_index,
+    damaged_file,
     prune_checkpoints,
     read_latest,
     write_atomic,
@@ -129,6 +128,10 @@ def check_writable(run_dir: str) -> None:
     Raises:
         HDETConfigError: ``run_dir`` cannot be created or written (the reason and path).
     """
+    broken = _broken_link(run_dir)
+    if broken is not None:
+        raise HDETConfigError(f"run_dir: {broken} is a symbolic link to {os.readlink(broken)!r}, which does not "
+                              f"exist; create its target, remove the link, or choose another run_dir")
     try:
         os.makedirs(run_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".hdet_write_test.", dir=run_dir)
@@ -138,6 +141,20 @@ def check_writable(run_dir: str) -> None:
         where = f" ({e.filename})" if e.filename and os.path.abspath(e.filename) != os.path.abspath(run_dir) else ""
         raise HDETConfigError(f"run_dir: cannot write to {run_dir}: {e.strerror or e}{where}; choose a folder this "
                               "user can create and write") from None
+
+
+def _broken_link(path: str) -> str | None:
+    """The first component of ``path`` that is a symbolic link to nothing (makedirs would
+    report it only as "File exists"), or ``None``."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        sub = os.sep.join(parts[:i]) or os.sep
+        if os.path.islink(sub) and not os.path.exists(sub):
+            return sub
+        if not os.path.lexists(sub):
+            return None
+    return None
+
 
 def truncate_metrics(path: str, step: int) -> int:
     """Drop the records of ``path`` (JSONL) past optimizer step ``step`` (those of the run
@@ -275,53 +292,18 @@ def _load_error(engine: Any, path: str, e: BaseException) -> HDETStateError:
             where = f"file {bad}"
             break
     return HDETStateError(f"train.resume: could not load the checkpoint {where}: {type(e).__name__}: "
-                          f"{' '.join(str(e).split())[:500]}")
+                          f"{_engine_reason(e)[:500]}")
 
 
-def damaged_file(folder: str) -> str | None:
-    """The first file in ``folder`` whose ``torch.save`` archive fails its own check, with
-    why (``"<path> (<reason>)"``), or ``None``. Each member of the archive is read against the
-    CRC-32 its zip header records (``zipfile.testzip``: streamed, a member at a time, so
-    memory stays bounded); a DCP ``.distcp`` file holds one such archive per item, at the
-    offsets its ``.metadata`` lists. Reads the whole folder: for the failure path only."""
-    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    slices: dict[str, list[tuple[int, int]]] = {}
-    if ".metadata" in names:
-        try:
-            import torch.distributed.checkpoint as dcp
-
-            storage = dcp.FileSystemReader(folder).read_metadata().storage_data or {}
-            for info in storage.values():
-                if not getattr(info, "transform_descriptors", None):  # compressed: not a plain archive
-                    slices.setdefault(info.relative_path, []).append((info.offset, info.length))
-        except Exception as e:  # noqa: BLE001 - an unreadable .metadata is the damaged file
-            return f"{os.path.join(folder, '.metadata')} (unreadable: {type(e).__name__})"
-    for name in names:
-        file = os.path.join(folder, name)
-        try:
-            if name in slices:
-                with open(file, "rb") as f:
-                    for offset, length in sorted(slices[name]):
-                        f.seek(offset)
-                        bad = _bad_member(io.BytesIO(f.read(length)))
-                        if bad:
-                            return f"{file} ({bad} at offset {offset})"
-            elif name.endswith(".pt") and zipfile.is_zipfile(file):
-                bad = _bad_member(file)
-                if bad:
-                    return f"{file} ({bad})"
-        except OSError as e:
-            return f"{file} ({e.strerror or e})"
-    return None
-
-
-def _bad_member(archive: Any) -> str | None:
-    try:
-        with zipfile.ZipFile(archive) as z:
-            bad = z.testzip()
-    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, zlib.error) as e:
-        return f"not a readable archive: {e}"
-    return f"member {bad} fails its CRC check" if bad else None
+def _engine_reason(e: BaseException) -> str:
+    """The engine's error on one line, without torch.load's advice to retry with
+    ``weights_only=False``: for a damaged file that advice is wrong, and unpickling an
+    untrusted file with it can run arbitrary code."""
+    text = " ".join(str(e).split())
+    if "Weights only load failed" in text:
+        match = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation| Please file|$)", text)
+        return "the file could not be unpickled" + (f" ({match.group(1).strip()})" if match else "")
+    return text
 
 
 def fault_point(world_size: int | None = None, steps: int | None = None) -> tuple[int, int] | None:

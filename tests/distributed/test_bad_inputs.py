@@ -214,6 +214,8 @@ CASES = [
      None),
     ("data_fifo", ["data.path={run}.fifo"], {}, 2, ["{run}.fifo' is not a regular file but a FIFO"],
      lambda run: os.mkfifo(f"{run}.fifo")),
+    # issue 9 round 4: procfs trained on the live system's files without a word
+    ("data_procfs", ["data.path=/proc/self"], {}, 2, ["'/proc/self' is in /proc, a kernel pseudo-filesystem"], None),
     # layout (world = nproc; replicas must divide it)
     ("replicas_not_dividing", ["deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
     ("world_not_divisible", ["nproc=3"], {}, 2, ["replicas"], None),
@@ -237,6 +239,9 @@ CASES = [
     # run_dir
     ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
     ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
+    # a link to nothing was reported as "File exists"
+    ("run_dir_broken_link", ["run_dir={run}"], {}, 2, ["run_dir: {run} is a symbolic link to", "does not exist"],
+     lambda run: (run.parent.mkdir(parents=True, exist_ok=True), run.symlink_to(run.parent / "nowhere"))),
     ("run_dir_holds_a_run", ["run_dir={run}"], {}, 2, ["already holds a run", "train.overwrite=true"],
      lambda run: (run.mkdir(parents=True), (run / "metrics.jsonl").write_text('{"step": 1}\n'))),
     # resume
@@ -351,6 +356,9 @@ DRYRUN_CASES = [
     # round 3: rc 0 before; the words of hdet-train's engines.check_engine_config
     ("dryrun_lamb_ddp", ["{d}/lamb.json", "--backend", "ddp", "--total-steps", "10"],
      ["optimizer.type: the ddp backend builds a torch optimizer", "got 'Lamb'"]),
+    # round 4: argparse kept the last of two values
+    ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
+     ["--total-steps given twice"]),
 ]
 
 

@@ -58,25 +58,58 @@ def _flip(path, start: int, count: int) -> None:
     path.write_bytes(bytes(data))
 
 
-class _FSDP2Engine:
-    """What ``engines.py``'s engine does for ``backend=fsdp2`` on ``load``: the library's
+def _tensor_bytes(path) -> int:
+    """The file offset of the largest tensor's bytes in a ``torch.save`` archive (stored,
+    not compressed: the member's data follows its 30-byte local header, name and extra)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def _world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+
+
+class _Engine:
+    """What ``engines.py``'s engine does on ``load``: the backend library's
     ``load_checkpoint`` (the trainer's engine also builds the data and model from a run config)."""
 
-    def __init__(self, model, optimizer, scheduler):
-        from hdet_scale.backends import fsdp2
-
-        self.model, self.optimizer, self.scheduler, self._lib = model, optimizer, scheduler, fsdp2
+    def __init__(self, lib, model, optimizer, scheduler):
+        self.model, self.optimizer, self.scheduler, self._lib = model, optimizer, scheduler, lib
 
     def load(self, path):
         self._lib.load_checkpoint(self.model, self.optimizer, self.scheduler, path)
 
 
+def _trained(lib, tmp_path):
+    torch.manual_seed(0)
+    cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
+    model, opt, sched = lib.initialize(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)),
+                                       cfg, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    model(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    sched.step()
+    return _Engine(lib, model, opt, sched)
+
+
+def _full(p):
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
-    """Issue 9 F3/F8: bytes flipped in a file of a real FSDP2 checkpoint (gloo, world 1),
-    same size, so only the load can find it. DCP's ``CheckpointException`` (a BaseException
-    wrapping the ``PytorchStreamReader`` error) and torch.load's own error on HDET's
-    ``hdet_shard_0.pt`` both become one HDETStateError naming the damaged file; the intact
-    checkpoint loads, and restores the saved weights exactly (same process, same dtype)."""
+    """Issue 9 F3/F8 and round 4: bytes flipped in a file of a real FSDP2 checkpoint (gloo,
+    world 1), same size, so the start-up check (``damaged_files``) cannot see it. Both a
+    header region (the load would fail: DCP's ``CheckpointException``, torch.load's error)
+    and a tensor's bytes (the load would succeed with wrong values) are found by the CRC
+    check every load runs first (``checkpoint_io.verify_checksums``): one HDETStateError
+    naming the file. The intact checkpoint loads, restoring the saved weights exactly."""
     import pytest
     import torch.distributed as dist
 
@@ -84,35 +117,61 @@ def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
     from hdet_scale.errors import HDETStateError
     from hdet_scale.train import rundir
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    _world_of_one(tmp_path)
     try:
-        torch.manual_seed(0)
-        cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
-        model, opt, sched = fsdp2.initialize(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)),
-                                             cfg, lambda p: torch.optim.AdamW(p, lr=1e-3))
-        model(torch.randn(8, 32)).square().mean().backward()
-        opt.step()
-        sched.step()
+        engine = _trained(fsdp2, tmp_path)
         ckpt = tmp_path / "checkpoint"
-        tag = fsdp2.save_checkpoint(model, opt, sched, str(ckpt))
-        saved = [p.full_tensor().clone() for p in model.parameters()]
+        tag = fsdp2.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        saved = [p.full_tensor().clone() for p in engine.model.parameters()]
         with torch.no_grad():
-            for p in model.parameters():
+            for p in engine.model.parameters():
                 p.zero_()
-        engine = _FSDP2Engine(model, opt, sched)
         rundir.load(engine, str(ckpt))
-        assert all(torch.equal(a, p.full_tensor()) for a, p in zip(saved, model.parameters()))
+        assert all(torch.equal(a, p.full_tensor()) for a, p in zip(saved, engine.model.parameters()))
         folder = ckpt / "replica_0" / tag
-        assert rundir.damaged_file(str(folder)) is None
-        for name in ("hdet_shard_0.pt", "__0_0.distcp"):
+        for name, where in (("hdet_shard_0.pt", 200), ("__0_0.distcp", 200), ("__0_0.distcp", "middle")):
             victim = folder / name
             intact = victim.read_bytes()
-            _flip(victim, 200, 200)  # the first archive's header records (measured: rc 1 before)
+            start = len(intact) // 2 if where == "middle" else where
+            _flip(victim, start, 64)
             assert damaged_files(str(folder)) == [], name  # the start-up check cannot see it
             with pytest.raises(HDETStateError) as err:
                 rundir.load(engine, str(ckpt))
-            assert f"could not load the checkpoint file {victim} (" in str(err.value), (name, str(err.value))
+            assert f"has a damaged file: {victim} (" in str(err.value), (name, str(err.value))
+            assert "weights_only" not in str(err.value)
             victim.write_bytes(intact)
         rundir.load(engine, str(ckpt))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_bytes_changed_in_place_are_refused_not_loaded(tmp_path):
+    """Issue 9 round 4, the silent case: a DDP ``model_optim.pt`` whose weight bytes were
+    overwritten (same size) loaded without complaint and trained on NaN. Shown first: torch
+    itself reads the damaged file, with weights that differ from the saved ones, so nothing
+    but the CRC check stands in the way. Then ``ddp.load_checkpoint`` refuses it, naming
+    the file and the member, and leaves the model as it was."""
+    import pytest
+    import torch.distributed as dist
+
+    from hdet_scale.backends import ddp
+    from hdet_scale.errors import HDETStateError
+
+    _world_of_one(tmp_path)
+    try:
+        engine = _trained(ddp, tmp_path)
+        ckpt = tmp_path / "checkpoint"
+        tag = ddp.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        victim = ckpt / "replica_0" / tag / "model_optim.pt"
+        before = {k: v.clone() for k, v in torch.load(victim, weights_only=False)["model"].items()}
+        _flip(victim, _tensor_bytes(victim) + 8, 8)
+        after = torch.load(victim, weights_only=False)["model"]  # torch reads it: no error
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+        assert damaged_files(str(victim.parent)) == []
+        now = [_full(p).clone() for p in engine.model.parameters()]
+        with pytest.raises(HDETStateError) as err:
+            ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        assert f"has a damaged file: {victim} (member " in str(err.value) and "CRC" in str(err.value), str(err.value)
+        assert all(torch.equal(a, _full(p)) for a, p in zip(now, engine.model.parameters()))
     finally:
         dist.destroy_process_group()
