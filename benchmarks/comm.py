@@ -48,7 +48,6 @@ import importlib
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -241,77 +240,42 @@ def _measure(backend: str, dtype: str, layout: str, block: dict, topology: Any, 
     return record if dist.get_rank() == 0 else None
 
 
-def _rank_main(rank: int, port: int, layouts: list, size: dict, backends: list, dtypes: list, q: Any) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1"})
-    try:
-        import logging
+def _rank_main(layouts: list, size: dict, backends: list, dtypes: list) -> list[dict] | None:
+    """One rank (``benchmarks.ranks.run_ranks`` set its environment): every layout, dtype
+    and backend; rank 0's records."""
+    import logging
 
-        import torch
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        warnings.filterwarnings("ignore")
-        dist.init_process_group("gloo")
-        if "deepspeed" in backends:
-            from deepspeed.utils import logger as ds_logger
-            ds_logger.setLevel(logging.ERROR)
-        from hdet_scale.backends.common import build_topology
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    if "deepspeed" in backends:
+        from deepspeed.utils import logger as ds_logger
+        ds_logger.setLevel(logging.ERROR)
+    from hdet_scale.backends.common import build_topology
 
-        records = []
-        for layout in layouts:  # one engine at a time; DeepSpeed takes its mpu at each initialize
-            block = {"replicas": LAYOUTS[layout], "sync_interval": 1000, "gradient_sharing": "global",
-                     "bucket_mb": size["bucket_mb"], "auto": {"enabled": False},
-                     "schedule": {"name": "constant", "total_steps": 10 ** 6}}
-            topology = build_topology(block, "cpu")
-            for d in dtypes:
-                for b in backends:
-                    records.append(_measure(b, d, layout, block, topology, size))
-                    gc.collect()  # the engine just measured, before the next is built
-        q.put((rank, "ok", records if rank == 0 else None))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # report, do not hang the launcher
-        import traceback
-        q.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    records = []
+    for layout in layouts:  # one engine at a time; DeepSpeed takes its mpu at each initialize
+        block = {"replicas": LAYOUTS[layout], "sync_interval": 1000, "gradient_sharing": "global",
+                 "bucket_mb": size["bucket_mb"], "auto": {"enabled": False},
+                 "schedule": {"name": "constant", "total_steps": 10 ** 6}}
+        topology = build_topology(block, "cpu")
+        for d in dtypes:
+            for b in backends:
+                records.append(_measure(b, d, layout, block, topology, size))
+                gc.collect()  # the engine just measured, before the next is built
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    return records if rank == 0 else None
 
 
 def launch(layouts: list, size: dict, backends: list, dtypes: list, timeout: float) -> list[dict]:
     """Measure every layout, dtype and backend on 4 spawned ranks (one launch); rank 0's records."""
-    import multiprocessing as mp
-    import queue
+    from benchmarks.ranks import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     target = importlib.import_module("benchmarks.comm")._rank_main  # picklable by module name under -m
-    procs = [ctx.Process(target=target, args=(r, port, layouts, size, backends, dtypes, q), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < WORLD:
-            try:
-                rank, status, value = q.get(timeout=max(1.0, min(5.0, deadline - time.monotonic())))
-                results[rank] = (status, value)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"ranks {dead or 'some'} died or timed out ({timeout:.0f} s)")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v for r, (s, v) in results.items() if s == "err"}
-    if errors:
-        raise RuntimeError("\n".join(f"rank {r}: {m}" for r, m in sorted(errors.items())))
-    return results[0][1]
+    return run_ranks(target, WORLD, (layouts, size, backends, dtypes), timeout=timeout)[0]
 
 
 def _mib(x: float) -> str:

@@ -28,6 +28,7 @@ from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, 
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.backends.ds_adam import stateless_bias_correction
+from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.config import HDETConfig
 from hdet_scale.ds_keys import RepeatedKeyError, check_deepspeed_keys, loads_json
 from hdet_scale.ds_values import batch_errors, check_deepspeed_values
@@ -54,7 +55,7 @@ class DeepSpeedBackend:
     sub-group, this rank's ``1/S`` of the parameters). ``refresh()`` copies them into the
     low-precision working partitions (bf16 / fp16 / fp32) and re-gathers ZeRO-3's
     persistent (small, never partitioned) parameters, so the next forward pass reads
-    the averaged weights (one all-gather per persistent parameter).
+    the averaged weights (one all-gather for all persistent parameters: ``ds_gather``).
     """
 
     shares_gradients = False  # ZeRO reduces inside the shard group only: HDET's hook crosses replicas
@@ -125,11 +126,8 @@ class DeepSpeedBackend:
         opt._partition_all_parameters()
         for i in range(len(opt.fp16_groups)):
             opt._reassign_or_swap_out_partitioned_parameters(i)
-        # One all-gather per persistent parameter. all_gather_coalesced (one per dtype) was
-        # tried and returned uninitialised values on CPU / gloo once in three CI runs
-        # (test_warm_init_adds_independent_noise_per_replica[deepspeed]: rms 6e17).
-        if opt.persistent_parameters:
-            opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+        # One all-gather for all of them (ds_gather.py), not DeepSpeed's one per parameter.
+        gather_persistent(list(opt.persistent_parameters))
         if hasattr(opt, "invalidate_secondary_tensor"):
             opt.invalidate_secondary_tensor()
 

@@ -135,6 +135,40 @@ def converge_worker() -> dict:
     return out
 
 
+# ---- 1b. the persistent parameters' gather after converge ---------------------------------
+
+def gather_worker() -> dict:
+    """Every persistent parameter (default threshold: all of TinyNet) given rank-specific
+    partitions, then gathered twice from them: by ``ds_gather.gather_persistent`` (one
+    all-gather) and by DeepSpeed's own ``param.all_gather`` (one per parameter); fp32 and
+    bf16 working copies. Returns both full values per parameter and the collectives
+    counted."""
+    import torch.distributed as dist
+
+    from hdet_scale.backends.deepspeed import initialize
+    from hdet_scale.backends.ds_gather import gather_persistent
+    out = {}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        engine, opt, _, _ = initialize(build_model(), ds_config(hdet_block(), bf16=bf16))
+        params = list(opt.persistent_parameters)
+        g = torch.Generator().manual_seed(100 + dist.get_rank())
+        with torch.no_grad():
+            for p in params:
+                p.ds_tensor.copy_(torch.randn(p.ds_tensor.shape, generator=g).to(p.ds_tensor.dtype))
+        res: dict[str, Any] = {"n": len(params), "sizes": [p.ds_numel for p in params]}
+        for how in ("ours", "deepspeed"):
+            opt._partition_all_parameters()
+            if how == "ours":
+                res["collectives"] = gather_persistent(params)
+            else:
+                params[0].all_gather(params)
+            res[how] = [to_numpy(p.data.float()) for p in params]
+            res[f"{how}_dtype"] = str(params[0].data.dtype)
+        out[name] = res
+        engine.destroy()
+    return out
+
+
 # ---- 2. spread 0 + global gradient sharing == plain ZeRO-3 data parallelism ------------
 
 def equivalence_worker(steps: int = 7) -> dict:

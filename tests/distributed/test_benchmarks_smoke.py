@@ -9,8 +9,8 @@ and finite (the machine is shared); what is checked is exact:
   gradient-sharing hook equal the count ``hdet_scale.averaging`` documents, computed by
   the benchmark from the tensors' sizes alone (> 1 for the bf16 gradient partition: it
   goes through the bucket in several slices);
-- refresh issues one all-gather per persistent parameter on DeepSpeed with S = 2 (the
-  10 here; a coalesced gather was reverted, see backends/deepspeed.py), nothing with S = 1, nothing on FSDP2 / DDP, and on fairscale
+- refresh issues one all-gather for all persistent parameters on DeepSpeed with S = 2
+  (10 here; backends/ds_gather.py), nothing with S = 1, nothing on FSDP2 / DDP, and on fairscale
   one broadcast per shard rank's bucket (2 with S = 2, none with S = 1);
 - extra memory: at most one bucket on a first call, and nothing but the divisor's 0-dim
   scalars (<= ``SLACK`` bytes) once the bucket is kept: the bf16 gradient partition
@@ -79,9 +79,9 @@ def test_collective_counts_are_exact(records: list[dict]) -> None:
         assert r["predicted"]["average"] is not None, where
         assert _allreduces(p["average_first"]) == _allreduces(p["average"]) == r["predicted"]["average"], where
         S = r["shard_size"]
-        # DeepSpeed: one all-gather per persistent parameter (10 in the tiny model); the
-        # coalesced gather was reverted (backends/deepspeed.py refresh).
-        expected_refresh = {"deepspeed": {"_allgather_base_": 10} if S > 1 else {},
+        # DeepSpeed: one all-gather for all 10 persistent parameters of the tiny model
+        # (backends/ds_gather.py; DeepSpeed's own gather issues one per parameter)
+        expected_refresh = {"deepspeed": {"allgather_": 1} if S > 1 else {},
                             "fsdp2": {}, "ddp": {},
                             "fairscale": {"broadcast_": S} if S > 1 else {}}[r["backend"]]
         assert p["refresh"]["collectives"] == expected_refresh, where

@@ -52,6 +52,27 @@ def reference_forward(flat: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 # ---- 1 -----------------------------------------------------------------------------------
 
+def test_persistent_gather_equals_deepspeeds_own():
+    """``ds_gather.gather_persistent`` (refresh after converge: one all-gather for all
+    persistent parameters) against DeepSpeed's ``param.all_gather`` (one per parameter),
+    from the same rank-specific partitions: bit-equal full values (both only copy bytes),
+    in fp32 and bf16, on every rank; one collective per dtype; the two shards' values
+    both present (so the gather is not a rank's own partition repeated)."""
+    res = launch(W.gather_worker)
+    for case in ("fp32", "bf16"):
+        r = [x[case] for x in res]
+        for x in r:
+            assert x["n"] > 1 and x["collectives"] == 1, case
+            assert x["ours_dtype"] == x["deepspeed_dtype"], case
+            for a, b in zip(x["ours"], x["deepspeed"]):
+                np.testing.assert_array_equal(a, b, err_msg=case)
+        for rank in range(WORLD):  # shards of one replica see the same full values
+            for a, b in zip(r[rank]["ours"], r[replica_of(rank) * S]["ours"]):
+                np.testing.assert_array_equal(a, b)
+        big = max(range(r[0]["n"]), key=lambda i: r[0]["sizes"][i])
+        assert not np.array_equal(r[0]["ours"][big], r[2]["ours"][big]), "replicas drew different partitions"
+
+
 def test_converge_identity_and_mean():
     """After the sync step (inside engine.step), the full parameters are bit-identical on
     all 4 ranks and equal the mean of the two replicas' masters *after* that step's own
