@@ -8,7 +8,9 @@ and ignore the rest. Every backend also gets the checks ``hdet-train`` runs on t
 unknown keys, blocks given as a value, and the optimizer values
 (``ds_values.check_deepspeed_values``), all errors in one message (a missing
 ``total_steps`` too). The plan lists a few groups and counts the rest: the same time and
-memory for any world size. Exit 0 when valid, 2 with the errors if not."""
+memory for any world size. ``--params`` / ``--hf-config`` add the cost model (memory and
+bytes per rank, ``hdet_scale.cost``), ``--build-groups`` the real process groups on torch's
+fake backend. Exit 0 when valid, 2 with the errors if not."""
 
 from __future__ import annotations
 
@@ -106,10 +108,13 @@ def _per_replica(replicas: int, value: Callable[[float], float]) -> str:
     return "[" + ", ".join(shown) + "]" + (f" ({replicas} replicas)" if replicas > _LISTED else "")
 
 
-def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed") -> str:
+def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",
+             cost: dict | None = None, build_groups: bool = False) -> str:
     """The dry-run report; ``total_steps`` fills ``hdet.schedule.total_steps`` when the
-    config leaves it to the trainer. Raises HDETConfigError on an invalid config or an
-    unknown ``backend``."""
+    config leaves it to the trainer; ``cost`` (from ``cost.check_options``, non-empty)
+    appends the cost model, ``build_groups`` the fake-backend build of the process groups
+    (``hdet_scale.cost``). Raises HDETConfigError on an invalid config or an unknown
+    ``backend``."""
     if backend not in BACKENDS:
         raise HDETConfigError(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if world_size < 1:
@@ -216,6 +221,13 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
                          "(pass probe= to initialize)")
     if cfg.warm_init.enabled:
         lines.append(f"warm init: noise std nu={cfg.warm_init.nu:g} x RMS of the whole model, per replica")
+    if build_groups or cost:
+        from hdet_scale import cost as cost_model
+
+        if build_groups:
+            lines.append(cost_model.groups_line(world_size, cfg.replicas))
+        if cost:
+            lines.append(cost_model.dryrun_section(cfg, config, backend, world_size, cost))
     return "\n".join(lines)
 
 
@@ -239,9 +251,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, required=True, action=_Once, help="total number of ranks W")
     p.add_argument("--total-steps", type=int, default=None, action=_Once,
                    help="optimizer steps of the run, when hdet.schedule.total_steps is not in the file")
+    # The cost model (hdet_scale/cost.py); values are checked there, so a bad one is one line naming it.
+    p.add_argument("--params", action=_Once, help="model size for the cost model: 7e9, 7B, 125M")
+    p.add_argument("--hf-config", action=_Once, help="or a Hugging Face config.json (built on the meta device)")
+    p.add_argument("--precision", action=_Once, help="fp32 or bf16 (fp32 masters); default: the file's bf16.enabled")
+    p.add_argument("--bandwidth-gbps", action=_Once, help="each rank's link, Gbit/s: time of every transfer")
+    p.add_argument("--step-seconds", action=_Once, help="an optimizer step's time: each transfer's share of it")
+    p.add_argument("--build-groups", action="store_true",
+                   help="build rank 0's real process groups on torch's fake backend (worlds up to 2^18)")
     args = p.parse_args(argv)
     try:
-        print(describe(args.config, args.world_size, args.total_steps, args.backend))
+        from hdet_scale.cost import check_options
+
+        cost = check_options(args.params, args.hf_config, args.precision, args.bandwidth_gbps, args.step_seconds)
+        print(describe(args.config, args.world_size, args.total_steps, args.backend, cost, args.build_groups))
     except HDETConfigError as e:
         print(f"hdet-dryrun: error: {e}", file=sys.stderr)
         return 2

@@ -15,13 +15,34 @@ from hdet_scale.config import WandbConfig
 
 
 def _has_wandb_credentials() -> bool:
+    """An API key in ``WANDB_API_KEY``, or a ``~/.netrc`` (``wandb login``'s file) entry
+    for the W&B server (``WANDB_BASE_URL``'s host, api.wandb.ai by default)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    netrc = os.path.expanduser("~/.netrc")
-    if os.path.exists(netrc):
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    netrc = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
         with open(netrc) as f:
-            return "api.wandb.ai" in f.read()
-    return False
+            return host in f.read()
+    except OSError:
+        return False
+
+
+def check_wandb_settings(wandb: WandbConfig) -> None:
+    """Before a run starts: ``mode="online"`` needs credentials (without them W&B raises a
+    ``UsageError`` on rank 0 once training has started).
+
+    Raises:
+        HDETConfigError: ``wandb.mode`` is ``online`` and no API key is configured.
+    """
+    from hdet_scale.errors import HDETConfigError
+
+    if wandb.enabled and wandb.mode == "online" and not _has_wandb_credentials():
+        raise HDETConfigError("wandb.mode=online, but no W&B API key is configured (WANDB_API_KEY, or `wandb login`); "
+                              "use wandb.mode=offline (upload later with `wandb sync`), leave wandb.mode unset (online "
+                              "when a key is configured, else offline), or wandb.enabled=false")
 
 
 def json_safe(value: Any, nonfinite: Any = str) -> Any:

@@ -23,6 +23,7 @@ from hdet_scale.backends.checkpoint_io import (LATEST_FILE, checkpoint_index, co
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.paths import require_regular
 from hdet_scale.probe import require_probe
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
@@ -54,6 +55,7 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
             parallelism), ``replicas`` not dividing W, or a derived decay outside [0, 1).
     """
     if isinstance(config, (str, os.PathLike)):
+        require_regular(config, "hdet config")
         with open(config) as f:
             config = json.load(f)
     if isinstance(config, Mapping):

@@ -34,6 +34,7 @@ from hdet_scale.ds_keys import RepeatedKeyError, check_deepspeed_keys, loads_jso
 from hdet_scale.ds_values import batch_errors, check_deepspeed_values
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.paths import require_regular
 from hdet_scale.topology import Layout, Topology
 
 _FLAT_ATTRS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_partitions_flat_buffer",
@@ -158,6 +159,7 @@ def _load_ds_config(config: str | dict) -> dict:
         OSError, ValueError: the file cannot be read, or is not JSON.
     """
     if isinstance(config, (str, os.PathLike)):
+        require_regular(config, "DeepSpeed config")
         with open(config) as f:
             text = f.read()
         try:

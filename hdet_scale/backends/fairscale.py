@@ -44,8 +44,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
-from hdet_scale.backends.common import (
-    build_topology,
+from hdet_scale.backends.common import (  # build_topology: re-exported, fairscale.build_topology(config)
+    build_topology,  # noqa: F401
     use_topology,
     FullParamsBackend,
     build_scheduler,

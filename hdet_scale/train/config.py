@@ -24,6 +24,7 @@ from hdet_scale.config import WandbConfig
 from hdet_scale.ds_keys import RepeatedKeyError, loads_json
 from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.paths import require_regular
 from hdet_scale.backends import BACKENDS
 from hdet_scale.train.model import ModelConfig
 
@@ -215,6 +216,7 @@ def _read_text(path: str, what: str) -> str:
         raise HDETConfigError(f"{what} {path!r} does not exist{relative_note(path)}")
     if os.path.isdir(path):
         raise HDETConfigError(f"{what} {path!r} is a folder, not a file")
+    require_regular(path, what)
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

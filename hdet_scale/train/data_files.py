@@ -17,6 +17,7 @@ import stat
 import sysconfig
 
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.paths import file_kind
 from hdet_scale.train.config import relative_note
 
 #: Directory names never descended into when collecting the default corpus.
@@ -76,12 +77,6 @@ def not_text(path: pathlib.Path) -> str | None:
     return None
 
 
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def _folder_files(folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
@@ -174,7 +169,7 @@ def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
             _one_file(part, p)
             entries = [(prefix + p.name, p)]
         else:
-            raise HDETConfigError(f"data.path: {part!r} is not a regular file but a {_kind(mode)}: data.path "
+            raise HDETConfigError(f"data.path: {part!r} is not a regular file but a {file_kind(mode)}: data.path "
                                   "takes text files or folders of them")
         for key, full in entries:
             real = full.resolve()

@@ -27,7 +27,7 @@ from hdet_scale.backends.deepspeed import prepare_config
 from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.errors import HDETConfigError, HDETStateError
-from hdet_scale.logging import MetricsLogger, json_safe
+from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
 from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.engines import build_engine, check_engine_config
@@ -76,6 +76,10 @@ def validate(run: dict, world_size: int):
     ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     rundir.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike
     rundir.check_writable(run["run_dir"])  # before any rank starts, not four tracebacks later
+    if run["wandb"]["enabled"]:
+        check_wandb_settings(WandbConfig(**run["wandb"]))
+        if run["wandb"]["dir"]:  # W&B would silently write elsewhere
+            rundir.check_writable(run["wandb"]["dir"], key="wandb.dir")
     ckpt = rundir.checkpoint_dir(run)
     # Never replace a run the user already has: resume it, or refuse naming train.overwrite.
     resuming = rundir.start_mode(run) == "resume"

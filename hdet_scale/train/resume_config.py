@@ -63,7 +63,13 @@ _ERRORS = {
     "deepspeed.hdet.auto.groups": _HDET_STATE,
     "deepspeed.hdet.schedule.total_steps": "the schedule's length; train.steps sets it unless "
                                            "deepspeed.hdet.schedule.total_steps is given",
+    **{f"deepspeed.{k}.enabled": "the precision the saved weights and optimizer state were written in (DeepSpeed "
+                                 "names its optimizer files by it); converge first and start a new run to change it"
+       for k in ("bf16", "fp16")},
+    "deepspeed.zero_optimization.stage": "the ZeRO stage the saved partitions were written by",
 }
+# A key whose absence means this value (DeepSpeed's default): unset -> default is no change.
+_DEFAULTS = {"deepspeed.bf16.enabled": False, "deepspeed.fp16.enabled": False}
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -208,6 +214,8 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
         if key in _NOT_COMPARED or key.startswith(_NOT_COMPARED_PREFIXES):
             continue
         old, new = saved.get(key, _UNSET), now.get(key, _UNSET)
+        if key in _DEFAULTS and {old, new} <= {_UNSET, _DEFAULTS[key]}:
+            continue
         if old == new or (key == "deepspeed.optimizer.type" and str(old).lower() == str(new).lower()):
             continue  # DeepSpeed reads optimizer names case-insensitively
         line = f"{key}: {_fmt(old)} -> {_fmt(new)}"

@@ -36,6 +36,8 @@ from hdet_scale.train import resume_config
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
 JOB_FILE = "job.json"  # which torchrun job (TORCHELASTIC_RUN_ID) last started in this run_dir
+LOCK_FILE = ".hdet_run.lock"  # held (flock) by the job training in this run_dir
+_held: list[int] = []  # this process's lock descriptors: open until it exits
 FAULT_ENV = "HDET_FAULT_KILL"
 
 
@@ -121,17 +123,54 @@ def _no_latest(ckpt: str) -> str:
                   "run_dir")
 
 
-def check_writable(run_dir: str) -> None:
+def hold_run_dir(run_dir: str) -> None:
+    """Take ``run_dir``'s lock for the rest of this process: an exclusive ``flock`` on
+    ``run_dir/.hdet_run.lock``, which the kernel releases when the process ends however it
+    ends (so no stale lock survives a crash or SIGKILL). Two jobs started in one run_dir
+    would interleave their metrics and overwrite each other's checkpoints; the second is
+    refused. Taken by the one process that speaks for the job (``hdet-train``'s launcher,
+    or global rank 0 under ``torchrun``), after ``run_dir`` is known to be writable. On a
+    filesystem without ``flock`` (some network mounts), nothing is held.
+
+    Raises:
+        HDETConfigError: another process holds the lock (the message names it as it
+            recorded itself: pid, host, start time).
+    """
+    import fcntl
+    import socket
+    import time
+
+    path = os.path.join(run_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise HDETConfigError(f"run_dir: {run_dir} is in use by a running hdet-train ({holder}); two jobs in one "
+                              "run_dir would mix their metrics and checkpoints: wait for it to end, stop it, or "
+                              "choose another run_dir") from None
+    except OSError:  # no flock here: run unguarded rather than refuse
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+    _held.append(fd)
+
+
+def check_writable(run_dir: str, key: str = "run_dir") -> None:
     """Create ``run_dir`` if needed and write (then remove) a probe file in it, so that an
     unwritable folder is named before any rank starts, not found by four ranks at once.
+    ``key``: the config key the folder comes from, for the message (``wandb.dir`` too).
 
     Raises:
         HDETConfigError: ``run_dir`` cannot be created or written (the reason and path).
     """
     broken = _broken_link(run_dir)
     if broken is not None:
-        raise HDETConfigError(f"run_dir: {broken} is a symbolic link to {os.readlink(broken)!r}, which does not "
-                              f"exist; create its target, remove the link, or choose another run_dir")
+        raise HDETConfigError(f"{key}: {broken} is a symbolic link to {os.readlink(broken)!r}, which does not "
+                              f"exist; create its target, remove the link, or choose another {key}")
     try:
         os.makedirs(run_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".hdet_write_test.", dir=run_dir)
@@ -139,7 +178,7 @@ def check_writable(run_dir: str) -> None:
         os.remove(probe)
     except OSError as e:
         where = f" ({e.filename})" if e.filename and os.path.abspath(e.filename) != os.path.abspath(run_dir) else ""
-        raise HDETConfigError(f"run_dir: cannot write to {run_dir}: {e.strerror or e}{where}; choose a folder this "
+        raise HDETConfigError(f"{key}: cannot write to {run_dir}: {e.strerror or e}{where}; choose a folder this "
                               "user can create and write") from None
 
 

@@ -7,7 +7,7 @@ still names the newest *complete* checkpoint (saves are atomic, ``checkpoint_io`
 when the signal came in the middle of a save; ``train.resume=true`` continues from it
 exactly. Steps after it are lost (``train.checkpoint_every`` bounds how many).
 
-- Local launcher (``hdet-train`` started bare, ``cli._launch_local``): the ranks start
+- Local launcher (``hdet-train`` started bare, ``launcher.launch_local``): the ranks start
   with SIGINT ignored, so a Ctrl-C, which the terminal sends to every process of the job,
   is acted on by the launcher alone: it sends SIGTERM to every rank (default action: the
   rank ends at once, printing nothing; a rank holding a DeepSpeed op-build lock first
@@ -95,11 +95,27 @@ def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -
         folder, ck_step = saved
         of = f" (step {ck_step})" if ck_step is not None else ""
         return (f"{head} Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
-                f"({run_dir}) and config.")
+                f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0
     why = f"train.checkpoint_every={every}" if every else "train.checkpoint_every=0 saves only at the end"
     return (f"{head} No checkpoint was saved yet ({why}): start again in {run_dir} with train.overwrite=true, "
             "or choose another run_dir.")
+
+
+def _restart_note() -> str:
+    """Under ``torchrun --max-restarts N`` with restarts left, the agent ends the other
+    workers with SIGTERM when one fails and then restarts the job, which resumes by
+    itself: the advice above is then for a stop the user asked for. (The agent forwards
+    a user's signal the same way; a worker cannot tell the two apart.)"""
+    try:
+        used = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", ""))
+    except ValueError:
+        return ""
+    if used >= limit:
+        return ""
+    return (f" If torchrun ended this attempt because a rank failed, it restarts the job (restart {used + 1} of "
+            f"{limit}), which resumes from that checkpoint by itself.")
 
 
 # What a signal does once this process's outcome is settled (settle): None while it trains.

@@ -109,6 +109,8 @@ def setup_cases(d) -> None:
          "hdet": {"replicas": 2, "sync_interval": 10}}))
     # round 3 (issue 9 F4): an optimizer the ddp engine cannot build (hdet-train refuses it)
     (d / "lamb.json").write_text(json.dumps({**zero3, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
+    # round 5: a config path naming a FIFO blocked in open() forever, printing nothing
+    os.mkfifo(d / "fifo.json")
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
@@ -161,6 +163,8 @@ CASES = [
     ("ds_json_missing", ["deepspeed_config={d}/nope.json"], {}, 2, ["nope.json", "does not exist"], None),
     ("ds_json_folder", ["deepspeed_config={d}/folder.json"], {}, 2, ["folder.json", "folder"], None),
     ("ds_section_scalar", ["deepspeed=5"], {}, 2, ["deepspeed:", "mapping"], None),
+    ("ds_json_fifo", ["deepspeed_config={d}/fifo.json"], {}, 2, ["fifo.json' is not a regular file but a FIFO"], None),
+    ("yaml_fifo", ["{d}/fifo.json"], {}, 2, ["config file", "fifo.json' is not a regular file but a FIFO"], None),
     # round 2: each override alone (not YAML, a section then its key, a key twice), interpolations at load
     ("override_not_yaml", ["train.steps=[1,"], {}, 2, ["override 'train.steps=[1,'", "not a valid YAML value"], None),
     ("section_then_its_key", ["train=[1,2]", "train.progress=false"], {}, 2, ["train: must be a mapping"], None),
@@ -236,6 +240,12 @@ CASES = [
     ("fairscale_optimizer_param", ["backend=fairscale", "deepspeed.optimizer.params.amsgrad_typo=true"], {}, 2,
      ["deepspeed.optimizer.params"], None),
     ("ddp_replicas_not_dividing", ["backend=ddp", "deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
+    # round 5: W&B failed on rank 0 after the start (online without a key: a UsageError
+    # traceback), or silently wrote elsewhere (an unwritable wandb.dir)
+    ("wandb_online_without_key", ["wandb.mode=online"], {"WANDB_API_KEY": "", "NETRC": "{run}.netrc"}, 2,
+     ["wandb.mode=online, but no W&B API key is configured", "wandb.mode=offline"], None),
+    ("wandb_dir_unwritable", ["wandb.mode=offline", "wandb.dir=/proc/hdet_wandb"], {}, 2,
+     ["wandb.dir: cannot write to /proc/hdet_wandb"], None),
     # run_dir
     ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
     ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
@@ -328,7 +338,8 @@ def _run_train_case(case, inputs, run):
     if not any(a.startswith("run_dir=") for a in argv):
         argv.append(f"run_dir={run}")
     env = {k: v.format(**fill) for k, v in env.items()}
-    return run_cli([*TRAIN, *argv, "wandb.enabled=false"], env), [n.format(**fill) for n in needles]
+    quiet = [] if any(a.startswith("wandb.") for a in argv) else ["wandb.enabled=false"]  # W&B cases set their own
+    return run_cli([*TRAIN, *argv, *quiet], env), [n.format(**fill) for n in needles]
 
 
 def _run_dryrun_case(case, inputs):
@@ -356,6 +367,7 @@ DRYRUN_CASES = [
     # round 3: rc 0 before; the words of hdet-train's engines.check_engine_config
     ("dryrun_lamb_ddp", ["{d}/lamb.json", "--backend", "ddp", "--total-steps", "10"],
      ["optimizer.type: the ddp backend builds a torch optimizer", "got 'Lamb'"]),
+    ("dryrun_fifo", ["{d}/fifo.json", "--total-steps", "10"], ["fifo.json' is not a regular file but a FIFO"]),
     # round 4: argparse kept the last of two values
     ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
      ["--total-steps given twice"]),

@@ -144,4 +144,7 @@ def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrup
                       env={**KILL, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the first attempt did die
+    # a survivor's stop line, if one got to print it, says that torchrun restarts by itself
+    stops = [line for line in proc.stderr.splitlines() if line.startswith("hdet-train: stopped by")]
+    assert all("it restarts the job (restart 1 of 1)" in line for line in stops), stops
     assert_same_run(run_dir, uninterrupted("fsdp2"))

@@ -4,6 +4,8 @@ one line says what happened and names the last checkpoint, the exit code is 128 
 
 1. ``hdet-train`` (local launcher, 4 ranks = 2 replicas x 2 ZeRO-3 shards, W&B offline,
    so its service process must end too) gets SIGINT after its first periodic checkpoint.
+   Before that, a second ``hdet-train`` in the same run_dir is refused (exit 2, the
+   run_dir lock names the running job) and changes nothing.
 2. The same command with ``train.resume=true`` continues from that checkpoint, saves a
    later one, and gets SIGTERM. Its ``metrics.jsonl`` must read steps 1, 2, ... without a
    gap or a repeat: the resumed run dropped the records past the checkpoint and went on.
@@ -44,11 +46,11 @@ def latest(run_dir) -> str | None:
         return None
 
 
-def interrupt(cmd: list[str], run_dir, sig: int, after: str | None, timeout: float = 300):
+def interrupt(cmd: list[str], run_dir, sig: int, after: str | None, timeout: float = 300, meanwhile=None):
     """Start ``cmd``, wait until ``checkpoint/latest`` names a checkpoint other than
-    ``after``, send ``sig`` to the started process. Returns ``(exit code, stderr, seconds
-    from the signal until no process of the launch remains, left behind, checkpoint at the
-    signal)``."""
+    ``after``, call ``meanwhile(process)`` if given (the run still going), send ``sig`` to the
+    started process. Returns ``(exit code, stderr, seconds from the signal until no
+    process of the launch remains, left behind, checkpoint at the signal)``."""
     env, tag = with_marker(ENV)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + timeout
@@ -57,6 +59,9 @@ def interrupt(cmd: list[str], run_dir, sig: int, after: str | None, timeout: flo
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.2)
     seen = latest(run_dir)
+    if meanwhile is not None:
+        meanwhile(proc)
+        assert proc.poll() is None, "the run ended before the signal"
     t0 = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=STOP_S + 30)
@@ -79,8 +84,19 @@ def test_sigint_and_sigterm_stop_every_rank_and_the_checkpoint_resumes(tmp_path)
     run_dir = tmp_path / "run"
     cmd = [*TRAIN, f"run_dir={run_dir}", *ARGS]
 
-    # 1. SIGINT after the first periodic checkpoint
-    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGINT, after=None)
+    # 1. SIGINT after the first periodic checkpoint; meanwhile a second job started in the
+    # same run_dir (resuming what it finds) is refused by the run_dir lock, which names the
+    # running launcher; that nothing was touched shows in part 2 (the metrics stay contiguous)
+    second = {}
+
+    def start_a_second_job(first):
+        second["out"], second["first"] = run_cli([*cmd, "train.resume=true"]), first.pid
+
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGINT, after=None, meanwhile=start_a_second_job)
+    rc2, err2, seconds2, leftovers2 = second["out"]
+    assert rc2 == 2 and f"run_dir: {run_dir} is in use by a running hdet-train (pid {second['first']} " in err2, (
+        rc2, err2[-3000:])
+    assert "Traceback" not in err2 and seconds2 < STOP_S and not leftovers2, (seconds2, leftovers2)
     tag = latest(run_dir)  # the newest complete checkpoint after the stop (a save cut short leaves it as it was)
     assert rc == 130, (rc, err[-3000:])
     assert seconds < STOP_S and not leftovers, (seconds, leftovers)

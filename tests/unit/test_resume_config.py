@@ -60,6 +60,22 @@ def test_a_changed_model_shape_is_refused_naming_every_key(tmp_path):
     assert str(err.value).count("deepspeed.hdet.axes.weight_decay") == 1, str(err.value)
 
 
+def test_a_changed_precision_is_refused_and_its_default_is_no_change(tmp_path):
+    """Issue 9, tester round 5: bf16 switched on in the DeepSpeed JSON of a resumed run was
+    accepted as a change, and every rank then failed to find DeepSpeed's
+    ``bf16_zero_pp_rank_*_optim_states.pt`` (a FileNotFoundError naming no setting). Now it
+    is refused before any rank starts, naming the key; ``bf16.enabled=false`` against a
+    checkpoint whose run left it unset (DeepSpeed's default) is no change at all."""
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 10, run_config(tmp_path))
+    with pytest.raises(HDETStateError) as err:
+        resume_config.check(run_config(tmp_path, "deepspeed.bf16.enabled=true"), str(ckpt))
+    assert "deepspeed.bf16.enabled: (unset) -> true: the precision" in str(err.value), str(err.value)
+    assert resume_config.check(run_config(tmp_path, "deepspeed.bf16.enabled=false"), str(ckpt)) == []
+    with pytest.raises(HDETStateError, match="deepspeed.zero_optimization.stage: 3 -> 2"):
+        resume_config.check(run_config(tmp_path, "deepspeed.zero_optimization.stage=2"), str(ckpt))
+
+
 def test_the_warning_lists_each_change_and_the_value_used(tmp_path):
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 10, run_config(tmp_path))

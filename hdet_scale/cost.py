@@ -1,0 +1,404 @@
+"""Cost model of an ``R x S`` HDET run: memory per rank and bytes per rank on the wire.
+
+Pure arithmetic (no ``torch.distributed``), for a world you do not have (``hdet-dryrun
+--params 7B``). Figures are for global rank 0; ``P`` = parameters, ``p`` = rank 0's local
+share of them (below), ``S`` = shard size, ``R`` = replicas, ``W = R x S``.
+
+Local share ``p`` per engine (exact when the parameter shapes are known, e.g. from a
+Hugging Face config; ``ceil(P / S)`` from a bare count):
+
+- deepspeed: ``sum ceil(n_i / S)`` (ZeRO-3 pads every parameter to a multiple of S,
+  ``partition_parameters._padding_size``, and concatenates the partitions);
+- fsdp2: ``sum ceil(d0_i / S) x (n_i / d0_i)`` (FSDP2 chunks dim 0; rank 0 always holds a
+  full chunk, equal to the padded chunk every rank reduces);
+- fairscale: the tensors OSS assigns rank 0 (whole tensors, each to the rank with the
+  fewest elements so far: ``OSS.partition_parameters``), for the optimizer state only;
+- ddp: ``P``.
+
+Memory per rank, bytes (fp32 / bf16 with fp32 masters), activations and the engines'
+communication buffers not included (they are the constant of docs/benchmarks.md):
+
+- deepspeed: weights 4p (bf16: 2p) working partition + 4p fp32 master (a separate copy
+  even in fp32: stage3.py clones the partition unless its device equals a device *name*,
+  which a ``torch.device`` never does, deepspeed 0.19); gradients 4p (bf16: 2p, the
+  ``grad_partitions_flat_buffer`` in ``grad_accum_dtype`` = the model dtype); Adam 8p.
+  20 B / param / S in fp32, 16 in bf16 (the ZeRO paper's 2 + 2 + 12).
+- fsdp2: weights 4p (the fp32 sharded parameter is the master; bf16 is only the
+  all-gathered copy, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` as
+  hdet-train sets it); gradients 4p; Adam 8p. 16 B / param / S either way.
+- ddp: weights 4P; gradients 8P (the gradients plus DDP's bucket copy of them:
+  ``gradient_as_bucket_view=False``, torch's default); Adam 8P.
+- fairscale: weights 4P; gradients 8P (DDP as above); Adam 8 x rank 0's OSS share.
+- HDET's own: one reusable bucket of at most ``hdet.bucket_mb`` per dtype.
+
+Communication per rank. *Payload*: bytes of the tensor a rank hands to the collective
+(all-gather: the gathered output), summed over the collectives of one occurrence; the
+tests count it on real gloo runs. *Sent*: what one rank sends in a ring algorithm, for a
+group of n ranks: all-reduce ``2 (n-1)/n x payload``, reduce-scatter and all-gather
+``(n-1)/n x payload``. Groups of one rank send nothing and are left out. HDET averages
+in float32 whatever the tensor's dtype (:mod:`hdet_scale.averaging`), in one or more
+bucketed all-reduces of the same total payload.
+
+- converge, every ``T`` steps, replica group, all-reduce: ``4 x (p + buffers)``
+  (deepspeed: the flat fp32 master partitions; fsdp2: the local fp32 shards; ddp: every
+  parameter; fairscale: the OSS share; plus the persistent floating buffers, whole).
+  deepspeed's refresh then re-gathers the small persistent parameters (not modelled).
+- gradient sharing, every step: deepspeed "global": HDET's hook all-reduces the flat
+  gradient partition (``4p``, fp32) over the replica group; fsdp2 "global": HSDP's
+  all-reduce of the reduce-scattered fp32 gradient over the replica group (``4p``);
+  ddp / fairscale: DDP's all-reduce of every gradient (``4P``) over the world
+  ("global") or the shard group ("replica"); "replica" on deepspeed / fsdp2: nothing
+  crosses replicas.
+- the engine's own, inside the shard group (approximate, overlapped with compute):
+  ZeRO-3 / FSDP2 all-gather the parameters twice per micro-batch (forward, backward) in
+  the working dtype; ZeRO-3 reduce-scatters gradients every micro-batch in the gradient
+  dtype, FSDP2 once per step in fp32 (hdet-train syncs the last micro-batch only);
+  fairscale's OSS broadcasts the updated shards after each step (as an all-gather).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from hdet_scale.errors import HDETConfigError
+
+BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
+PRECISIONS = ("fp32", "bf16")
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter count ``params`` (elements), the parameter ``shapes`` when known (for
+    exact local shares), the persistent floating buffers' elements, and where it came from."""
+
+    params: int
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    buffer_numel: int = 0
+    source: str = "--params"
+
+
+def parse_count(text: str, option: str = "--params") -> int:
+    """``"7e9"``, ``"7B"``, ``"1.3b"``, ``"125M"``, ``"350k"`` or ``"7000000000"`` -> an
+    integer >= 1. Raises HDETConfigError naming ``option``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    value = float(m.group(1)) * _SUFFIX[m.group(2).lower()] if m else math.nan
+    if not math.isfinite(value) or value < 1 or value != round(value):
+        raise HDETConfigError(f"{option}: expected a whole number of parameters >= 1 such as 7e9, 7B or 125M, "
+                              f"got {text!r}")
+    return round(value)
+
+
+def positive(text: str, option: str) -> float:
+    """``text`` as a finite float > 0; HDETConfigError naming ``option`` otherwise."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise HDETConfigError(f"{option}: expected a number > 0, got {text!r}")
+    return value
+
+
+def size_of_module(module) -> ModelSize:
+    """Parameter shapes and persistent floating buffers of a built ``torch.nn.Module``
+    (shared parameters counted once, as ``parameters()`` yields them)."""
+    from hdet_scale.averaging import persistent_float_buffers
+
+    shapes = tuple(tuple(p.shape) for p in module.parameters() if p.is_floating_point())
+    return ModelSize(sum(math.prod(s) for s in shapes), shapes,
+                     sum(b.numel() for b in persistent_float_buffers(module)), type(module).__name__)
+
+
+def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
+    """The model a Hugging Face config builds (``AutoModelForCausalLM.from_config`` on
+    the meta device: no weights allocated, nothing downloaded). ``config``: a
+    ``config.json`` path, a folder holding one, or its dict (with ``model_type``).
+    Raises HDETConfigError naming ``--hf-config``."""
+    source = "config dict"
+    try:
+        if not isinstance(config, dict):
+            source = os.fspath(config)
+            path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        config = dict(config)
+        model_type = config.pop("model_type")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        what = "no model_type key" if isinstance(e, KeyError) else e
+        raise HDETConfigError(f"--hf-config: cannot read a Hugging Face config from {source!r}: {what}") from None
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf = AutoConfig.for_model(model_type, **config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf)
+    except (ValueError, TypeError, KeyError) as e:
+        raise HDETConfigError(f"--hf-config: {source!r} does not build a causal LM: {e}") from None
+    size = size_of_module(model)
+    return ModelSize(size.params, size.shapes, size.buffer_numel, f"{model_type}, {source}")
+
+
+def local_share(size: ModelSize, backend: str, shards: int) -> int:
+    """Rank 0's local parameter elements ``p`` (module docstring)."""
+    S = shards
+    if backend == "ddp" or S == 1:
+        return size.params
+    if size.shapes is None:
+        return -(-size.params // S)
+    if backend == "deepspeed":
+        return sum(-(-math.prod(s) // S) for s in size.shapes)
+    if backend == "fsdp2":
+        return sum(-(-(s[0] if s else 1) // S) * math.prod(s[1:]) for s in size.shapes)
+    owned = [0] * S  # fairscale OSS: in order, each tensor to the least-loaded rank
+    for s in size.shapes:
+        owned[owned.index(min(owned))] += math.prod(s)
+    return owned[0]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective of rank 0: ``count`` times ``per`` ("sync", "step" or
+    "micro-batch"), each carrying ``payload`` bytes (module docstring) on a group of
+    ``n`` ranks."""
+
+    what: str
+    collective: str
+    group: str
+    n: int
+    per: str
+    count: int
+    payload: int
+    hdet: bool
+
+    @property
+    def sent(self) -> float:
+        """Bytes rank 0 sends per occurrence, by a ring algorithm."""
+        factor = 2 if self.collective == "all-reduce" else 1
+        return factor * (self.n - 1) / self.n * self.payload * self.count
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Memory per rank (bytes) and the transfers of rank 0; see :func:`estimate`."""
+
+    backend: str
+    precision: str
+    world_size: int
+    replicas: int
+    sync_interval: int
+    micro_batches: int
+    size: ModelSize
+    local: int
+    weights: int
+    gradients: int
+    optimizer: int
+    bucket_bytes: int
+    transfers: tuple[Transfer, ...]
+
+    def per_step(self, t: Transfer) -> float:
+        """Occurrences of ``t`` per optimizer step (converge: ``1 / T``)."""
+        return {"sync": 1 / self.sync_interval, "step": 1, "micro-batch": self.micro_batches}[t.per]
+
+
+def estimate(size: ModelSize, *, backend: str, precision: str, world_size: int, replicas: int,
+             gradient_sharing: str = "global", sync_interval: int = 1, micro_batches: int = 1,
+             bucket_bytes: int = 25 * 2**20) -> Cost:
+    """Memory per rank and rank 0's collectives (module docstring for every formula).
+
+    Raises HDETConfigError: an unknown backend or precision, bf16 on ddp / fairscale
+    (hdet-train trains them in fp32), or ``replicas`` not dividing ``world_size``."""
+    if backend not in BACKENDS:
+        raise HDETConfigError(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if precision not in PRECISIONS:
+        raise HDETConfigError(f"--precision: must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "bf16" and backend in ("ddp", "fairscale"):
+        raise HDETConfigError(f"--precision: bf16 with fp32 masters is not a mode of the {backend} backend "
+                              "(hdet-train trains it in fp32); use fp32, or fsdp2 / deepspeed")
+    if replicas < 1 or world_size % replicas:
+        raise HDETConfigError(f"hdet.replicas: {replicas} does not divide the world of {world_size} ranks")
+    R, S, W, P = replicas, world_size // replicas, world_size, size.params
+    p = local_share(size, backend, S)
+    work = 2 if precision == "bf16" else 4  # bytes of the working copy of a parameter
+    full = backend in ("ddp", "fairscale")
+    if backend == "deepspeed":
+        weights, grads, opt = (work + 4) * p, work * p, 8 * p
+    elif backend == "fsdp2":
+        weights, grads, opt = 4 * p, 4 * p, 8 * p
+    else:
+        weights, grads, opt = 4 * P, 8 * P, 8 * p
+    t: list[Transfer] = []
+
+    def add(*args) -> None:  # a group of one rank sends nothing: left out
+        if args[3] > 1 and args[6]:
+            t.append(Transfer(*args))
+
+    converge = 4 * ((P if backend == "ddp" else p) + size.buffer_numel)
+    add("converge", "all-reduce", "replica", R, "sync", 1, converge, True)
+    if full:
+        group, n = ("world", W) if gradient_sharing == "global" else ("shard", S)
+        add("gradient sharing (DDP)", "all-reduce", group, n, "step", 1, 4 * P, False)
+    elif gradient_sharing == "global":
+        what = "gradient sharing (HDET hook)" if backend == "deepspeed" else "gradient sharing (HSDP)"
+        add(what, "all-reduce", "replica", R, "step", 1, 4 * p, backend == "deepspeed")
+    if not full:
+        add("engine: parameters", "all-gather", "shard", S, "micro-batch", 2, work * p * S, False)
+        if backend == "deepspeed":
+            add("engine: gradients", "reduce-scatter", "shard", S, "micro-batch", 1, work * p * S, False)
+        else:
+            add("engine: gradients", "reduce-scatter", "shard", S, "step", 1, 4 * p * S, False)
+    elif backend == "fairscale":
+        add("engine: OSS broadcast", "all-gather", "shard", S, "step", 1, 4 * P, False)
+    return Cost(backend, precision, W, R, sync_interval, micro_batches, size, p, weights, grads, opt,
+                bucket_bytes, tuple(t))
+
+
+def _b(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _s(x: float) -> str:
+    return f"{x:.3g} s" if x >= 0.1 else f"{x * 1e3:.3g} ms"
+
+
+def report(cost: Cost, bandwidth_gbps: float | None = None, step_seconds: float | None = None) -> str:
+    """The cost section of ``hdet-dryrun``: memory, then one line per transfer with its
+    payload and ring bytes, its time at ``bandwidth_gbps`` (Gbit/s, 10^9 bits, each
+    rank's own link) and its share of a step of ``step_seconds`` (converge amortised
+    over the sync interval). Times are transfer time alone: no latency, no overlap."""
+    c, S = cost, cost.world_size // cost.replicas
+    total = c.weights + c.gradients + c.optimizer
+    names = {"replica": f"replica group ({c.replicas})", "shard": f"shard group ({S})",
+             "world": f"world ({c.world_size})"}
+    exact = "exact" if c.size.shapes or S == 1 or c.backend == "ddp" else "ceil(P / S) from the count"
+    lines = [(f"cost model, rank 0: {c.size.params:,} parameters ({c.size.source}), {c.precision}"
+              f"{' with fp32 masters' if c.precision == 'bf16' else ''}, {c.backend}, local share "
+              f"{c.local:,} ({exact})"),
+             (f"  memory per rank: weights {_b(c.weights)} + gradients {_b(c.gradients)} + optimizer (Adam) "
+              f"{_b(c.optimizer)} = {_b(total)}; plus HDET's bucket <= {_b(c.bucket_bytes)}, activations and the "
+              "engine's buffers (not modelled)")]
+    if not c.transfers:
+        return "\n".join(lines + ["  communication: none (every group has one rank)"])
+    head = "  communication per rank (payload; sent by a ring"
+    head += f"; time at {bandwidth_gbps:g} Gbit/s" if bandwidth_gbps else ""
+    head += f"; share of a {step_seconds:g} s step" if bandwidth_gbps and step_seconds else ""
+    lines.append(head + "):")
+    exposed = 0.0
+    for t in c.transfers:
+        every = {"sync": f"every {c.sync_interval} steps", "step": "every step",
+                 "micro-batch": "every micro-batch"}[t.per]
+        coll = t.collective + (f" x{t.count}" if t.count > 1 else "")
+        line = f"    {t.what:<28} {coll:<15} {names[t.group]:<20} {every:<18} {_b(t.payload * t.count):>9}; sent {_b(t.sent):>9}"
+        if bandwidth_gbps:
+            seconds = t.sent * 8 / (bandwidth_gbps * 1e9)
+            line += f"; {_s(seconds)}"
+            if step_seconds:
+                share = seconds * c.per_step(t) / step_seconds
+                exposed += share if t.hdet else 0.0
+                line += f"; {100 * share:.3g} % of a step" + (" (amortised)" if t.per == "sync" else "")
+        lines.append(line)
+    if c.micro_batches > 1 and any(t.per == "micro-batch" for t in c.transfers):
+        lines.append(f"  (gradient_accumulation_steps {c.micro_batches}: the shares count every micro-batch)")
+    if bandwidth_gbps and step_seconds:
+        hook = any(t.hdet and t.per == "step" for t in c.transfers)
+        lines.append(f"  HDET's own collectives (converge{' and the gradient hook' if hook else ''}) run outside the "
+                     f"backward pass, not overlapped with compute: {100 * exposed:.3g} % of a step; the engine overlaps "
+                     "its own with compute (the shares above assume no overlap)")
+    return "\n".join(lines)
+
+
+def build_fake_groups(world_size: int, replicas: int) -> tuple[int, int, float]:
+    """Build the real :class:`~hdet_scale.topology.Topology` (its DeviceMesh and process
+    groups) for rank 0 of ``world_size`` ranks, in this process, on torch's fake backend
+    (as torchtitan's dry run does); returns ``(replica group size, shard group size,
+    seconds)``. The process group is destroyed before returning, also on error.
+
+    ``torch.testing._internal.distributed.fake_pg`` is a private module (torch 2.13;
+    torchtitan relies on it too); RuntimeError if it is missing or a process group is
+    already initialised in this process."""
+    import time
+
+    import torch.distributed as dist
+
+    from hdet_scale.topology import Topology
+
+    if dist.is_initialized():
+        raise RuntimeError("--build-groups: a process group is already initialised in this process")
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise RuntimeError(f"--build-groups: torch's fake process group is not available here ({e})") from None
+    t0 = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        topo = Topology(replicas)
+        sizes = dist.get_world_size(topo.replica_group), dist.get_world_size(topo.shard_group)
+    finally:
+        dist.destroy_process_group()
+    return sizes[0], sizes[1], time.perf_counter() - t0
+
+
+# Worlds above this are not built by --build-groups: the mesh build is linear in W
+# (measured: 0.2 s at 16384 ranks, 2.2 s and 0.4 GB at 2^18, 12 s and 1 GB at 2^20).
+MAX_FAKE_WORLD = 2**18
+
+
+def check_options(params: str | None = None, hf_config: str | None = None, precision: str | None = None,
+                  bandwidth_gbps: str | None = None, step_seconds: str | None = None) -> dict:
+    """``hdet-dryrun``'s cost options, parsed and checked before the config is read:
+    ``{}`` when none is given. Raises HDETConfigError naming the option."""
+    if params is not None and hf_config is not None:
+        raise HDETConfigError("--params: give --params or --hf-config, not both")
+    given = {"--precision": precision, "--bandwidth-gbps": bandwidth_gbps, "--step-seconds": step_seconds}
+    if params is None and hf_config is None:
+        for option, value in given.items():
+            if value is not None:
+                raise HDETConfigError(f"{option}: the cost model needs the model size: add --params N or --hf-config PATH")
+        return {}
+    if precision is not None and precision not in PRECISIONS:
+        raise HDETConfigError(f"--precision: must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if step_seconds is not None and bandwidth_gbps is None:
+        raise HDETConfigError("--step-seconds: a share of the step needs --bandwidth-gbps X")
+    return {"params": None if params is None else parse_count(params), "hf_config": hf_config,
+            "precision": precision,
+            "bandwidth_gbps": None if bandwidth_gbps is None else positive(bandwidth_gbps, "--bandwidth-gbps"),
+            "step_seconds": None if step_seconds is None else positive(step_seconds, "--step-seconds")}
+
+
+def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options: dict) -> str:
+    """The cost lines of ``hdet-dryrun`` for a checked ``cfg`` (HDETConfig) and its
+    DeepSpeed JSON; ``options`` from :func:`check_options`. The precision defaults to the
+    JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error."""
+    in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled", False) else "fp32"
+    precision = options["precision"] or in_file
+    if precision != in_file:
+        raise HDETConfigError(f"--precision {precision} differs from the file (bf16.enabled="
+                              f"{str(in_file == 'bf16').lower()}): set bf16.enabled to match")
+    if options["hf_config"] is not None:
+        size = size_of_hf_config(options["hf_config"])
+    else:
+        size = ModelSize(options["params"])
+    cost = estimate(size, backend=backend, precision=precision, world_size=world_size, replicas=cfg.replicas,
+                    gradient_sharing=cfg.gradient_sharing, sync_interval=cfg.sync_interval,
+                    micro_batches=int(ds_config.get("gradient_accumulation_steps", 1)),
+                    bucket_bytes=cfg.bucket_bytes)
+    return report(cost, options["bandwidth_gbps"], options["step_seconds"])
+
+
+def groups_line(world_size: int, replicas: int) -> str:
+    """``--build-groups``: one line saying what was built (or why not)."""
+    if world_size > MAX_FAKE_WORLD:
+        return (f"process groups: not built for {world_size} ranks (limit {MAX_FAKE_WORLD}: the mesh build takes "
+                "time and memory in proportion to the world, ~12 s and 1 GB at 2^20 ranks)")
+    r, s, seconds = build_fake_groups(world_size, replicas)
+    return (f"process groups: built on torch's fake backend for rank 0 of {world_size} (DeviceMesh replica x "
+            f"shard x model = {replicas} x {world_size // replicas} x 1): replica group {r} ranks, shard group "
+            f"{s} ranks, in {seconds:.2g} s")

@@ -1,0 +1,200 @@
+"""``hdet-train``'s own launcher: started bare (not under ``torchrun``), it starts
+``nproc`` local ranks itself (CPU, gloo), waits for them, and stops them all when one
+fails or a signal arrives (docs/failure_semantics.md, "A dead rank", "A signal").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from multiprocessing import get_context
+
+from hdet_scale.errors import HDETConfigError, HDETStateError
+
+USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
+_REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
+
+
+def _die_with_launcher(launcher: int) -> None:
+    """Ask the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) to send this rank SIGTERM when
+    the launcher dies, even by SIGKILL or the OOM killer: ranks must never train on
+    unseen, holding the machine and writing into a run_dir a restart would reuse."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to ask for
+        return
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: int, progress) -> None:
+    _die_with_launcher(launcher)
+    if rank == 0:
+        from hdet_scale.train.stopping import share_progress
+
+        share_progress(progress)  # the step the stop line names
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    from hdet_scale.train.loop import train
+
+    try:
+        summary = train(run)
+    except (HDETConfigError, HDETStateError) as e:
+        # The launcher prints each distinct message once and ends every rank. Until then this
+        # rank stays, its connections open: its peers, maybe inside a collective with it,
+        # end by SIGTERM instead of each printing a "connection closed" traceback.
+        errors.put(str(e))
+        time.sleep(_REPORT_WAIT_S)
+        sys.exit(USER_ERROR)
+    if rank == 0:
+        print(json.dumps(summary, indent=2), flush=True)
+    # Done: every file is written and closed, every rank passed train's last barrier. The
+    # atexit handlers run (W&B's teardown), the interpreter's own teardown does not: its full
+    # garbage collection of torch's and DeepSpeed's module graphs kept each rank alive 3-6 s
+    # after summary.json on a loaded 2-core machine (measured), with nothing left to save.
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _end(procs: list, grace: float) -> None:
+    """SIGTERM to every rank still running, SIGKILL to any left after ``grace`` s."""
+    procs = [p for p in procs if p.pid is not None]  # started (a signal may stop the starting)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
+def launch_local(run: dict) -> int:
+    """Start ``run["nproc"]`` local ranks (spawned, gloo), wait for them and return the
+    exit code ``hdet-train`` ends with (module docstring of ``hdet_scale.train.cli``):
+    the first rank's bad input ends all ranks (2, each distinct message printed once), a
+    crash ends the others after 10 s (1, the failed ranks and how they ended named), a
+    signal ends every rank and names the last checkpoint (128 + signal; 0 if the run had
+    completed)."""
+    from hdet_scale.train.startup import STALE_LOCK_EXIT
+    from hdet_scale.train.stopping import (
+        GRACE_S,
+        completed_message,
+        exit_code,
+        run_completed,
+        stop_message,
+    )
+
+    started = time.time()  # a summary.json from before this launch is an earlier attempt's
+    n = run["nproc"]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    ctx = get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    progress = ctx.Value("q", -1, lock=False)  # rank 0's last optimizer step (stopping.note_step)
+    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors, os.getpid(), progress))
+             for r in range(n)]
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        if received:  # a second Ctrl-C: no more waiting
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        received.append(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # The ranks start with SIGINT and SIGHUP ignored (kept through exec; Python then
+    # installs no KeyboardInterrupt handler): the terminal sends a Ctrl-C, or SIGHUP when it
+    # closes, to every process of the job, and only this launcher acts on it, ending the
+    # ranks with SIGTERM (stopping.py). Between two starts the launcher listens, so a
+    # signal while many ranks start stops the starting.
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for p in procs:
+            if received:
+                break
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            p.start()
+            signal.signal(signal.SIGINT, on_signal)
+            signal.signal(signal.SIGHUP, on_signal)
+        while any(p.is_alive() for p in procs) and not received:
+            if not errors.empty():  # a rank's bad input (_rank_main): end all ranks now
+                break
+            if any(p.exitcode not in (None, 0) for p in procs):
+                # give the other ranks a moment to fail by themselves, then stop them
+                deadline = time.monotonic() + 10
+                while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not received:
+                    time.sleep(0.2)
+                break
+            time.sleep(0.2)
+        if received:
+            _end(procs, GRACE_S)
+            if run_completed(run, started):  # the ranks were past the last file: nothing to resume
+                print(completed_message(received[0], run), file=sys.stderr, flush=True)
+                return 0
+            step = progress.value if progress.value >= 0 else None
+            print(stop_message(received[0], run, f"all {n} ranks ended", step), file=sys.stderr, flush=True)
+            return exit_code(received[0])
+        failed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        if not failed and errors.empty():
+            return 0
+        _end(procs, 10)
+        messages = []
+        while not errors.empty():
+            msg = errors.get()
+            if msg not in messages:
+                messages.append(msg)
+        for msg in messages:
+            print(f"hdet-train: error: {msg}", file=sys.stderr)
+        if messages:  # a rank's bad input came first; the other ranks ended because it did
+            return USER_ERROR
+        codes = set(failed.values())
+        if codes == {STALE_LOCK_EXIT}:
+            return STALE_LOCK_EXIT  # local rank 0 named the lock
+        print(f"hdet-train: {describe_failures(failed)}", file=sys.stderr)
+        return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def describe_failures(failed: dict[int, int]) -> str:
+    """``{rank: Process.exitcode}`` of the ranks that failed, in words: a negative code is
+    the signal that killed the rank (the out-of-memory killer's SIGKILL, most often), a
+    positive one its exit status. The ranks the first failure took down are listed after it."""
+    def one(code: int) -> str:
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name} (signal {-code})"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    by_kind: dict[str, list[int]] = {}
+    for rank, code in sorted(failed.items()):
+        by_kind.setdefault(one(code), []).append(rank)
+    killed = [k for k in by_kind if k.startswith("killed")]
+    parts = [f"rank(s) {ranks} {kind}" for kind, ranks in sorted(by_kind.items(), key=lambda kv: kv[0] not in killed)]
+    hint = ("; a rank killed by SIGKILL is often the out-of-memory killer's work (see dmesg), "
+            "or a kill -9" if "killed by SIGKILL (signal 9)" in by_kind else "")
+    return "failed: " + ", ".join(parts) + hint
