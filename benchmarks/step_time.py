@@ -1,7 +1,7 @@
 """Step time of HDET against the same engine without HDET, on the same ranks and global
 batch (docs/benchmarks.md, "Step time: HDET against plain ZeRO-3 and FSDP2").
 
-    OMP_NUM_THREADS=1 python -m benchmarks.step_time          # 4 ranks, T = 100, 5 repeats (~6 min here)
+    OMP_NUM_THREADS=1 python -m benchmarks.step_time          # 4 ranks, T = 100, 5 repeats (~18 min here)
     OMP_NUM_THREADS=1 python -m benchmarks.step_time --tiny   # smoke test: T = 4, 2 repeats
     python -m benchmarks.step_time --report-only              # table from benchmarks/results/step_time.jsonl
 
