@@ -14,10 +14,8 @@ the simulator's for R replicas in one process); the arithmetic here is the same 
 from __future__ import annotations
 
 import math
-import numbers
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -25,51 +23,12 @@ from hdet_scale import axes as ax
 from hdet_scale.autolr import Controller, build_schedule, check_config, decay_for  # noqa: F401 (re-exported)
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.param_groups import LiveParamGroups, check_param_groups  # noqa: F401 (re-exported)
 from hdet_scale.probe import require_probe
+from hdet_scale.step_args import check_loss_args
+from hdet_scale.sync import Sync
 
 STATE_VERSION = 2
-
-
-class Sync(Protocol):
-    """Communication needed by the scheduler (see ``hdet_scale.sync``)."""
-
-    replicas: int
-    local_replicas: list[int]  # replica indices whose param groups this process sets
-
-    def add_loss(self, loss: Any) -> None: ...
-    # Collective; resets. ``step``: this process's HDET step; a multi-rank sync checks
-    # that every rank is at the same one (raises HDETStepMismatchError on every rank).
-    def interval_losses(self, step: int) -> tuple[list[float], list[int]]: ...
-    def probe_losses(self, probe: Any) -> list[float]: ...  # collective; fitness per replica
-    def converge(self, finite: list[bool]) -> None: ...  # collective
-    # Optional: ``synchronize()`` waits for the device work converge queued (timing);
-    # without it the scheduler synchronizes ``sync.backend.device`` when not the CPU.
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-class LiveParamGroups(Mapping):
-    """``{replica_index: optimizer.param_groups}`` read at every access.
-
-    ``Optimizer.load_state_dict`` (also inside DeepSpeed's ``engine.load_checkpoint``)
-    rebinds ``param_groups`` to new dicts: a list stored at start-up would go stale and
-    the scheduler would set hyperparameters the optimizer no longer reads.
-
-    Args:
-        optimizers: ``{replica_index: optimizer}`` for the replicas this process drives.
-    """
-
-    def __init__(self, optimizers: Mapping[int, Any]) -> None:
-        self._optimizers = dict(optimizers)
-
-    def __getitem__(self, key: int) -> list[dict]:
-        return self._optimizers[key].param_groups
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._optimizers)
-
-    def __len__(self) -> int:
-        return len(self._optimizers)
 
 
 class HDETScheduler:
@@ -122,24 +81,7 @@ class HDETScheduler:
         self._apply()
 
     # ---- set-up -------------------------------------------------------------------------
-    @staticmethod
-    def check_param_groups(config: HDETConfig, groups: list[dict]) -> None:
-        """The checks of ``config`` against an optimizer's param groups, without building
-        anything (so a backend runs them before its first collective): every explored
-        group index exists and holds the explored hyperparameter, and a ``max_lr`` list
-        has one value per group. Raises HDETConfigError naming the key."""
-        m = config.schedule.max_lr
-        if isinstance(m, list) and len(m) != len(groups):
-            raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {len(groups)} parameter groups")
-        for name, axis in sorted(config.axes.items()):
-            for g in axis.groups or []:
-                if g >= len(groups):
-                    raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
-                                          f"(the optimizer has {len(groups)} parameter groups)")
-            for g, grp in enumerate(groups):
-                if name not in grp:
-                    raise HDETConfigError(f"hdet.axes.{name}: parameter group {g} has no '{name}' "
-                                          f"(keys: {sorted(k for k in grp if k != 'params')})")
+    check_param_groups = staticmethod(check_param_groups)  # param_groups.py; backends call it first
 
     def _peaks(self, groups: list[dict]) -> list[float]:
         m = self.config.schedule.max_lr
@@ -297,39 +239,14 @@ class HDETScheduler:
         self._apply()
 
     def check_step_args(self, loss: Any = None, **kwargs: Any) -> None:
-        """Refuse what :meth:`step` cannot use, before any state change.
-
-        The loss is a float (not an int or bool) or a one-element floating-point tensor,
-        in nats; the simulator (which drives several replicas) takes a sequence of them,
-        one per replica. No other keyword is accepted: a misspelt ``lr_kwargs`` key would
-        otherwise leave the loss unrecorded without a word. Errors are HDETConfigError,
-        never TypeError: DeepSpeed's engine catches a TypeError from
-        ``lr_scheduler.step(**lr_kwargs)`` and calls ``lr_scheduler.step(train_batch_size)``
-        instead, which would record the batch size as the loss (an int is refused for
-        that reason too).
-        """
-        if kwargs:
-            raise HDETConfigError(f"HDETScheduler.step: unexpected argument(s) {sorted(kwargs)}; it takes the step's "
-                                  "training loss only: engine.step(lr_kwargs={'loss': loss}) or scheduler.step(loss)")
-        if loss is None:
-            return
+        """Refuse what :meth:`step` cannot use, before any state change
+        (``step_args.check_loss_args``: a float or one-element floating-point tensor, in
+        nats, or a sequence of them in the simulator; no keyword). Raises HDETConfigError,
+        never TypeError (DeepSpeed would retry the scheduler with its batch size)."""
         from hdet_scale.simulate import SimulatedSync  # here: simulate imports this module
 
         many = len(getattr(self.sync_obj, "local_replicas", ())) > 1 or isinstance(self.sync_obj, SimulatedSync)
-        values = list(loss) if many and isinstance(loss, (list, tuple)) else [loss]
-        for x in values:
-            if isinstance(x, torch.Tensor):
-                ok = x.is_floating_point() and (x.numel() == 1 or (many and x.dim() == 1))
-            else:
-                ok = isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral)
-            if not ok:
-                hint = (" (an int is what DeepSpeed passes, its train_batch_size, after lr_scheduler.step(**lr_kwargs) "
-                        "raised a TypeError: the error above this one says why)"
-                        if isinstance(x, numbers.Integral) and not isinstance(x, bool) else "")
-                what = (f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}" if isinstance(x, torch.Tensor)
-                        else f"{type(x).__name__} {x!r}")
-                raise HDETConfigError("HDETScheduler.step: the loss must be a float or a one-element floating-point "
-                                      f"tensor (the step's training loss, nats), got {what}{hint}")
+        check_loss_args(loss, kwargs, many)
 
     def check_can_step(self) -> None:
         """Raise ``ValueError`` (``OneCycleLR``'s message) if one more step would pass

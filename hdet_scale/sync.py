@@ -19,6 +19,25 @@ from hdet_scale.probe import probe_value
 from hdet_scale.topology import Topology
 
 
+class Sync(Protocol):
+    """Communication needed by the scheduler (``HDETScheduler``): :class:`DistributedSync`
+    for real ranks, ``simulate.SimulatedSync`` for R replicas in one process."""
+
+    replicas: int
+    local_replicas: list[int]  # replica indices whose param groups this process sets
+
+    def add_loss(self, loss: Any) -> None: ...
+    # Collective; resets. ``step``: this process's HDET step; a multi-rank sync checks
+    # that every rank is at the same one (raises HDETStepMismatchError on every rank).
+    def interval_losses(self, step: int) -> tuple[list[float], list[int]]: ...
+    def probe_losses(self, probe: Any) -> list[float]: ...  # collective; fitness per replica
+    def converge(self, finite: list[bool]) -> None: ...  # collective
+    # Optional: ``synchronize()`` waits for the device work converge queued (timing);
+    # without it the scheduler synchronizes ``sync.backend.device`` when not the CPU.
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 class Backend(Protocol):
     """What HDET needs from a training engine (one file per engine in ``backends/``)."""
 

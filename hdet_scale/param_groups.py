@@ -1,0 +1,53 @@
+"""The optimizer's parameter groups as the HDET scheduler sees them: read live (a loaded
+optimizer rebinds them), and checked against the ``hdet`` config before anything is built."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.errors import HDETConfigError
+
+
+class LiveParamGroups(Mapping):
+    """``{replica_index: optimizer.param_groups}`` read at every access.
+
+    ``Optimizer.load_state_dict`` (also inside DeepSpeed's ``engine.load_checkpoint``)
+    rebinds ``param_groups`` to new dicts: a list stored at start-up would go stale and
+    the scheduler would set hyperparameters the optimizer no longer reads.
+
+    Args:
+        optimizers: ``{replica_index: optimizer}`` for the replicas this process drives.
+    """
+
+    def __init__(self, optimizers: Mapping[int, Any]) -> None:
+        self._optimizers = dict(optimizers)
+
+    def __getitem__(self, key: int) -> list[dict]:
+        return self._optimizers[key].param_groups
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._optimizers)
+
+    def __len__(self) -> int:
+        return len(self._optimizers)
+
+
+def check_param_groups(config: HDETConfig, groups: list[dict]) -> None:
+    """The checks of ``config`` against an optimizer's param groups, without building
+    anything (so a backend runs them before its first collective): every explored
+    group index exists and holds the explored hyperparameter, and a ``max_lr`` list
+    has one value per group. Raises HDETConfigError naming the key."""
+    m = config.schedule.max_lr
+    if isinstance(m, list) and len(m) != len(groups):
+        raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {len(groups)} parameter groups")
+    for name, axis in sorted(config.axes.items()):
+        for g in axis.groups or []:
+            if g >= len(groups):
+                raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
+                                      f"(the optimizer has {len(groups)} parameter groups)")
+        for g, grp in enumerate(groups):
+            if name not in grp:
+                raise HDETConfigError(f"hdet.axes.{name}: parameter group {g} has no '{name}' "
+                                      f"(keys: {sorted(k for k in grp if k != 'params')})")
