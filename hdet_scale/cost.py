@@ -58,13 +58,14 @@ bucketed all-reduces of the same total payload.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass
 
+from hdet_scale.ds_keys import RepeatedKeyError, loads_json
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.paths import require_regular
 
 BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
 PRECISIONS = ("fp32", "bf16")
@@ -82,25 +83,29 @@ class ModelSize:
     source: str = "--params"
 
 
+MAX_PARAMS = 10 ** 15  # a thousand times today's largest models: beyond, a typo
+
+
 def parse_count(text: str, option: str = "--params") -> int:
     """``"7e9"``, ``"7B"``, ``"1.3b"``, ``"125M"``, ``"350k"`` or ``"7000000000"`` -> an
     integer >= 1. Raises HDETConfigError naming ``option``."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
     value = float(m.group(1)) * _SUFFIX[m.group(2).lower()] if m else math.nan
-    if not math.isfinite(value) or value < 1 or value != round(value):
-        raise HDETConfigError(f"{option}: expected a whole number of parameters >= 1 such as 7e9, 7B or 125M, "
-                              f"got {text!r}")
+    if not math.isfinite(value) or value < 1 or value != round(value) or value > MAX_PARAMS:
+        raise HDETConfigError(f"{option}: expected a whole number of parameters in [1, {MAX_PARAMS:.0e}] such as "
+                              f"7e9, 7B or 125M, got {text!r}")
     return round(value)
 
 
-def positive(text: str, option: str) -> float:
-    """``text`` as a finite float > 0; HDETConfigError naming ``option`` otherwise."""
+def positive(text: str, option: str, low: float = 1e-6, high: float = 1e9) -> float:
+    """``text`` as a float in ``[low, high]`` (the range where the printed figures mean
+    something: 1e-300 Gbit/s printed "1.6e+301 s"); HDETConfigError naming ``option``."""
     try:
         value = float(text)
     except (TypeError, ValueError):
         value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise HDETConfigError(f"{option}: expected a number > 0, got {text!r}")
+    if not math.isfinite(value) or not low <= value <= high:
+        raise HDETConfigError(f"{option}: expected a number in [{low:g}, {high:g}], got {text!r}")
     return value
 
 
@@ -124,10 +129,16 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
         if not isinstance(config, dict):
             source = os.fspath(config)
             path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+            require_regular(path, "--hf-config:")  # a FIFO's open would wait forever
             with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+                config = loads_json(f.read())  # a key twice is refused, not the last one kept
         config = dict(config)
         model_type = config.pop("model_type")
+    except HDETConfigError:
+        raise
+    except RepeatedKeyError as e:
+        raise HDETConfigError(f"--hf-config: {source!r} has the key {e.key!r} twice in one object: keep one "
+                              "(Python's json would keep the last silently)") from None
     except (OSError, ValueError, TypeError, KeyError) as e:
         what = "no model_type key" if isinstance(e, KeyError) else e
         raise HDETConfigError(f"--hf-config: cannot read a Hugging Face config from {source!r}: {what}") from None
@@ -138,8 +149,10 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
         hf = AutoConfig.for_model(model_type, **config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf)
-    except (ValueError, TypeError, KeyError) as e:
-        raise HDETConfigError(f"--hf-config: {source!r} does not build a causal LM: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a bad value fails anywhere in transformers or torch, with any type
+        reason = " ".join(str(e).split())[-300:]
+        raise HDETConfigError(f"--hf-config: {source!r} does not build a causal LM: {type(e).__name__}: "
+                              f"{reason}") from None
     size = size_of_module(model)
     return ModelSize(size.params, size.shapes, size.buffer_numel, f"{model_type}, {source}")
 
@@ -369,8 +382,8 @@ def check_options(params: str | None = None, hf_config: str | None = None, preci
         raise HDETConfigError("--step-seconds: a share of the step needs --bandwidth-gbps X")
     return {"params": None if params is None else parse_count(params), "hf_config": hf_config,
             "precision": precision,
-            "bandwidth_gbps": None if bandwidth_gbps is None else positive(bandwidth_gbps, "--bandwidth-gbps"),
-            "step_seconds": None if step_seconds is None else positive(step_seconds, "--step-seconds")}
+            "bandwidth_gbps": None if bandwidth_gbps is None else positive(bandwidth_gbps, "--bandwidth-gbps", 1e-3, 1e6),
+            "step_seconds": None if step_seconds is None else positive(step_seconds, "--step-seconds", 1e-6, 1e7)}
 
 
 def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options: dict) -> str:

@@ -143,6 +143,9 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     Raises:
         HDETStateError: no checkpoint, or one written by another ``R x S`` layout or
             another backend.
+            Then a file of the replica's folder whose bytes changed since it was written
+            (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
+            group, every rank raising alike, before anything is loaded).
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, "ddp", tag)

@@ -410,6 +410,9 @@ def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: s
     Raises:
         HDETStateError: no checkpoint, another ``R x S`` layout or backend, or a missing
             replica folder (checked before any collective, identically on every rank).
+            Then a file of the replica's folder whose bytes changed since it was written
+            (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
+            group, every rank raising alike, before anything is loaded).
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, "deepspeed", tag)

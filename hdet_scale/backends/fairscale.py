@@ -307,8 +307,9 @@ def save_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
 def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, load_dir: str,
                     tag: str | None = None) -> str:
     """Restore what :func:`save_checkpoint` wrote into objects from :func:`initialize`
-    with the same config, world size and model; returns the tag. Every rank reads its own files (no
-    communication); call it on every rank. Training then continues bit for bit as if it
+    with the same config, world size and model; returns the tag. Every rank reads its own files; the
+    one collective is the verdict of the checksum check that runs first
+    (``checkpoint_io.verify_checksums``, on the world group): call it on every rank. Training then continues bit for bit as if it
     had not stopped, also between two syncs, whenever DDP's group has at most 2 ranks
     (a sum of two values does not depend on its order). With more, torch DDP's own
     bucket rebuild after the first iteration of a process makes the first step after a
@@ -319,8 +320,8 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
 
     Raises:
         HDETStateError: no checkpoint, another ``R x S`` layout or backend (checked
-            before reading any shard), or another OSS partition (different model or
-            parameter groups).
+            before reading any shard), a file whose bytes changed since it was written
+            (its CRC), or another OSS partition (different model or parameter groups).
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND, tag)

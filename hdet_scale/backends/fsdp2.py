@@ -310,6 +310,9 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     Raises:
         HDETStateError: no checkpoint, another ``R x S`` layout or backend, or a missing
             replica folder (all checked before any collective, identically on every rank).
+            Then a file of the replica's folder whose bytes changed since it was written
+            (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
+            group, every rank raising alike, before anything is loaded).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict

@@ -82,6 +82,7 @@ def start_mode(run: dict) -> str:
             and no ``train.overwrite``.
     """
     run_dir, t = run["run_dir"], run["train"]
+    _check_kinds(run_dir)
     ckpt = checkpoint_dir(run)
     has_latest = os.path.exists(os.path.join(ckpt, LATEST_FILE))
     auto = restarted_job(run_dir)
@@ -121,6 +122,21 @@ def _no_latest(ckpt: str) -> str:
                 f"into it (echo {tag} > {os.path.join(ckpt, LATEST_FILE)}). ")
     return msg + ("To start over, set train.resume=false train.overwrite=true (removes it); or choose another "
                   "run_dir")
+
+
+def _check_kinds(run_dir: str) -> None:
+    """The run's own names in ``run_dir`` are of the kind the run writes (files, the
+    ``checkpoint`` folder): anything else there fails only when a rank writes it."""
+    for name in (*RUN_FILES, JOB_FILE, LOCK_FILE):
+        path = os.path.join(run_dir, name)
+        if not os.path.lexists(path):
+            continue
+        want_dir = name == "checkpoint"
+        ok = os.path.isdir(path) if want_dir else os.path.isfile(path)
+        if not ok:
+            what = "a folder" if want_dir else "a file"
+            raise HDETConfigError(f"run_dir: {path} is not {what}, which the run writes there; move it away or "
+                                  "choose another run_dir")
 
 
 def hold_run_dir(run_dir: str) -> None:

@@ -111,6 +111,11 @@ def setup_cases(d) -> None:
     (d / "lamb.json").write_text(json.dumps({**zero3, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
     # round 5: a config path naming a FIFO blocked in open() forever, printing nothing
     os.mkfifo(d / "fifo.json")
+    # round 6: hdet-dryrun's cost model on Hugging Face configs it cannot build
+    (d / "valid.json").write_text(json.dumps(zero3))
+    (d / "hf_negative.json").write_text('{"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2}')
+    (d / "hf_heads.json").write_text('{"model_type": "llama", "hidden_size": 65, "num_attention_heads": 4}')
+    (d / "hf_twice.json").write_text('{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}')
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
@@ -249,6 +254,10 @@ CASES = [
     # run_dir
     ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
     ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
+    # round 6: found by rank 0 at the trim of a resume, with 4 tracebacks
+    ("run_dir_metrics_a_folder", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["{run}/metrics.jsonl is not a file"], _ckpt(damage=lambda c: (os.remove(c.parent / "metrics.jsonl"),
+                                                                 (c.parent / "metrics.jsonl").mkdir()))),
     # a link to nothing was reported as "File exists"
     ("run_dir_broken_link", ["run_dir={run}"], {}, 2, ["run_dir: {run} is a symbolic link to", "does not exist"],
      lambda run: (run.parent.mkdir(parents=True, exist_ok=True), run.symlink_to(run.parent / "nowhere"))),
@@ -368,6 +377,18 @@ DRYRUN_CASES = [
     ("dryrun_lamb_ddp", ["{d}/lamb.json", "--backend", "ddp", "--total-steps", "10"],
      ["optimizer.type: the ddp backend builds a torch optimizer", "got 'Lamb'"]),
     ("dryrun_fifo", ["{d}/fifo.json", "--total-steps", "10"], ["fifo.json' is not a regular file but a FIFO"]),
+    # round 6: the cost model's inputs (a hang, tracebacks, silent nonsense before)
+    ("dryrun_hf_config_fifo", ["{d}/valid.json", "--hf-config", "{d}/fifo.json"],
+     ["--hf-config:", "fifo.json' is not a regular file but a FIFO"]),
+    ("dryrun_hf_config_negative", ["{d}/valid.json", "--hf-config", "{d}/hf_negative.json"],
+     ["--hf-config:", "hf_negative.json' does not build a causal LM", "negative dimension"]),
+    ("dryrun_hf_config_heads", ["{d}/valid.json", "--hf-config", "{d}/hf_heads.json"],
+     ["hf_heads.json' does not build a causal LM", "not a multiple of the number of attention heads"]),
+    ("dryrun_hf_config_key_twice", ["{d}/valid.json", "--hf-config", "{d}/hf_twice.json"],
+     ["hf_twice.json' has the key 'hidden_size' twice"]),
+    ("dryrun_params_absurd", ["{d}/valid.json", "--params", "1e40"], ["--params: expected a whole number"]),
+    ("dryrun_bandwidth_absurd", ["{d}/valid.json", "--params", "1B", "--bandwidth-gbps", "1e-300"],
+     ["--bandwidth-gbps: expected a number in"]),
     # round 4: argparse kept the last of two values
     ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
      ["--total-steps given twice"]),
