@@ -84,6 +84,7 @@ class ModelSize:
 
 
 MAX_PARAMS = 10 ** 15  # a thousand times today's largest models: beyond, a typo
+MAX_WORLD = 2 ** 24  # ranks; ~100x today's largest jobs: beyond, a typo and figures that mean nothing
 
 
 def parse_count(text: str, option: str = "--params") -> int:
@@ -233,6 +234,9 @@ def estimate(size: ModelSize, *, backend: str, precision: str, world_size: int, 
     if precision == "bf16" and backend in ("ddp", "fairscale"):
         raise HDETConfigError(f"--precision: bf16 with fp32 masters is not a mode of the {backend} backend "
                               "(hdet-train trains it in fp32); use fp32, or fsdp2 / deepspeed")
+    if world_size > MAX_WORLD:
+        raise HDETConfigError(f"--world-size: the cost model covers worlds up to {MAX_WORLD:,} ranks, got "
+                              f"{world_size:,}")
     if replicas < 1 or world_size % replicas:
         raise HDETConfigError(f"hdet.replicas: {replicas} does not divide the world of {world_size} ranks")
     R, S, W, P = replicas, world_size // replicas, world_size, size.params

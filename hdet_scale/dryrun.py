@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-groups", action="store_true",
                    help="build rank 0's real process groups on torch's fake backend (worlds up to 2^18)")
     args = p.parse_args(argv)
+    if args.total_steps is not None and args.total_steps < 1:  # alone: no verdicts on values derived from it
+        p.error(f"--total-steps: must be an integer >= 1 (optimizer steps of the run), got {args.total_steps}")
     try:
         from hdet_scale.cost import check_options
 

@@ -30,16 +30,24 @@ def _has_wandb_credentials() -> bool:
         return False
 
 
+WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb 0.31's Settings.mode
+
+
 def check_wandb_settings(wandb: WandbConfig) -> None:
-    """Before a run starts: ``mode="online"`` needs credentials (without them W&B raises a
-    ``UsageError`` on rank 0 once training has started).
+    """Before a run starts: ``mode="online"`` (or ``WANDB_MODE=online`` with the mode
+    unset) needs credentials, and ``WANDB_MODE`` must be a mode W&B knows: otherwise W&B
+    raises on rank 0 once training has started.
 
     Raises:
-        HDETConfigError: ``wandb.mode`` is ``online`` and no API key is configured.
+        HDETConfigError: no API key for an online run, or ``WANDB_MODE`` not a W&B mode.
     """
     from hdet_scale.errors import HDETConfigError
 
-    if wandb.enabled and wandb.mode == "online" and not _has_wandb_credentials():
+    env = os.environ.get("WANDB_MODE")
+    if wandb.enabled and env is not None and env not in WANDB_MODES:
+        raise HDETConfigError(f"environment: WANDB_MODE={env!r} is not a W&B mode; W&B takes "
+                              f"{', '.join(WANDB_MODES)}: fix or unset it (or set wandb.enabled=false)")
+    if wandb.enabled and (wandb.mode or env) == "online" and not _has_wandb_credentials():
         raise HDETConfigError("wandb.mode=online, but no W&B API key is configured (WANDB_API_KEY, or `wandb login`); "
                               "use wandb.mode=offline (upload later with `wandb sync`), leave wandb.mode unset (online "
                               "when a key is configured, else offline), or wandb.enabled=false")
@@ -63,7 +71,8 @@ class MetricsLogger:
 
     Args:
         jsonl: path of the JSONL file, one record per line (``None``: no file).
-        wandb: W&B settings; ``mode=None`` picks online with credentials, else offline.
+        wandb: W&B settings; ``mode=None`` takes ``WANDB_MODE`` from the environment, else
+            online with credentials, else offline.
             When this process already has a W&B run open (``wandb.run``, the user's),
             records go into that run (its settings here are then unused), the config is
             added under the keys it does not have yet, the step travels as ``hdet/step``
@@ -98,7 +107,8 @@ class MetricsLogger:
                 self._wandb_run.config.setdefaults(config or {})  # never overwrite their keys
                 self.wandb_mode = "offline" if self._wandb_run.offline else "online"
                 return
-            mode = wandb.mode or ("online" if _has_wandb_credentials() else "offline")
+            # unset here: the user's WANDB_MODE, else online with credentials, else offline
+            mode = wandb.mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_credentials() else "offline")
             # "create_new": another run this process holds (not wandb.run) stays untouched.
             self._wandb_run = wb.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
                                       name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},

@@ -366,6 +366,12 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
         if tag is None:
             raise HDETStateError(f"{os.path.join(load_dir, 'latest')} is missing or empty: it names the checkpoint "
                                  "to resume from (a tag, e.g. global_step100)")
+    index = checkpoint_index(saved, None)
+    if os.sep in tag or tag in (".", "..") or (saved.get("checkpoints") and tag not in index):
+        listed = ", ".join(f"{t} (step {s})" for t, s in index.items()) or "none"
+        raise HDETStateError(f"{os.path.join(load_dir, LATEST_FILE)} names {tag!r}, which {LAYOUT_FILE} does not list "
+                             f"as a complete checkpoint of this folder (complete: {listed}); write one of those tags "
+                             f"into it")
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
     if missing:
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}")
@@ -395,11 +401,29 @@ def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> 
     torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, _hdet_state_path(rdir, topology))
 
 
+def load_entries(path: str, keys: tuple[str, ...], **load_kwargs: Any) -> dict:
+    """``torch.load(path, **load_kwargs)``, which must be a dict holding ``keys``: a file
+    replaced by another archive (another backend's, another run's, an empty dict) is
+    named, instead of a bare ``KeyError`` deep in a load.
+
+    Raises:
+        HDETStateError: the file holds something else (the path, the missing entries and
+            the ones it has).
+    """
+    state = torch.load(path, **load_kwargs)
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        has = sorted(map(str, state))[:10] if isinstance(state, dict) else type(state).__name__
+        raise HDETStateError(f"checkpoint file {path} is not what this backend wrote there: no {missing} entry "
+                             f"(it holds {has}); restore it from a copy, or resume from another checkpoint")
+    return state
+
+
 def load_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
     """Restore what :func:`save_hdet_state` wrote; re-applies the current values and
     sets this process's torch RNG to the saved rank's (when the file has it), so dropout
     continues as if the run had not stopped. Backends call it last in a load."""
-    state = torch.load(_hdet_state_path(rdir, topology), weights_only=False)
+    state = load_entries(_hdet_state_path(rdir, topology), ("scheduler",), weights_only=False)
     scheduler.load_state_dict(state["scheduler"])
     if "rng" in state:
         set_rng_state(state["rng"])

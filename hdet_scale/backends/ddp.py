@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
-from hdet_scale.backends.common import (FullParamsBackend, build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target,
+from hdet_scale.backends.common import (FullParamsBackend, load_entries, build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target,
                                         default_device, finish_checkpoint, init_process_group, load_hdet_state,
                                         make_logger, replica_dir, resolve_config, save_hdet_state, unwrap, use_topology,
                                         wrap_ddp)
@@ -153,7 +153,8 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     rdir = replica_dir(load_dir, t, tag)
     module = unwrap(model)
     device = next(module.parameters()).device
-    state = torch.load(os.path.join(rdir, MODEL_FILE), map_location=device, weights_only=False)
+    state = load_entries(os.path.join(rdir, MODEL_FILE), ("model", "optimizer"), map_location=device,
+                         weights_only=False)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     load_hdet_state(rdir, t, scheduler)

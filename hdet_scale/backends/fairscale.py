@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.common import (  # build_topology: re-exported, fairscale.build_topology(config)
+    load_entries,
     build_topology,  # noqa: F401
     use_topology,
     FullParamsBackend,
@@ -329,7 +330,8 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     rdir = replica_dir(load_dir, t, tag)
     module = unwrap(model)
     device = next(module.parameters()).device
-    shard = torch.load(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), map_location=device, weights_only=True)
+    shard = load_entries(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), ("owned", "buffers", "optimizer"),
+                         map_location=device, weights_only=True)
     if shard["owned"] != _owned_indices(optimizer, module):
         raise HDETStateError(f"{rdir}: shard {t.shard_index} of the checkpoint owns other parameters than this "
                              "rank's OSS partition; resume with the same model and parameter groups")

@@ -128,6 +128,14 @@ def _ckpt(layout=None, latest="global_step10", damage=None, record=None):
     return make
 
 
+def _ddp_ckpt_with_foreign_file(run) -> None:
+    """A DDP checkpoint whose every file is a complete archive (the CRC check passes), but
+    whose ``model_optim.pt`` holds an empty dict: another program's file in its place."""
+    checkpoint(run, layout={**LAYOUT, "backend": "ddp"})
+    for r in range(2):
+        torch.save({}, run / "checkpoint" / f"replica_{r}" / "global_step10" / "model_optim.pt")
+
+
 def plant_stale_lock(run) -> None:
     """An empty op folder with a lock an hour old that no process holds: what a DeepSpeed
     start killed while it loaded its ops leaves (a private TORCH_EXTENSIONS_DIR, so the
@@ -271,7 +279,18 @@ CASES = [
     ("resume_empty_latest", ["run_dir={run}", "train.resume=true"], {}, 2, ["checkpoint/latest", "empty"],
      _ckpt(latest="")),
     ("resume_latest_names_nothing", ["run_dir={run}", "train.resume=true"], {}, 2,
-     ["no folder for replica(s) [0, 1]", "global_step99"], _ckpt(latest="global_step99")),
+     ["checkpoint/latest names 'global_step99', which hdet_layout.json does not list", "global_step10 (step 10)"],
+     _ckpt(latest="global_step99")),
+    # round 7: a path in latest passed the start-up check and failed inside every rank
+    ("resume_latest_a_path", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["names '../../other/checkpoint/replica_0/global_step10', which hdet_layout.json does not list"],
+     _ckpt(latest="../../other/checkpoint/replica_0/global_step10")),
+    # round 7: an archive of other content in place of a checkpoint file: the KeyError named no file
+    ("resume_model_file_replaced", ["run_dir={run}", "train.resume=true", "backend=ddp"], {}, 2,
+     ["/global_step10/model_optim.pt is not what this backend wrote there: no ['model', 'optimizer'] entry",
+      "it holds []"], lambda run: _ddp_ckpt_with_foreign_file(run)),
+    ("wandb_mode_env_unknown", ["wandb.enabled=true"], {"WANDB_MODE": "bogus"}, 2,
+     ["WANDB_MODE='bogus' is not a W&B mode"], None),
     ("resume_layout_cut", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
      _ckpt(damage=lambda c: cut(c / "hdet_layout.json", 30))),
     ("resume_layout_list", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
@@ -389,6 +408,9 @@ DRYRUN_CASES = [
     ("dryrun_params_absurd", ["{d}/valid.json", "--params", "1e40"], ["--params: expected a whole number"]),
     ("dryrun_bandwidth_absurd", ["{d}/valid.json", "--params", "1B", "--bandwidth-gbps", "1e-300"],
      ["--bandwidth-gbps: expected a number in"]),
+    # round 7: a second line judged warmup_steps against the refused run length
+    ("dryrun_total_steps_negative", ["{d}/valid.json", "--total-steps", "-5"],
+     ["--total-steps: must be an integer >= 1", "got -5"]),
     # round 4: argparse kept the last of two values
     ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
      ["--total-steps given twice"]),

@@ -155,3 +155,9 @@ def test_cli_cost_section_and_errors(tmp_path, capsys):
         assert main([str(path), "--world-size", "64", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"hdet-dryrun: error: {option}"), err
+    # tester round 7: a world of 1e14 ranks printed figures that mean nothing
+    assert main([str(path), "--world-size", str(2 ** 25), "--params", "7B"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--world-size: the cost model covers worlds up to 16,777,216" in err, err
+    assert main([str(path), "--world-size", str(2 ** 24), "--params", "7B"]) == 0  # the bound itself is fine
+    capsys.readouterr()
