@@ -35,9 +35,10 @@ def gather_persistent(params: list[Any]) -> int:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     todo = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    own = [p for p in todo if getattr(p, "ds_secondary_tensor", None) is None
-           and not hasattr(p.ds_tensor, "ds_quant_scale")]
-    others = [p for p in todo if all(p is not q for q in own)]
+    own, others = [], []
+    for p in todo:
+        plain = getattr(p, "ds_secondary_tensor", None) is None and not hasattr(p.ds_tensor, "ds_quant_scale")
+        (own if plain else others).append(p)
     if others:
         others[0].all_gather(others)
     by_group: dict[tuple[int, torch.dtype], list[Any]] = {}

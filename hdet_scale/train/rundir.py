@@ -11,7 +11,6 @@ in a way that turns another rank's "resume" into something else.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import pickle
@@ -25,7 +24,6 @@ from hdet_scale.backends.checkpoint_io import (
     LATEST_FILE,
     LAYOUT_FILE,
     checkpoint_index,
-    damaged_file,
     prune_checkpoints,
     read_latest,
     write_atomic,
@@ -296,10 +294,9 @@ def resume_notice(run: dict) -> str | None:
 
 def load(engine: Any, path: str) -> None:
     """The backend's load of the checkpoint ``latest`` names in ``path``. Its files were
-    checked before any rank started (``common.check_resumable``); damage that check
-    cannot see (bytes changed inside a file of the right size) fails here, and the error
-    names the file when a look at this rank's replica folder finds it (each member of a
-    ``torch.save`` archive against its CRC-32, :func:`damaged_file`), else the folder.
+    checked before any rank started (``common.check_resumable``: structure) and by the
+    load itself (``checkpoint_io.verify_checksums``: each archive's CRC-32s); a load that
+    still fails on a file is reported with the folder and the engine's reason.
 
     Raises:
         HDETStateError: the engine could not read the checkpoint (the file or folder and
@@ -335,18 +332,13 @@ def _is_file_error(e: BaseException) -> bool:
 
 
 def _load_error(engine: Any, path: str, e: BaseException) -> HDETStateError:
-    """The message for a checkpoint that failed to load with ``e``: the damaged file if
-    this rank's replica folder shows one, else the checkpoint's folders."""
+    """The message for a checkpoint that failed to load with ``e``. A damaged file was
+    already named by the check every backend's load runs first
+    (``checkpoint_io.verify_checksums``); what fails here is a file that passed it (another
+    archive in its place, another run's state), so the message names the folders and the
+    engine's reason."""
     tag = read_latest(path)
-    topology = getattr(getattr(engine, "scheduler", None), "topology", None)
-    replica = getattr(topology, "replica_index", "*")
-    where = f"{path}/replica_*/{tag}"
-    for folder in sorted(glob.glob(os.path.join(path, f"replica_{replica}", tag))):
-        bad = damaged_file(folder)
-        if bad is not None:
-            where = f"file {bad}"
-            break
-    return HDETStateError(f"train.resume: could not load the checkpoint {where}: {type(e).__name__}: "
+    return HDETStateError(f"train.resume: could not load the checkpoint {path}/replica_*/{tag}: {type(e).__name__}: "
                           f"{_engine_reason(e)[:500]}")
 
 
