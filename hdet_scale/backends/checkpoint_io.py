@@ -305,26 +305,31 @@ def _bad_member(archive: Any) -> str | None:
 
 
 def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
-    """Before a load: every file of this replica's folder ``replica_<r>/<tag>`` read once
-    against its archive's CRC-32s (:func:`damaged_file`), the files split over the shard
-    group's ranks, so the checkpoint is read once more in all (I/O ~ its size, spread
-    over every rank). Collective on the world group (every rank calls it), so all ranks
-    raise alike rather than some entering the load's collectives.
+    """Before a load: every file of this replica's folder ``replica_<r>/<tag>`` read once,
+    the files split over the shard group's ranks (the checkpoint is read once more in
+    all, spread over every rank), and compared with the size and CRC-32 the save recorded
+    in the folder's manifest (``manifest.py``: a file replaced, swapped or changed is
+    found); a folder without a manifest is checked against its archives' own CRC-32s
+    (:func:`damaged_file`: changed bytes only). Collective on the world group (every rank
+    calls it), so all ranks raise alike rather than some entering the load's collectives.
 
     Raises:
         HDETStateError: a file fails its check; the message names it and why.
     """
+    from hdet_scale.backends.manifest import manifest_problem
     from hdet_scale.errors import HDETStateError
 
     folder = os.path.join(load_dir, f"replica_{topology.replica_index}", tag)
-    mine = damaged_file(folder, topology.shard_index, topology.shard_size)
+    mine, has_manifest = manifest_problem(folder, topology.shard_index, topology.shard_size)
+    if not has_manifest:
+        mine = damaged_file(folder, topology.shard_index, topology.shard_size)
     found: list[str | None] = [None] * topology.world_size
     dist.all_gather_object(found, mine, group=topology.world_group)
     bad = [f for f in found if f]
     if bad:
-        raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has a damaged file: {bad[0]}; its bytes changed "
-                             "after it was written. Restore it from a copy, resume from an older checkpoint by "
-                             f"writing its tag into {os.path.join(load_dir, LATEST_FILE)}, or start a new run_dir")
+        raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has a damaged file: {bad[0]}. Restore it from a "
+                             "copy, resume from an older checkpoint by writing its tag into "
+                             f"{os.path.join(load_dir, LATEST_FILE)}, or start a new run_dir")
 
 # ---- RNG ------------------------------------------------------------------------------
 # Dropout draws from the process's global torch RNG; a resumed rank restores its own so

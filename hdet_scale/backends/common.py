@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import (LATEST_FILE, checkpoint_index, commit, damaged_files, latest_step,
                                                read_latest, retire_tag, rng_state, set_rng_state)
+from hdet_scale.backends.manifest import write_manifest
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -288,9 +289,12 @@ def finish_checkpoint(save_dir: str, topology: Topology, scheduler: HDETSchedule
     """After every rank has written its files (the first barrier proves it): rank 0
     writes ``hdet_layout.json`` (with ``tag`` added to its index of complete checkpoints),
     then ``latest``, each atomically (``checkpoint_io.commit``): a crash at any point
-    leaves ``latest`` naming a complete checkpoint. Collective (two barriers on the world
-    group)."""
+    leaves ``latest`` naming a complete checkpoint. Before that, each replica folder's
+    manifest (``manifest.write_manifest``: the files' sizes and CRC-32s, which a load
+    compares). Collective (three barriers and one all_gather_object on the world group)."""
     dist.barrier(group=topology.world_group)
+    write_manifest(save_dir, tag, topology)  # each replica folder's files, sizes and CRC-32s
+    dist.barrier(group=topology.world_group)  # every manifest on disk before latest names the tag
     if topology.rank == 0:
         commit(save_dir, {"world_size": topology.world_size, "replicas": topology.replicas,
                           "shard_size": topology.shard_size, "step": scheduler.step_count,

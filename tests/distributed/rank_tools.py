@@ -401,7 +401,11 @@ def assert_single_writers(ckpt: str | os.PathLike, per_rank: list[list[str]]) ->
     written = [collections.Counter(w) for w in per_rank]
     everyone = sum(written, collections.Counter())
     assert not [f for f, n in everyone.items() if n > 1], f"files written twice: {everyone}"
-    assert files_under(ckpt) == set(everyone) | {"hdet_layout.json", "latest"}
+    # and each checkpoint folder's manifest (backends/manifest.py), one per folder written
+    manifests = {f for f in files_under(ckpt) if os.path.basename(f) == "hdet_manifest.json"}
+    assert files_under(ckpt) - manifests == set(everyone) | {"hdet_layout.json", "latest"}
+    folders = {os.path.dirname(f) for f in everyone if f.count(os.sep) == 2}  # replica_<r>/<tag>/<file>
+    assert {os.path.dirname(f) for f in manifests} == folders, (manifests, folders)
     return written
 
 

@@ -250,7 +250,8 @@ def test_exact_resume(resume, case):
         assert r["tag"] == tag
         want = {"hdet_layout.json", "latest"} | {
             f"replica_{q}/{tag}/{f}" for q in range(REPLICAS)
-            for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "hdet_shard_0.pt", "hdet_shard_1.pt")}
+            for f in (".metadata", "__0_0.distcp", "__1_0.distcp", "hdet_shard_0.pt", "hdet_shard_1.pt",
+                      "hdet_manifest.json")}
         assert set(r["files"]) == want, r["files"]
     r0 = [x[case] for x in res]
     at = W.RESUME_CASES[case][3]

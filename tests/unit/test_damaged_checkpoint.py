@@ -175,3 +175,44 @@ def test_tensor_bytes_changed_in_place_are_refused_not_loaded(tmp_path):
         assert all(torch.equal(a, _full(p)) for a, p in zip(now, engine.model.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_file_put_in_another_files_place_is_refused_by_the_manifest(tmp_path):
+    """Issue 9, tester round 7: a complete, undamaged file of the same run in another
+    file's place (here ``model_optim.pt`` copied from the step-1 checkpoint into the
+    step-2 one, as a user restoring "a copy" might) passes every archive check and loads:
+    shown first, torch reads it, with the step-1 weights. The manifest each save writes
+    (``backends/manifest.py``: sizes and CRC-32s) makes the load refuse it, naming the
+    file. A folder without a manifest (an older save) falls back to the archives' own
+    CRCs, so the same copy then loads (the limit the manifest removes)."""
+    import shutil
+
+    import pytest
+    import torch.distributed as dist
+
+    from hdet_scale.backends import ddp
+    from hdet_scale.backends.manifest import MANIFEST_FILE
+    from hdet_scale.errors import HDETStateError
+
+    _world_of_one(tmp_path)
+    try:
+        engine = _trained(ddp, tmp_path)
+        ckpt = tmp_path / "checkpoint"
+        first = ddp.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        engine.model(torch.randn(8, 32)).square().mean().backward()
+        engine.optimizer.step()
+        engine.scheduler.step()
+        second = ddp.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        assert first != second and (ckpt / "replica_0" / second / MANIFEST_FILE).is_file()
+        ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))  # intact: loads
+        victim = ckpt / "replica_0" / second / "model_optim.pt"
+        shutil.copyfile(ckpt / "replica_0" / first / "model_optim.pt", victim)
+        stale = torch.load(victim, weights_only=False)["model"]
+        assert any(not torch.equal(v, _full(p)) for v, p in zip(stale.values(), engine.model.parameters()))
+        with pytest.raises(HDETStateError) as err:
+            ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        assert f"{victim} (not the file this checkpoint saved there" in str(err.value), str(err.value)
+        (ckpt / "replica_0" / second / MANIFEST_FILE).unlink()  # as saved by hdet_scale <= 0.3
+        ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+    finally:
+        dist.destroy_process_group()
