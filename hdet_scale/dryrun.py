@@ -146,6 +146,10 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         from hdet_scale.train.engines import check_engine_config
 
         check_engine_config(config, backend, world_size, prefix="", title="invalid config")
+        from hdet_scale.train.engines import engine_notes
+
+        for note in engine_notes(config, backend, prefix=""):
+            print(f"hdet-dryrun: note: {note}", file=sys.stderr, flush=True)
     if "hdet" not in config:
         if backend == "deepspeed":
             return "no hdet block: plain DeepSpeed"

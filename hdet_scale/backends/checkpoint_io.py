@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 import zipfile
 import zlib
 from typing import Any
@@ -114,6 +115,13 @@ def checkpoint_index(layout: dict[str, Any], latest: str | None) -> dict[str, in
     return {latest: layout["step"]} if latest is not None and "step" in layout else {}
 
 
+def manifested(layout: dict[str, Any]) -> list[str]:
+    """The tags of ``layout``'s index saved with a manifest (hdet_scale >= 0.4 writes
+    one for every save; older layouts list none)."""
+    tags = layout.get("manifests")
+    return [t for t in tags if isinstance(t, str)] if isinstance(tags, list) else []
+
+
 def latest_step(layout: dict[str, Any], latest: str | None) -> int | None:
     """The optimizer step of the checkpoint ``latest`` names (the layout's ``"step"`` when
     the index does not list it)."""
@@ -146,10 +154,15 @@ def retire_tag(save_dir: str, replicas: int, tag: str) -> None:
 def commit(save_dir: str, layout: dict[str, Any], tag: str) -> None:
     """Rank 0, after every rank wrote its files for ``tag``: the layout (``layout``, whose
     ``"step"`` is the save's step, plus the index with ``tag`` added), then ``latest``."""
-    index = checkpoint_index(_read_layout(save_dir), read_latest(save_dir))
+    previous = _read_layout(save_dir)
+    index = checkpoint_index(previous, read_latest(save_dir))
     index.pop(tag, None)
     index[tag] = layout["step"]
-    write_atomic(os.path.join(save_dir, LAYOUT_FILE), json.dumps({**layout, "checkpoints": index}))
+    # which tags were saved with a manifest: a load then refuses a folder that lost its
+    # manifest, rather than falling back to the weaker archive check (manifest.py)
+    manifests = [t for t in manifested(previous) if t in index and t != tag] + [tag]
+    write_atomic(os.path.join(save_dir, LAYOUT_FILE),
+                 json.dumps({**layout, "checkpoints": index, "manifests": manifests}))
     write_atomic(os.path.join(save_dir, LATEST_FILE), tag)
 
 
@@ -164,6 +177,7 @@ def prune(save_dir: str, replicas: int, keep: int) -> list[str]:
     drop = [t for t in list(index)[:-keep] if t != latest]
     if drop:
         layout["checkpoints"] = {t: s for t, s in index.items() if t not in drop}
+        layout["manifests"] = [t for t in manifested(layout) if t not in drop]
         write_atomic(os.path.join(save_dir, LAYOUT_FILE), json.dumps(layout))
     leftovers = set()
     for r in range(replicas):
@@ -321,7 +335,11 @@ def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
 
     folder = os.path.join(load_dir, f"replica_{topology.replica_index}", tag)
     mine, has_manifest = manifest_problem(folder, topology.shard_index, topology.shard_size)
-    if not has_manifest:
+    if not has_manifest:  # saved before manifests (check_resumable refused a lost one)
+        if topology.rank == 0:
+            warnings.warn(f"checkpoint {load_dir} at tag {tag!r} was saved without file manifests (an older "
+                          "hdet_scale): a file swapped or copied in from another save cannot be told from the "
+                          "right one; only damaged bytes are checked", stacklevel=2)
         mine = damaged_file(folder, topology.shard_index, topology.shard_size)
     found: list[str | None] = [None] * topology.world_size
     dist.all_gather_object(found, mine, group=topology.world_group)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import _buckets, persistent_float_buffers
-from hdet_scale.backends.checkpoint_io import (LATEST_FILE, checkpoint_index, commit, damaged_files, latest_step,
+from hdet_scale.backends.checkpoint_io import (LATEST_FILE, checkpoint_index, commit, damaged_files, latest_step, manifested,
                                                read_latest, retire_tag, rng_state, set_rng_state)
-from hdet_scale.backends.manifest import write_manifest
+from hdet_scale.backends.manifest import listing_problem, write_manifest
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -384,7 +384,10 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
             if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
     if lost:
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}")
+    required = tag in manifested(saved)
     damaged = [p for r in range(replicas) for p in damaged_files(os.path.join(load_dir, f"replica_{r}", tag))]
+    damaged += [p for r in range(replicas)
+                if (p := listing_problem(os.path.join(load_dir, f"replica_{r}", tag), required))]
     if damaged:
         older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
         listed = ", ".join(f"{t} (step {s})" for t, s in older.items())

@@ -87,6 +87,34 @@ def manifest_problem(folder: str, part: int = 0, parts: int = 1) -> tuple[str | 
     return None, True
 
 
+def listing_problem(folder: str, required: bool) -> str | None:
+    """The cheap part of the check, by ``stat`` alone, for the pre-start check
+    (``common.check_resumable``, run by the launcher before any rank starts and by every
+    rank before a load): the manifest is there when the save wrote one (``required``:
+    ``hdet_layout.json`` lists the tag under ``"manifests"``), it reads, and every file
+    it lists exists at the recorded size. ``"<path> (<why>)"`` for the first problem,
+    else ``None``. The CRC-32s are compared by the load (:func:`manifest_problem`),
+    which reads every file and so is split over the ranks."""
+    path = os.path.join(folder, MANIFEST_FILE)
+    if not os.path.isfile(path):
+        return (f"{path} (missing: this checkpoint was saved with one, and without it files swapped or copied "
+                "in from another save cannot be found)") if required else None
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+        sizes = {n: int(files[n][0]) for n in sorted(files)}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path} (unreadable: {type(e).__name__}: {e})"
+    for name, size in sizes.items():
+        file = os.path.join(folder, name)
+        if not os.path.isfile(file):
+            return f"{file} (missing: {MANIFEST_FILE} lists it)"
+        if os.path.getsize(file) != size:
+            return (f"{file} (not the file this checkpoint saved there: {os.path.getsize(file)} bytes; the save "
+                    f"recorded {size}: replaced, cut short or changed since)")
+    return None
+
+
 def _changed_inside(file: str) -> str | None:
     """For a ``torch.save`` archive: the member whose own CRC-32 fails, if one does."""
     import zipfile

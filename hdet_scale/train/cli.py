@@ -157,6 +157,15 @@ def _print_resume_notice(run: dict, quiet_errors: bool = False) -> None:
         print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
 
 
+def _print_engine_notes(run: dict) -> None:
+    """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
+    than DeepSpeed would (``engines.engine_notes``), before any rank starts."""
+    from hdet_scale.train.engines import engine_notes
+
+    for note in engine_notes(run["deepspeed"], run["backend"]):
+        print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -192,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_extensions_dir()
             install_rank_handlers(run, announce=rank == 0)
             if rank == 0:
+                _print_engine_notes(run)
                 _print_resume_notice(run, quiet_errors=True)
             quiet = False
             from torch.distributed import DistNetworkError
@@ -225,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
         _check_local_ranks(run["nproc"])
+        _print_engine_notes(run)
         _print_resume_notice(run)
         if run["backend"] == "deepspeed":
             check_extensions_dir()  # before stale_trainer_locks looks inside it

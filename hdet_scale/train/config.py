@@ -322,6 +322,13 @@ def _describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: st
         if dataclasses.is_dataclass(node):
             valid = ", ".join(f.name for f in dataclasses.fields(node))
             return f"{key}: unknown key; valid keys: {valid}"
+    if msg.startswith("Incompatible value 'None'") and key:
+        # `key=` on the command line (an unset shell variable) gives None, and the field
+        # takes no None: say so, with what it takes, not omegaconf's type words
+        kind = msg.rsplit("of type ", 1)[-1].strip(".' ")
+        kinds = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+        valid = f"one of {', '.join(BACKENDS)}" if key == "backend" else kinds.get(kind, kind)
+        return f"{key}: empty or null value ({key}= on the command line; an unset shell variable?): give {valid}"
     if msg.startswith("Cannot convert 'ListConfig' to string") and key:
         return f"{key}: {_list_for_string(key, msg)}"
     return f"{key}: {msg}" if key else msg

@@ -7,7 +7,9 @@ keys ``optimizer.type``, ``optimizer.params``, ``train_micro_batch_size_per_gpu`
 ``gradient_accumulation_steps``, ``train_batch_size``, ``gradient_clipping`` and
 ``bf16.enabled`` (same meaning as in DeepSpeed) and ignore the rest
 (``zero_optimization``, ``steps_per_print``...), so one file describes the run for
-every backend.
+every backend; except DeepSpeed-only keys that move memory or change precision (CPU
+offload, ZeRO++ quantization, autocast), which they refuse, and a ZeRO stage that they
+shard otherwise than, which gets a note (:func:`engine_notes`).
 """
 
 from __future__ import annotations
@@ -84,8 +86,60 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
     if ds.get("fp16", {}).get("enabled", False):
         errors.append(f"{prefix}fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
                       "support it (use bf16 with fsdp2, or backend deepspeed)")
+    errors += _deepspeed_only(ds, backend, prefix)
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))
+
+
+#: How much each non-DeepSpeed engine shards, as the ZeRO stage that shards as much:
+#: FSDP2 parameters, gradients and optimizer state (3); fairscale OSS the optimizer
+#: state (1); DDP nothing (0).
+ZERO_EQUIVALENT = {"fsdp2": 3, "fairscale": 1, "ddp": 0}
+
+
+def _deepspeed_only(ds: dict, backend: str, prefix: str) -> list[str]:
+    """DeepSpeed keys that change where memory goes or the precision of the training,
+    which the other engines cannot honour: refused, not silently ignored (a run that
+    needs CPU offload to fit would otherwise fail for memory hours in, or train at
+    another precision than the file says)."""
+    errors = []
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key)
+        device = block.get("device", "none") if isinstance(block, dict) else block
+        if device not in (None, "none"):
+            errors.append(f"{prefix}zero_optimization.{key}: DeepSpeed's offload to {device!r}; the {backend} "
+                          "backend keeps parameters and optimizer state where the model is and cannot offload: "
+                          "remove the block (or set its device to \"none\"), or use backend deepspeed")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if zero.get(key):
+            errors.append(f"{prefix}zero_optimization.{key}: DeepSpeed's quantized communication (ZeRO++); the "
+                          f"{backend} backend communicates at full precision: remove it, or use backend deepspeed")
+    autocast = ds.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled"):
+        errors.append(f"{prefix}torch_autocast.enabled: DeepSpeed's autocast mixed precision; the {backend} "
+                      "backend does not read it (use bf16.enabled with fsdp2, or backend deepspeed)")
+    for key in ("communication_data_type", "data_types"):
+        if ds.get(key) not in (None, {}):
+            errors.append(f"{prefix}{key}: sets DeepSpeed's gradient communication or accumulation dtype; the "
+                          f"{backend} backend does not read it: remove it, or use backend deepspeed")
+    return errors
+
+
+def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str]:
+    """What a non-DeepSpeed engine does differently from what the ``deepspeed`` section
+    says, without being wrong: today a ``zero_optimization.stage`` that shards more or
+    less than the engine does (:data:`ZERO_EQUIVALENT`). One line each, printed once by
+    ``hdet-train`` and ``hdet-dryrun`` before the run starts. Pure."""
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage")
+    if backend == "deepspeed" or stage is None or stage == ZERO_EQUIVALENT.get(backend):
+        return []
+    held = {3: "shards parameters, gradients and optimizer state over its shard group (as ZeRO stage 3)",
+            1: "shards only the optimizer state over its shard group (as ZeRO stage 1)",
+            0: "keeps the whole model, its gradients and optimizer state on every rank (as ZeRO stage 0)"}
+    return [f"{prefix}zero_optimization.stage={stage} is DeepSpeed's and is not read by the {backend} backend, "
+            f"which {held[ZERO_EQUIVALENT[backend]]}"]
 
 
 class DeepSpeedEngine:

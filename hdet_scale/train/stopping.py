@@ -131,13 +131,20 @@ def settle(code: int) -> None:
     _outcome = code
 
 
+_MTIME_SLACK_S = 2.0
+
+
 def run_completed(run: dict[str, Any], since: float) -> bool:
     """Whether ``run_dir/summary.json`` is a complete JSON object written at or after
     ``since`` (``time.time()``; an earlier attempt's file does not count): the trainer
     writes it last, after the final checkpoint, so nothing is left to resume. Never raises."""
     path = os.path.join(run["run_dir"], "summary.json")
     try:
-        if os.stat(path).st_mtime < since:
+        # mtimes come from the kernel's coarse clock (a tick behind time.time(); whole
+        # seconds on some filesystems): a file written just after `since` may read as
+        # older (seen once in CI, a 143 for a completed run). An earlier attempt's file is
+        # older by far more than the margin (a start-up lies between).
+        if os.stat(path).st_mtime < since - _MTIME_SLACK_S:
             return False
         with open(path) as f:
             return isinstance(json.load(f), dict)

@@ -219,6 +219,16 @@ CASES = [
     # an empty value (an unset $DATA) is not null: it trained on the built-in corpus without a word
     ("data_path_empty", ["data.path="], {}, 2, ["data.path: empty value", "data.path=null", "built-in corpus"], None),
     ("run_dir_empty", ["run_dir="], {}, 2, ["run_dir: empty value", "runs/default"], None),
+    # issue 9 round 8 (F4): said "Incompatible value 'None'" and no valid value
+    ("backend_empty", ["backend="], {}, 2,
+     ["backend: empty or null value", "one of deepspeed, fsdp2, ddp, fairscale"], None),
+    # issue 9 round 8 (F2): DeepSpeed-only memory and precision keys were ignored silently
+    # by the other engines (a run that needs CPU offload to fit would fail hours in)
+    ("offload_under_fairscale", ["backend=fairscale", "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
+     {}, 2, ["deepspeed.zero_optimization.offload_optimizer: DeepSpeed's offload to 'cpu'", "fairscale backend"],
+     None),
+    ("zeropp_under_fsdp2", ["backend=fsdp2", "deepspeed.zero_optimization.zero_quantized_gradients=true"], {}, 2,
+     ["deepspeed.zero_optimization.zero_quantized_gradients", "fsdp2 backend communicates at full precision"], None),
     ("data_path_blank", ["data.path=  "], {}, 2, ["data.path: empty value", "data.path=null"], None),
     ("data_path_quoted_empty", ['data.path=""'], {}, 2, ["data.path='' names no path", "built-in corpus"], None),
     ("data_val_fraction", ["data.val_fraction=1.5"], {}, 2, ["data.val_fraction"], None),

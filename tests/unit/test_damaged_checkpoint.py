@@ -6,6 +6,7 @@ then cut. Intact files pass the same check."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -184,7 +185,8 @@ def test_a_file_put_in_another_files_place_is_refused_by_the_manifest(tmp_path):
     shown first, torch reads it, with the step-1 weights. The manifest each save writes
     (``backends/manifest.py``: sizes and CRC-32s) makes the load refuse it, naming the
     file. A folder without a manifest (an older save) falls back to the archives' own
-    CRCs, so the same copy then loads (the limit the manifest removes)."""
+    CRCs, so the same copy then loads (the limit the manifest removes); a save that wrote
+    a manifest and lost it is refused."""
     import shutil
 
     import pytest
@@ -212,7 +214,38 @@ def test_a_file_put_in_another_files_place_is_refused_by_the_manifest(tmp_path):
         with pytest.raises(HDETStateError) as err:
             ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
         assert f"{victim} (not the file this checkpoint saved there" in str(err.value), str(err.value)
-        (ckpt / "replica_0" / second / MANIFEST_FILE).unlink()  # as saved by hdet_scale <= 0.3
-        ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        # the manifest deleted (tester round 8): the layout records that this save wrote
+        # one, so its loss is refused before any load, not a fall back to the weaker check
+        (ckpt / "replica_0" / second / MANIFEST_FILE).unlink()
+        with pytest.raises(HDETStateError) as err:
+            ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+        assert f"{MANIFEST_FILE} (missing: this checkpoint was saved with one" in str(err.value), str(err.value)
+        # a layout that lists no manifests (saved by hdet_scale <= 0.3): the archives' CRCs
+        # alone, with a warning, so the same copy then loads (the limit the manifest removes)
+        layout_path = ckpt / "hdet_layout.json"
+        layout = json.loads(layout_path.read_text())
+        layout_path.write_text(json.dumps({k: v for k, v in layout.items() if k != "manifests"}))
+        with pytest.warns(UserWarning, match="saved without file manifests"):
+            ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_pre_start_listing_check_finds_missing_resized_and_unreadable(tmp_path):
+    """``manifest.listing_problem`` (run before any rank starts, by ``stat`` alone): a
+    file the manifest lists that is gone or of another size, an unreadable manifest, and
+    a missing one only when the save wrote one."""
+    from hdet_scale.backends.manifest import MANIFEST_FILE, digest, listing_problem
+
+    (tmp_path / "a.pt").write_bytes(b"x" * 10)
+    assert listing_problem(str(tmp_path), required=False) is None
+    assert "missing: this checkpoint was saved with one" in listing_problem(str(tmp_path), required=True)
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"files": {"a.pt": digest(str(tmp_path / "a.pt"))}}))
+    assert listing_problem(str(tmp_path), required=True) is None
+    (tmp_path / "a.pt").write_bytes(b"x" * 11)
+    assert "a.pt (not the file this checkpoint saved there: 11 bytes; the save recorded 10" in \
+        listing_problem(str(tmp_path), required=True)
+    (tmp_path / "a.pt").unlink()
+    assert "a.pt (missing: hdet_manifest.json lists it)" in listing_problem(str(tmp_path), required=True)
+    (tmp_path / MANIFEST_FILE).write_text("{")
+    assert "(unreadable: JSONDecodeError" in listing_problem(str(tmp_path), required=False)

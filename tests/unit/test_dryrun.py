@@ -290,6 +290,9 @@ def test_a_huge_world_is_described_in_bounded_time_and_lines(replicas):
     ({"optimizer": None, "fp16": {"enabled": True}}, "fsdp2", True),
     ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}}, "ddp", False),
     ({"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {}}}, "fairscale", False),
+    # round 8 (F2): DeepSpeed-only memory and precision keys, ignored silently before
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "fsdp2", False),
+    ({"torch_autocast": {"enabled": True}, "communication_data_type": "fp16"}, "ddp", False),
 ])
 def test_engine_checks_are_hdet_trains(edit, backend, deepspeed_ok, tmp_path, capsys):
     """Issue 9 F4: ``hdet-dryrun --backend ddp`` said 0 for a Lamb optimizer, SGD given betas,
@@ -312,6 +315,21 @@ def test_engine_checks_are_hdet_trains(edit, backend, deepspeed_ok, tmp_path, ca
     # the same file passes for the engine that supports it (DeepSpeed: Lamb, fp16, a scheduler)
     if deepspeed_ok:
         assert main([str(path), "--world-size", "8", "--backend", "deepspeed"]) == 0
+
+
+@pytest.mark.parametrize("backend,stage,noted", [("fsdp2", 1, True), ("fsdp2", 3, False), ("ddp", 3, True),
+                                                 ("ddp", 0, False), ("fairscale", 1, False), ("deepspeed", 3, False)])
+def test_a_zero_stage_the_engine_does_not_follow_is_noted(backend, stage, noted, tmp_path, capsys):
+    """Issue 9 round 8 (F3): ``zero_optimization.stage`` under another engine was ignored
+    without a word. It stays allowed (one file for every engine), but a stage that shards
+    more or less than the engine does gets one note line, and the run goes on (exit 0);
+    the stage the engine matches (FSDP2 3, fairscale OSS 1, DDP 0) gets none."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": stage}}))
+    assert main([str(path), "--world-size", "8", "--backend", backend]) == 0
+    err = capsys.readouterr().err
+    assert (f"hdet-dryrun: note: zero_optimization.stage={stage} is DeepSpeed's and is not read by the {backend} "
+            "backend, which" in err) is noted, err
 
 
 def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
