@@ -12,9 +12,12 @@ no accumulation: the global batch is 8 x 64 tokens in every variant. The variant
 - ``ds_plain``: ``deepspeed.initialize``, ZeRO-3 over all 4 ranks, no HDET (what a user
   runs today); ``ds_global`` / ``ds_replica``: ``hdet_scale.initialize`` at 2 x 2
   (replicas x shard size), ``gradient_sharing`` ``global`` (ZeRO-3's reduce-scatter in
-  the shard group, then HDET's hook all-reduces the gradient partition over the replica
-  group: the gradient of all 4 ranks, as plain ZeRO-3) or ``replica`` (the shard group's
-  reduce-scatter alone);
+  the shard group, and HDET all-reduces each bucket's gradient partitions over the
+  replica group as the backward pass writes them, ``backends/ds_overlap.py``: the
+  gradient of all 4 ranks, as plain ZeRO-3) or ``replica`` (the shard group's
+  reduce-scatter alone); ``ds_global_hook``: ``global`` with
+  ``overlap_gradient_sharing: false`` (one all-reduce of the whole partition in a hook
+  after the backward pass);
 - ``fsdp2_plain``: ``fully_shard`` of each decoder layer and the root over all 4 ranks;
   ``fsdp2_hsdp``: the same on a 2 x 2 mesh (HSDP: Replicate x Shard, no HDET, the same
   layout as HDET's); ``fsdp2_global`` / ``fsdp2_replica``: ``backends.fsdp2.initialize``
@@ -47,8 +50,8 @@ WORLD, REPLICAS = 4, 2
 WARMUP = 5
 FULL = {"T": 100, "repeats": 5, "hidden": 256, "layers": 4, "seq": 64, "micro": 2}
 TINY = {"T": 4, "repeats": 2, "hidden": 32, "layers": 2, "seq": 16, "micro": 2}
-VARIANTS = ("ds_plain", "ds_global", "ds_replica", "fsdp2_plain", "fsdp2_hsdp", "fsdp2_global", "fsdp2_replica")
-RATIOS = {"ds_global": "ds_plain", "ds_replica": "ds_plain", "fsdp2_hsdp": "fsdp2_plain",
+VARIANTS = ("ds_plain", "ds_global", "ds_global_hook", "ds_replica", "fsdp2_plain", "fsdp2_hsdp", "fsdp2_global", "fsdp2_replica")
+RATIOS = {"ds_global": "ds_plain", "ds_global_hook": "ds_plain", "ds_replica": "ds_plain", "fsdp2_hsdp": "fsdp2_plain",
           "fsdp2_global": "fsdp2_plain", "fsdp2_replica": "fsdp2_plain"}
 
 
@@ -96,6 +99,9 @@ def _build(variant: str, size: dict, meshes: dict, topology: Any) -> Any:
             hdet = False
         else:
             ds["hdet"] = _block(size, variant.split("_")[1])
+            # ds_global shares gradients overlapped with the backward pass (ds_overlap.py,
+            # the default); ds_global_hook in one all-reduce after it (the hook)
+            ds["hdet"]["overlap_gradient_sharing"] = not variant.endswith("_hook")
             engine, *_ = hdet_scale.initialize(model, ds, optimizer=adamw(model.parameters()), topology=topology)
             hdet = True
 

@@ -157,13 +157,17 @@ class HDETConfig:
     shard group size is ``world_size / R``. ``sync_interval``: T, optimizer steps between
     converges. ``gradient_sharing``: ``"global"`` (paper: every replica applies the
     gradient averaged over all ranks) or ``"replica"`` (gradients stay inside a replica
-    between syncs). ``seed`` seeds the dedicated permutation generator.
+    between syncs). ``overlap_gradient_sharing``: on DeepSpeed ZeRO-3, start each
+    gradient bucket's all-reduce over the replica group as the backward pass produces it
+    (``backends/ds_overlap.py``) rather than after it; the same mean (bit for bit at
+    R = 2). ``seed`` seeds the dedicated permutation generator.
     """
 
     enabled: bool = True
     replicas: int = 1
     sync_interval: int = 1000
     gradient_sharing: str = "global"
+    overlap_gradient_sharing: bool = True
     seed: int = 0
     bucket_mb: float = 25.0
     axes: dict[str, AxisConfig] = field(default_factory=lambda: {"lr": AxisConfig()})

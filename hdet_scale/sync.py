@@ -51,6 +51,8 @@ class Backend(Protocol):
     # Backends whose engine already averages gradients over all W ranks in "global" mode
     # (DDP over the world, FSDP2 HSDP) set ``shares_gradients = True``: install_grad_hook
     # is then never called and may be absent.
+    # install_overlapped_sharing(replica_group, replicas) -> object | None, optional: share
+    # gradients overlapped with the backward pass instead of install_grad_hook (None: cannot).
     # noise_parts() -> (sharded, full): the masters that are this rank's shard of its
     # replica, and those it holds whole like every rank of the replica (warm init).
 
@@ -116,13 +118,18 @@ class DistributedSync(LossAccumulator):
             every replica applies the mean gradient of all W ranks, paper Sec. 3.1);
             ``"replica"`` installs nothing. A backend with ``shares_gradients = True``
             does the global average itself (its engine's own all-reduce).
+        overlap_gradients: let a backend that can (``install_overlapped_sharing``:
+            DeepSpeed, ``backends/ds_overlap.py``) overlap the gradient sharing with the
+            backward pass instead of the hook; it returns ``None`` where it cannot, and
+            the hook is installed.
 
     Memory: one reusable bucket (``self.bucket``, at most ``bucket_bytes`` per dtype and
     device, allocated on first use and kept) serves converge and every gradient-sharing
     call; nothing else is allocated per call (:mod:`hdet_scale.averaging`).
     """
 
-    def __init__(self, topology: Topology, backend: Backend, bucket_bytes: int, gradient_sharing: str) -> None:
+    def __init__(self, topology: Topology, backend: Backend, bucket_bytes: int, gradient_sharing: str,
+                 overlap_gradients: bool = False) -> None:
         self.topology = topology
         self.backend = backend
         self.bucket_bytes = bucket_bytes
@@ -130,8 +137,13 @@ class DistributedSync(LossAccumulator):
         self.replicas = topology.replicas
         self.local_replicas = [topology.replica_index]
         super().__init__()
+        self.overlapped = None  # the backend's overlapped sharing, when it installed one
         if gradient_sharing == "global" and topology.replicas > 1 and not backend.shares_gradients:
-            backend.install_grad_hook(self.share_gradients)
+            overlap = getattr(backend, "install_overlapped_sharing", None)
+            if overlap_gradients and overlap is not None:
+                self.overlapped = overlap(topology.replica_group, topology.replicas)
+            if self.overlapped is None:
+                backend.install_grad_hook(self.share_gradients)
 
     def share_gradients(self, grads: Sequence[torch.Tensor]) -> None:
         mean_all_reduce_(grads, self.topology.replica_group, self.bucket_bytes, buffer=self.bucket)

@@ -94,7 +94,8 @@ def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, mode
     runs on: the DeepSpeed engine, the FSDP2 / DDP module), and apply the warm noisy
     initialisation when configured. Collective (warm init: on the shard group)."""
     cfg = scheduler.config
-    scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing))
+    scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing,
+                                     cfg.overlap_gradient_sharing))
     scheduler.set_probe(None if probe is None else (lambda: probe(model)))
     scheduler.warm_init()
 

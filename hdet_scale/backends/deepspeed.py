@@ -145,6 +145,18 @@ class DeepSpeedBackend:
 
         opt.step = step
 
+    def install_overlapped_sharing(self, group: Any, replicas: int) -> Any:
+        """Gradient sharing overlapped with the backward pass (``ds_overlap.py``); the
+        installed :class:`OverlappedGradientSharing`, or ``None`` where this optimizer
+        cannot (then the caller installs the hook)."""
+        from hdet_scale.backends.ds_overlap import OverlappedGradientSharing
+
+        if OverlappedGradientSharing.supported(self.optimizer) is not None:
+            return None
+        sharing = OverlappedGradientSharing(self.optimizer, group, replicas)
+        sharing.install()
+        return sharing
+
     @property
     def param_groups(self) -> list[dict]:
         return self.optimizer.param_groups

@@ -333,3 +333,47 @@ def bad_config_worker(case: str) -> None:
     _init_dist()
     initialize(build_model(), BAD_CONFIGS[case]())
     raise AssertionError(f"initialize accepted the bad config {case!r}")
+
+
+# ---- gradient sharing overlapped with the backward pass (ds_overlap.py) -------------------
+
+def overlap_worker(steps: int = 4) -> dict:
+    """The same HDET run (2 x 2, global gradients, spread 0.3, every tensor partitioned,
+    50-element reduce buckets so the backward pass reduces in several buckets) with the
+    gradient sharing overlapped and with the hook, at 1 and 2 micro-batches per step, and
+    once in bf16. Per run: the full fp32 masters after every optimizer step, the
+    collectives the overlapped sharing issued, and how many of them it had started before
+    the optimizer step (during the backward pass)."""
+    from hdet_scale.backends.deepspeed import initialize
+    _init_dist()
+    out: dict[str, Any] = {}
+    for bf16 in (False, True):
+        for gas in ((1, 2) if not bf16 else (2,)):
+            for overlap in (False, True):
+                dtype = torch.bfloat16 if bf16 else torch.float32
+                hdet = hdet_block(gradient_sharing="global", axes={"lr": {"spread_ratio": 0.3}},
+                                  overlap_gradient_sharing=overlap)
+                cfg = ds_config(hdet, bf16=bf16, threshold=0)
+                cfg["gradient_accumulation_steps"] = gas
+                cfg["zero_optimization"]["reduce_bucket_size"] = 50
+                if bf16:  # DeepSpeed accumulates bf16 gradients in bf16 unless told: fp32 can be overlapped
+                    cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+                engine, _, _, sched = initialize(build_model(), cfg)
+                sharing = sched.sync_obj.overlapped
+                started: list[int] = []
+                if sharing is not None:
+                    finish = sharing.finish
+                    sharing.finish = lambda: (started.append(len(sharing.pending)), finish())[1]
+                masters = []
+                for step in range(1, steps + 1):
+                    for micro in range(gas):
+                        x, y = batch(rank(), 10 * step + micro)
+                        loss = F.mse_loss(engine(x.to(dtype)).float(), y)
+                        engine.backward(loss)
+                        engine.step(lr_kwargs={"loss": loss})
+                    masters.append(full_master(engine))
+                out[f"{'bf16' if bf16 else 'fp32'}_gas{gas}_{'overlap' if overlap else 'hook'}"] = {
+                    "masters": masters, "overlapped": sharing is not None, "started": started,
+                    "collectives": None if sharing is None else sharing.collectives,
+                    "flat_dtype": str(engine.optimizer.grad_partitions_flat_buffer.dtype)}
+    return out
