@@ -222,8 +222,10 @@ class Cost:
 
 def estimate(size: ModelSize, *, backend: str, precision: str, world_size: int, replicas: int,
              gradient_sharing: str = "global", sync_interval: int = 1, micro_batches: int = 1,
-             bucket_bytes: int = 25 * 2**20) -> Cost:
+             bucket_bytes: int = 25 * 2**20, overlapped: bool = False) -> Cost:
     """Memory per rank and rank 0's collectives (module docstring for every formula).
+    ``overlapped``: DeepSpeed's gradient sharing runs during the backward pass
+    (``backends/ds_overlap.py``), so it is not counted as exposed.
 
     Raises HDETConfigError: an unknown backend or precision, bf16 on ddp / fairscale
     (hdet-train trains them in fp32), or ``replicas`` not dividing ``world_size``."""
@@ -261,8 +263,9 @@ def estimate(size: ModelSize, *, backend: str, precision: str, world_size: int, 
         group, n = ("world", W) if gradient_sharing == "global" else ("shard", S)
         add("gradient sharing (DDP)", "all-reduce", group, n, "step", 1, 4 * P, False)
     elif gradient_sharing == "global":
-        what = "gradient sharing (HDET hook)" if backend == "deepspeed" else "gradient sharing (HSDP)"
-        add(what, "all-reduce", "replica", R, "step", 1, 4 * p, backend == "deepspeed")
+        what = ("gradient sharing (HSDP)" if backend != "deepspeed" else
+                "gradient sharing (overlapped)" if overlapped else "gradient sharing (HDET hook)")
+        add(what, "all-reduce", "replica", R, "step", 1, 4 * p, backend == "deepspeed" and not overlapped)
     if not full:
         add("engine: parameters", "all-gather", "shard", S, "micro-batch", 2, work * p * S, False)
         if backend == "deepspeed":
@@ -406,7 +409,8 @@ def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options:
     cost = estimate(size, backend=backend, precision=precision, world_size=world_size, replicas=cfg.replicas,
                     gradient_sharing=cfg.gradient_sharing, sync_interval=cfg.sync_interval,
                     micro_batches=int(ds_config.get("gradient_accumulation_steps", 1)),
-                    bucket_bytes=cfg.bucket_bytes)
+                    bucket_bytes=cfg.bucket_bytes, overlapped=cfg.overlap_gradient_sharing and (
+                        precision == "fp32" or (ds_config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"))
     return report(cost, options["bandwidth_gbps"], options["step_seconds"])
 
 

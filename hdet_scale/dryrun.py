@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-steps", type=int, default=None, action=_Once,
                    help="optimizer steps of the run, when hdet.schedule.total_steps is not in the file")
     # The cost model (hdet_scale/cost.py); values are checked there, so a bad one is one line naming it.
-    p.add_argument("--params", action=_Once, help="model size for the cost model: 7e9, 7B, 125M")
+    p.add_argument("--params", "--model-params", action=_Once, help="model size for the cost model: 7e9, 7B, 125M")
     p.add_argument("--hf-config", action=_Once, help="or a Hugging Face config.json (built on the meta device)")
     p.add_argument("--precision", action=_Once, help="fp32 or bf16 (fp32 masters); default: the file's bf16.enabled")
     p.add_argument("--bandwidth-gbps", action=_Once, help="each rank's link, Gbit/s: time of every transfer")
