@@ -102,7 +102,8 @@ def _build(variant: str, size: dict, meshes: dict, topology: Any) -> Any:
             # ds_global shares gradients overlapped with the backward pass (ds_overlap.py,
             # the default); ds_global_hook in one all-reduce after it (the hook)
             ds["hdet"]["overlap_gradient_sharing"] = not variant.endswith("_hook")
-            engine, *_ = hdet_scale.initialize(model, ds, optimizer=adamw(model.parameters()), topology=topology)
+            engine, _, _, scheduler = hdet_scale.initialize(model, ds, optimizer=adamw(model.parameters()),
+                                                            topology=topology)
             hdet = True
 
         def step(x: Any, y: Any) -> None:
@@ -110,6 +111,8 @@ def _build(variant: str, size: dict, meshes: dict, topology: Any) -> Any:
             engine.backward(loss)
             engine.step(lr_kwargs={"loss": loss.detach()}) if hdet else engine.step()
         step.engine = engine
+        # whether the gradient sharing ran overlapped (ds_overlap.py took it) or as the hook
+        step.overlapped = hdet and scheduler.sync_obj.overlapped is not None
         return step
     if variant in ("fsdp2_plain", "fsdp2_hsdp"):
         mesh = meshes["flat" if variant == "fsdp2_plain" else "hsdp"]
@@ -130,7 +133,7 @@ def _build(variant: str, size: dict, meshes: dict, topology: Any) -> Any:
         opt.zero_grad()
         if sched is not None:
             sched.step(loss.detach())
-    step.engine = None
+    step.engine, step.overlapped = None, False
     return step
 
 
@@ -171,10 +174,12 @@ def _rank_main(size: dict, variants: list) -> dict | None:
         tokens = torch.randint(0, 256, (size["micro"], size["seq"] + 1), generator=g)
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     times: dict[str, list[float]] = {v: [] for v in variants}
+    overlapped: dict[str, bool] = {}
     for rep in range(size["repeats"]):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for v in order:
             step = _build(v, size, meshes, topology)
+            overlapped[v] = step.overlapped
             _time_window(step, batches, WARMUP)
             times[v].append(_time_window(step, batches, size["T"]) / size["T"])
             if step.engine is not None:
@@ -189,7 +194,7 @@ def _rank_main(size: dict, variants: list) -> dict | None:
     from hdet_scale.train.model import param_count
 
     return {"size": size, "world": WORLD, "replicas": REPLICAS, "params": param_count(_model(size)),
-            "step_s": times, "load": os.getloadavg()[0]}
+            "step_s": times, "overlapped": overlapped, "load": os.getloadavg()[0]}
 
 
 def _stats(values: list[float]) -> tuple[float, float, float]:
