@@ -24,6 +24,7 @@ from typing import Any, Callable
 from hdet_scale import axes as ax
 from hdet_scale import controller as ctl
 from hdet_scale.config import HDETConfig
+from hdet_scale.errors import HDETConfigError
 from hdet_scale.schedules import Constant, Cosine, OneCycle, Schedule
 
 Key = tuple[str, int]
@@ -100,6 +101,31 @@ def check_config(cfg: HDETConfig) -> None:
         decay_for(cfg, schedule, axis, 1.0)
 
 
+def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, float], prefix: str = "hdet") -> None:
+    """An additive axis moves each replica's value by up to ``spread_ratio`` either way: a
+    learning rate or a weight decay taken below 0 by it would train with a negative value,
+    silently. ``bases``: ``{(axis, group): value}``, the LR's peak (the schedule's lowest
+    point is checked) or the optimizer's value for other axes. Pure.
+
+    Raises:
+        HDETConfigError: every (axis, group) whose lowest replica value would be < 0.
+    """
+    errors = []
+    for (axis, group), base in sorted(bases.items()):
+        spec = cfg.axes.get(axis)
+        if spec is None or spec.kind != "additive" or spec.spread_ratio <= 0 or cfg.replicas < 2:
+            continue
+        lowest = min(schedule.value(0, base), schedule.floor(base)) if axis == "lr" else base
+        if lowest - spec.spread_ratio < 0:
+            where = "the schedule's lowest LR" if axis == "lr" else f"its {axis}"
+            errors.append(f"{prefix}.axes.{axis}.spread_ratio: an additive spread of {spec.spread_ratio:g} takes "
+                          f"parameter group {group} from {where} {lowest:g} to {lowest - spec.spread_ratio:g} for one "
+                          f"replica, and {axis} must stay >= 0: use spread_ratio <= {lowest:g}, kind "
+                          "multiplicative, or a larger base value")
+    if errors:
+        raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))
+
+
 class Controller:
     """Auto-LR state for the explored keys of one scheduler.
 
@@ -152,7 +178,9 @@ class Controller:
         if shift == 0.0:
             return raw
         if self.config.axes[key[0]].kind == "additive":
-            return raw + shift
+            # the lowest replica (value - spread_ratio) stays >= 0: a shift may not take
+            # the value below spread_ratio (check_additive_floors checked raw at the start)
+            return max(raw + shift, min(raw, self.config.axes[key[0]].spread_ratio))
         return raw * math.exp(shift)
 
     def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
@@ -185,6 +213,11 @@ class Controller:
                 floor = lr_lower_bound(self.schedule, self.peaks[g], auto.max_factor) if a == "lr" else 0.0
                 if self.config.axes[a].kind == "multiplicative" and new_base < floor:
                     new_base = floor
+                    record[f"hdet/{a}/group_{g}/floored"] = 1
+                elif self.config.axes[a].kind == "additive" and new_base - self.config.axes[a].spread_ratio < 0:
+                    # an additive spread reaches base - spread_ratio: the lowest replica's
+                    # LR or weight decay must stay >= 0 (check_additive_floors, at the start)
+                    new_base = self.config.axes[a].spread_ratio
                     record[f"hdet/{a}/group_{g}/floored"] = 1
                 self.base[key] = new_base
             else:

@@ -187,6 +187,10 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             raise
     if missing_total:
         raise HDETConfigError(_with_missing_total(None))
+    from hdet_scale.autolr import check_additive_floors
+    from hdet_scale.train.engines import axis_bases
+
+    check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, config, backend))  # hdet-train's check
     lines = [layout_report(world_size, cfg.replicas)]
     if cfg.single_replica_warning:
         lines.append(f"warning: {cfg.single_replica_warning}")

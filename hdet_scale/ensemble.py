@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from hdet_scale import axes as ax
-from hdet_scale.autolr import Controller, build_schedule, check_config, decay_for  # noqa: F401 (re-exported)
+from hdet_scale.autolr import (Controller, build_schedule, check_additive_floors, check_config,  # noqa: F401
+                               decay_for)
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.param_groups import LiveParamGroups, check_param_groups  # noqa: F401 (re-exported)
@@ -70,6 +71,8 @@ class HDETScheduler:
         self.peaks = self._peaks(groups)
         self.explored = self._explored()  # (axis, group) pairs in hdet.axes
         self.initial = {(a, g): float(groups[g][a]) for a in config.axes for g in range(self.num_groups)}
+        check_additive_floors(config, self.schedule, {(a, g): self.peaks[g] if a == "lr" else self.initial[(a, g)]
+                                                      for a, g in self.explored})
         self.applied: dict[tuple[str, int], list[float]] = {}  # values of the current step
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0

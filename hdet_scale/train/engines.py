@@ -126,6 +126,27 @@ def _deepspeed_only(ds: dict, backend: str, prefix: str) -> list[str]:
     return errors
 
 
+def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int], float]:
+    """``{(axis, 0): value}`` of the one parameter group ``hdet-train`` builds, as the
+    file sets it, for the checks that need the optimizer's values before it exists
+    (``autolr.check_additive_floors``): the LR's peak (``hdet.schedule.max_lr``, else
+    ``optimizer.params.lr``) and ``optimizer.params.weight_decay``, else the optimizer's
+    default (torch's for the torch engines; 0 for DeepSpeed's Adam / AdamW). A value
+    that is not a number is left out (its own check names it)."""
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    kind = optimizer_class_name((ds.get("optimizer") or {}).get("type"))
+    peak = hcfg.schedule.max_lr if hcfg.schedule.max_lr is not None else params.get("lr")
+    decay = params.get("weight_decay")
+    if decay is None:
+        default = inspect.signature(OPTIMIZERS[kind]).parameters.get("weight_decay") if kind in OPTIMIZERS else None
+        decay = 0.0 if backend == "deepspeed" or default is None else default.default
+    bases = {}
+    for axis, value in (("lr", peak), ("weight_decay", decay)):
+        if axis in hcfg.axes and isinstance(value, (int, float)) and not isinstance(value, bool):
+            bases[(axis, 0)] = float(value)
+    return bases
+
+
 def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str]:
     """What a non-DeepSpeed engine does differently from what the ``deepspeed`` section
     says, without being wrong: today a ``zero_optimization.stage`` that shards more or

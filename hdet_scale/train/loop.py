@@ -30,9 +30,10 @@ from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
 from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
-from hdet_scale.train.engines import build_engine, check_engine_config
+from hdet_scale.autolr import build_schedule, check_additive_floors
+from hdet_scale.train.engines import axis_bases, build_engine, check_engine_config
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
-from hdet_scale.train.model import ModelConfig, loss_fn
+from hdet_scale.train.model import ModelConfig, check_buildable, loss_fn
 from hdet_scale.train.startup import watch_op_locks
 from hdet_scale.train.stopping import note_step
 
@@ -62,6 +63,10 @@ def validate(run: dict, world_size: int):
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":
         check_engine_config(run["deepspeed"], backend, world_size)
+    check_buildable(ModelConfig(**run["model"]))  # what transformers refuses, before any rank or overwrite
+    if hcfg.enabled:  # an additive spread taking the LR or weight decay below 0
+        check_additive_floors(hcfg, build_schedule(hcfg), axis_bases(hcfg, run["deepspeed"], backend),
+                              prefix="deepspeed.hdet")
     if not hcfg.enabled:
         raise HDETConfigError("deepspeed.hdet.enabled: hdet-train trains with HDET; for plain data parallelism "
                               "keep it true and set deepspeed.hdet.axes.lr.spread_ratio=0 "

@@ -82,6 +82,11 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} must be divisible by "
                 f"model.num_heads={self.num_heads}"
             )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise HDETConfigError(
+                f"model.hidden_size={self.hidden_size} / model.num_heads={self.num_heads} gives heads of "
+                f"{self.hidden_size // self.num_heads} dimensions; rotary position embeddings (RoPE) need an even "
+                "head size: change either")
         if self.num_heads % self.num_kv_heads:
             raise HDETConfigError(
                 f"model.num_heads={self.num_heads} must be divisible by "
@@ -96,6 +101,24 @@ class ModelConfig:
         if not isinstance(self.activation_checkpointing, bool):
             raise HDETConfigError("model.activation_checkpointing must be true or false; got "
                                   f"{self.activation_checkpointing!r}")
+
+
+def check_buildable(cfg: ModelConfig) -> None:
+    """Build the model on the meta device (no memory, no init: well under a second
+    for 1B parameters) so that a shape Hugging Face refuses is found before any rank
+    starts, and before ``train.overwrite`` removes an earlier run.
+
+    Raises:
+        HDETConfigError: naming the ``model`` section and transformers' reason.
+    """
+    from transformers import LlamaForCausalLM
+
+    try:
+        with torch.device("meta"):
+            LlamaForCausalLM(_llama_config(cfg))
+    except (ValueError, TypeError, RuntimeError, AssertionError) as e:
+        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise HDETConfigError(f"model: transformers cannot build a Llama of these model.* settings: {reason}") from None
 
 
 def _llama_config(cfg: ModelConfig):

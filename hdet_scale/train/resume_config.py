@@ -25,8 +25,9 @@ starts (:func:`check`), so nothing of the stopped run is touched by a refusal:
 - Keys that only say where and how a run is kept (``run_dir``, ``wandb.*``,
   ``hdet.logging``, the checkpoint cadence, ``train.steps``, ``nproc``) are not compared.
 
-A checkpoint written before the record existed (or a tag it does not list) resumes
-without this comparison.
+A record that lists no entry for the tag (``{"runs": {}}``, written by hand to resume
+on purpose without the comparison) resumes without it; a missing or damaged record file
+is refused, naming that way out.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from hdet_scale.errors import HDETStateError
 from hdet_scale.train.model import VOCAB_SIZE
 
 RECORD_FILE = "hdet_run_config.json"
+_EMPTY_RECORD = '{"runs": {}}'
 RECORD_VERSION = 1
 _UNSET = object()  # a key one side does not have
 
@@ -105,7 +107,8 @@ def _read(path: str) -> dict:
             raise ValueError("not a JSON object with a 'runs' object")
     except (OSError, ValueError) as e:
         raise HDETStateError(f"train.resume: {path} is damaged ({e}); it records the settings each checkpoint was "
-                             "saved with: remove it to resume without comparing them") from None
+                             f"saved with: restore it from a copy, or write {_EMPTY_RECORD} into it to resume "
+                             "without comparing them") from None
     return data
 
 
@@ -230,7 +233,15 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
 def _saved_record(save_dir: str) -> tuple[dict | None, str | None, int]:
     tag = read_latest(save_dir)
     step = read_layout(save_dir)["step"]
-    runs = _read(os.path.join(save_dir, RECORD_FILE)).get("runs", {})
+    path = os.path.join(save_dir, RECORD_FILE)
+    if not os.path.exists(path) and not os.path.islink(path):
+        # every hdet-train save writes it: without it a changed model shape would reach
+        # the ranks' load and fail there, after the start (tester round 9)
+        raise HDETStateError(f"train.resume: {path} is missing; every hdet-train save writes it (the settings each "
+                             "checkpoint was saved with, compared before a resume). Restore it from a copy, or "
+                             f"write {_EMPTY_RECORD} into it to resume without the comparison (then every setting "
+                             "that shapes the model and optimizer must be the checkpoint's), or start a new run_dir")
+    runs = _read(path).get("runs", {})
     saved = runs.get(tag)
     return (saved if isinstance(saved, dict) else None), tag, step
 

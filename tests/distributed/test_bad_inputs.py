@@ -55,6 +55,9 @@ def checkpoint(run_dir, layout: dict | None = None, latest: str | None = "global
         from hdet_scale.train.resume_config import save_record
 
         save_record(str(ckpt), tag, load_run_config(None, [f"run_dir={run_dir}", *record]))
+    else:  # a record without an entry for the tag: resumes without the comparison
+        ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / "hdet_run_config.json").write_text('{"runs": {}}')
     for r in range(replicas):
         for s in range(shards):
             folder = ckpt / f"replica_{r}" / tag
@@ -301,6 +304,18 @@ CASES = [
       "it holds []"], lambda run: _ddp_ckpt_with_foreign_file(run)),
     ("wandb_mode_env_unknown", ["wandb.enabled=true"], {"WANDB_MODE": "bogus"}, 2,
      ["WANDB_MODE='bogus' is not a W&B mode"], None),
+    # round 9: a deleted settings record let a changed model shape reach the ranks' load
+    ("resume_run_config_lost", ["run_dir={run}", "train.resume=true", "model.hidden_size=64"], {}, 2,
+     ["checkpoint/hdet_run_config.json is missing", 'write {{"runs": {{}}}} into it'],
+     _ckpt(record=[], damage=lambda c: os.remove(c / "hdet_run_config.json"))),
+    # round 9: a head size transformers' RoPE refuses failed in every rank, after W&B
+    # started (and after train.overwrite removed the earlier run)
+    ("model_odd_head_size", ["model.hidden_size=30", "model.num_heads=2"], {}, 2,
+     ["model.hidden_size=30 / model.num_heads=2 gives heads of 15 dimensions", "even head size"], None),
+    # round 9: an additive weight-decay spread below 0 trained one replica at -0.5
+    ("additive_decay_below_zero", ["backend=ddp", "deepspeed.hdet.axes.weight_decay={{spread_ratio: 0.5, kind: additive}}",
+                                   "deepspeed.optimizer.params.weight_decay=0.0"], {}, 2,
+     ["deepspeed.hdet.axes.weight_decay.spread_ratio: an additive spread of 0.5", "to -0.5 for one replica"], None),
     ("resume_layout_cut", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
      _ckpt(damage=lambda c: cut(c / "hdet_layout.json", 30))),
     ("resume_layout_list", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],

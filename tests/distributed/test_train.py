@@ -106,7 +106,8 @@ def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) ->
         assert {"hdet_shard_0.pt", "hdet_shard_1.pt"} <= set(names)
     assert json.loads((ckpt / "hdet_layout.json").read_text()) == {
         "world_size": 4, "replicas": 2, "shard_size": 2, "step": steps, "total_steps": steps, "backend": backend,
-        "checkpoints": {f"global_step{steps}": steps}}  # the index of complete checkpoints (checkpoint_io)
+        "checkpoints": {f"global_step{steps}": steps},  # the index of complete checkpoints (checkpoint_io)
+        "manifests": [f"global_step{steps}"]}  # the tags saved with a manifest (manifest.py)
 
 
 # Bad input to the launcher (config, data, run_dir, resume, files): test_bad_inputs.py.

@@ -231,7 +231,7 @@ def test_additive_axis_moves_in_units_of_its_spread_ratio():
     for s in (0.05, 0.1):
         axes = {"lr": {"spread_ratio": 0.2}, "weight_decay": {"spread_ratio": s, "kind": "additive", "auto": True}}
         cfg = config(replicas=R, sync_interval=T, total_steps=20, seed=seed, axes=axes)
-        sch, groups, _ = make(cfg)
+        sch, groups, _ = make(cfg, wds=(0.3, 0.2))  # > spread_ratio + |shift|: no replica near 0
         sch.set_probe(lambda: [1.0, 3.0])  # replica 0 better
         gen = torch.Generator().manual_seed(seed)
         perm_lr, perm_wd = (torch.randperm(R, generator=gen).tolist() for _ in range(2))  # sorted axes
@@ -245,11 +245,31 @@ def test_additive_axis_moves_in_units_of_its_spread_ratio():
         assert sch.controller.log_m[("weight_decay", 0)] == pytest.approx(shift, rel=1e-12)
         assert sch.last_sync["hdet/weight_decay/group_0/multiplier"] == pytest.approx(shift, rel=1e-12)
         new_perm = sch.permutations[("weight_decay", 0)]
-        for gi, wd0 in enumerate((0.01, 0.0)):
+        for gi, wd0 in enumerate((0.3, 0.2)):
             want = [wd0 + shift + s * off[new_perm[r]] for r in range(R)]
             assert [groups[r][gi]["weight_decay"] for r in range(R)] == pytest.approx(want, rel=1e-12, abs=1e-15)
         shifts.append(shift)
     assert shifts[1] == pytest.approx(2 * shifts[0], rel=1e-12) and shifts[0] != 0
+
+
+def test_an_additive_spread_below_zero_is_refused_and_the_auto_base_floored():
+    """Issue 9, tester round 9: an additive weight-decay spread of 0.5 on a decay of 0
+    trained one replica at -0.5 without a word. The scheduler refuses it at construction,
+    naming the axis, the group and the values; at exactly the base it is allowed (the
+    lowest replica at 0). The "paper" controller keeps an additive base at least
+    spread_ratio above 0, so a meta-update cannot take the lowest replica below 0 either."""
+    axes = {"weight_decay": {"spread_ratio": 0.05, "kind": "additive", "auto": True}}
+    cfg = config(replicas=2, sync_interval=2, total_steps=20, axes=axes)
+    with pytest.raises(HDETConfigError) as e:
+        make(cfg, wds=(0.05, 0.01))
+    assert ("hdet.axes.weight_decay.spread_ratio: an additive spread of 0.05 takes parameter group 1 from its "
+            "weight_decay 0.01 to -0.04") in str(e.value), str(e.value)
+    assert "group 0" not in str(e.value)
+    sch, groups, _ = make(cfg, wds=(0.05, 0.05))
+    sch.set_probe(lambda: [3.0, 1.0] if groups[0][0]["weight_decay"] > groups[1][0]["weight_decay"] else [1.0, 3.0])
+    for _ in range(12):  # the lower decay always wins: the base is pushed down, then floored
+        sch.step([1.0, 1.0])
+        assert min(groups[r][g]["weight_decay"] for r in (0, 1) for g in (0, 1)) >= -1e-12
 
 
 def test_spread_zero_gives_no_move():
@@ -415,15 +435,15 @@ def test_log_controller_state_dict_resume_is_exact(cut):
                         dict(sch.controller.log_m), dict(sch.velocity), copy.deepcopy(sch.permutations)))
         return out
 
-    ref, ref_groups, _ = make(cfg)
+    ref, ref_groups, _ = make(cfg, wds=(0.05, 0.03))
     ref.set_probe(probe_for(ref))
     ref_trace = run(ref, ref_groups, 0, N)
-    a, a_groups, _ = make(cfg)
+    a, a_groups, _ = make(cfg, wds=(0.05, 0.03))
     a.set_probe(probe_for(a))
     run(a, a_groups, 0, cut)
     state = copy.deepcopy(a.state_dict())
     assert state["version"] == 2 and set(state["controller"]) == {"base", "log_m", "velocity", "updates"}
-    b, b_groups, _ = make(cfg)
+    b, b_groups, _ = make(cfg, wds=(0.05, 0.03))
     b.set_probe(probe_for(b))
     b.load_state_dict(state)
     assert b_groups == a_groups

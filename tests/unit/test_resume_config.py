@@ -109,10 +109,15 @@ def test_the_warning_lists_each_change_and_the_value_used(tmp_path):
 def test_each_tag_is_compared_with_its_own_record(tmp_path):
     """A record per tag, for the tags the index lists: a save cut short after its record
     (latest still on the previous tag) compares with the previous tag's settings, and
-    pruned tags' records go with the next save. A checkpoint without a record resumes
-    unchecked; a damaged record file is named."""
+    pruned tags' records go with the next save. A checkpoint without a record file is
+    refused, naming it (tester round 9: a changed model shape then failed in the ranks'
+    load); one whose record lists no entry for the tag (``{"runs": {}}``, the way out the
+    message names) resumes unchecked; a damaged record file is named."""
     ckpt = tmp_path / "checkpoint"
-    save(ckpt, 5, None)  # before the record existed
+    save(ckpt, 5, None)  # no record file
+    with pytest.raises(HDETStateError, match=f"{resume_config.RECORD_FILE} is missing.*write {{\"runs\": {{}}}}"):
+        resume_config.check(run_config(tmp_path, "model.hidden_size=64"), str(ckpt))
+    (ckpt / resume_config.RECORD_FILE).write_text('{"runs": {}}')
     assert resume_config.check(run_config(tmp_path, "model.hidden_size=64"), str(ckpt)) == []
     save(ckpt, 10, run_config(tmp_path))
     lower = run_config(tmp_path, "deepspeed.optimizer.params.lr=0.001")
@@ -125,7 +130,7 @@ def test_each_tag_is_compared_with_its_own_record(tmp_path):
     assert sorted(json.loads((ckpt / resume_config.RECORD_FILE).read_text())["runs"]) == ["global_step15",
                                                                                             "global_step20"]
     (ckpt / resume_config.RECORD_FILE).write_text('{"runs": [1')
-    with pytest.raises(HDETStateError, match=f"{resume_config.RECORD_FILE} is damaged.*remove it"):
+    with pytest.raises(HDETStateError, match=f"{resume_config.RECORD_FILE} is damaged.*write {{\"runs\": {{}}}} into it"):
         resume_config.check(lower, str(ckpt))
 
 
