@@ -185,6 +185,11 @@ def check_writable(run_dir: str, key: str = "run_dir") -> None:
     if broken is not None:
         raise HDETConfigError(f"{key}: {broken} is a symbolic link to {os.readlink(broken)!r}, which does not "
                               f"exist; create its target, remove the link, or choose another {key}")
+    real = os.path.realpath(run_dir)
+    for root in ("/proc", "/sys"):  # kernel filesystems: nothing a run writes belongs there
+        if real == root or real.startswith(root + os.sep):
+            raise HDETConfigError(f"{key}: {run_dir} is in {root}, a kernel filesystem, not storage; choose a folder "
+                                  "on a disk this user can write")
     try:
         os.makedirs(run_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".hdet_write_test.", dir=run_dir)

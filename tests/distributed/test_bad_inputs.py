@@ -304,6 +304,8 @@ CASES = [
       "it holds []"], lambda run: _ddp_ckpt_with_foreign_file(run)),
     ("wandb_mode_env_unknown", ["wandb.enabled=true"], {"WANDB_MODE": "bogus"}, 2,
      ["WANDB_MODE='bogus' is not a W&B mode"], None),
+    ("wandb_dir_procfs", ["wandb.enabled=true", "wandb.dir=/proc/hdet_wandb"], {"WANDB_MODE": "offline"}, 2,
+     ["wandb.dir: /proc/hdet_wandb is in /proc, a kernel filesystem"], None),
     # round 9: a deleted settings record let a changed model shape reach the ranks' load
     ("resume_run_config_lost", ["run_dir={run}", "train.resume=true", "model.hidden_size=64"], {}, 2,
      ["checkpoint/hdet_run_config.json is missing", 'write {{"runs": {{}}}} into it'],
