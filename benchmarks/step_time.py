@@ -48,8 +48,8 @@ from typing import Any
 RESULTS = "benchmarks/results/step_time.jsonl"
 WORLD, REPLICAS = 4, 2
 WARMUP = 5
-FULL = {"T": 100, "repeats": 5, "hidden": 256, "layers": 4, "seq": 64, "micro": 2}
-TINY = {"T": 4, "repeats": 2, "hidden": 32, "layers": 2, "seq": 16, "micro": 2}
+FULL = {"T": 100, "repeats": 5, "hidden": 256, "layers": 4, "seq": 64, "micro": 2, "bucket": 400_000}
+TINY = {"T": 4, "repeats": 2, "hidden": 32, "layers": 2, "seq": 16, "micro": 2, "bucket": 4_000}
 VARIANTS = ("ds_plain", "ds_global", "ds_global_hook", "ds_replica", "fsdp2_plain", "fsdp2_hsdp", "fsdp2_global", "fsdp2_replica")
 RATIOS = {"ds_global": "ds_plain", "ds_global_hook": "ds_plain", "ds_replica": "ds_plain", "fsdp2_hsdp": "fsdp2_plain",
           "fsdp2_global": "fsdp2_plain", "fsdp2_replica": "fsdp2_plain"}
@@ -92,7 +92,11 @@ def _build(variant: str, size: dict, meshes: dict, topology: Any) -> Any:
         import hdet_scale
 
         ds = {"train_micro_batch_size_per_gpu": size["micro"], "gradient_accumulation_steps": 1,
-              "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+              "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True,
+              # ~1/8 of the model per gradient bucket, as a large model has many buckets at
+              # DeepSpeed's default (5e8 elements would hold this whole model in one, and
+              # nothing could overlap the backward pass)
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": size["bucket"]}}
         if variant == "ds_plain":
             groups.mpu = None  # an HDET engine built before left its mpu (R x S groups) behind
             engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=ds)

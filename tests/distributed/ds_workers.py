@@ -361,9 +361,14 @@ def overlap_worker(steps: int = 4) -> dict:
                 engine, _, _, sched = initialize(build_model(), cfg)
                 sharing = sched.sync_obj.overlapped
                 started: list[int] = []
+                before_epilogue: list[int] = []  # all-reduces in flight when the backward pass ended
                 if sharing is not None:
                     finish = sharing.finish
                     sharing.finish = lambda: (started.append(len(sharing.pending)), finish())[1]
+                    opt = engine.optimizer
+                    epilogue = opt.independent_gradient_partition_epilogue
+                    opt.independent_gradient_partition_epilogue = lambda: (
+                        before_epilogue.append(len(sharing.pending)), epilogue())[1]
                 masters = []
                 for step in range(1, steps + 1):
                     for micro in range(gas):
@@ -374,6 +379,7 @@ def overlap_worker(steps: int = 4) -> dict:
                     masters.append(full_master(engine))
                 out[f"{'bf16' if bf16 else 'fp32'}_gas{gas}_{'overlap' if overlap else 'hook'}"] = {
                     "masters": masters, "overlapped": sharing is not None, "started": started,
+                    "before_epilogue": before_epilogue,
                     "collectives": None if sharing is None else sharing.collectives,
                     "flat_dtype": str(engine.optimizer.grad_partitions_flat_buffer.dtype)}
     return out
