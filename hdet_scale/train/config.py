@@ -49,6 +49,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    plots: bool = True
 
 
 @dataclass

@@ -293,6 +293,10 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             # Strict JSON: a diverged run's NaN / inf are written as null.
             json.dump(json_safe(summary, nonfinite=lambda x: None), f, indent=2)
+        if run["train"]["plots"]:
+            from hdet_scale.plot import plot_after_run  # matplotlib itself only there, optional
+
+            plot_after_run(run_dir)  # run_dir/plots/*.png; never fails the run
         logger.summary(summary)
     logger.close()
     dist.barrier(group=dist.group.WORLD)

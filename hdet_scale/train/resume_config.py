@@ -50,7 +50,7 @@ _UNSET = object()  # a key one side does not have
 
 _NOT_COMPARED = {"run_dir", "nproc", "deepspeed_config", "backend", "train.steps", "train.eval_batches",
                  "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints", "train.resume",
-                 "train.overwrite", "train.progress", "model.init_seed", "model.activation_checkpointing",
+                 "train.overwrite", "train.progress", "train.plots", "model.init_seed", "model.activation_checkpointing",
                  "model.sharded_init", "deepspeed.hdet.enabled", "deepspeed.hdet.replicas", "deepspeed.hdet.bucket_mb",
                  "deepspeed.steps_per_print", "deepspeed.wall_clock_breakdown"}
 _NOT_COMPARED_PREFIXES = ("wandb.", "deepspeed.hdet.logging.")

@@ -11,6 +11,7 @@ in a way that turns another rank's "resume" into something else.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -247,9 +248,23 @@ def prepare_run_dir(run: dict, mode: str) -> None:
     if mode == "replace":
         for name in RUN_FILES:
             _remove(os.path.join(run_dir, name))
+        _remove_plots(run_dir)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id not in ("", "none"):
         write_atomic(os.path.join(run_dir, JOB_FILE), json.dumps({"torchelastic_run_id": run_id}))
+
+
+def _remove_plots(run_dir: str) -> None:
+    """The PNGs ``hdet-plot`` wrote into ``run_dir/plots`` (they would show the replaced
+    run's curves); anything else a user put there stays, and so does the folder then."""
+    folder = os.path.join(run_dir, "plots")
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        return
+    for name in os.listdir(folder):
+        if re.fullmatch(r"(fanout_.+|base_.+|sync|loss)\.png", name):
+            _remove(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)  # only when empty
 
 
 def trim_for_resume(run: dict) -> None:

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(600)
 STEPS = 10
 COMMON = ["deepspeed.optimizer.params.eps=1.0", "deepspeed.optimizer.params.lr=0.5", "deepspeed.gradient_clipping=0",
           f"train.steps={STEPS}", "deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.enabled=false",
-          "train.eval_batches=4", "wandb.enabled=false", "train.progress=false", "train.checkpoint=false"]
+          "train.eval_batches=4", "wandb.enabled=false", "train.progress=false", "train.checkpoint=false", "train.plots=false"]
 RUNS = {"k2": ["deepspeed.train_micro_batch_size_per_gpu=4", "deepspeed.gradient_accumulation_steps=2"],
         "k1": ["deepspeed.train_micro_batch_size_per_gpu=8", "deepspeed.gradient_accumulation_steps=1"]}
 RUNS["k2_ac"] = RUNS["k2"] + ["model.activation_checkpointing=true"]

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.timeout(600)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
 SHORT = ["train.steps=12", "train.checkpoint_every=5", "train.keep_checkpoints=2", "deepspeed.hdet.sync_interval=5",
          "deepspeed.hdet.auto.warmup_steps=5", "train.eval_batches=4", "model.dropout=0.1", "wandb.enabled=false",
-         "train.progress=false"]
+         "train.progress=false", "train.plots=false"]
 KILL = {"HDET_FAULT_KILL": "3:11"}  # global rank 3, right after optimizer step 11
 LOSSES = ("hdet/loss", "hdet/loss/replica_0", "hdet/loss/replica_1", "hdet/fitness/replica_0", "hdet/fitness/replica_1")
 

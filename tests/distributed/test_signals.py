@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(600)
 
 STOP_S = 30  # every rank gone within this many seconds of the signal
 ARGS = ["train.steps=300", "train.checkpoint_every=3", "deepspeed.train_micro_batch_size_per_gpu=4",
-        "train.eval_batches=4", "wandb.mode=offline", "train.progress=false"]
+        "train.eval_batches=4", "wandb.mode=offline", "train.progress=false", "train.plots=false"]
 TRAIN = [sys.executable, "-m", "hdet_scale.train.cli"]
 
 

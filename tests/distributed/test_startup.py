@@ -37,7 +37,7 @@ def test_ranks_name_a_stale_op_lock_instead_of_hanging(tmp_path):
     old = time.time() - 3600
     os.utime(lock, (old, old))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "train.progress=false"]
+           "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "train.progress=false", "train.plots=false"]
     rc, err, seconds, leftovers = run_cli(cmd, {"TORCH_EXTENSIONS_DIR": str(ext)}, timeout=120)
     assert rc != 0 and "exitcode  : 3" in err, (rc, err[-3000:])
     named = [line for line in err.splitlines() if line.startswith("hdet-train: error:") and str(lock) in line]
@@ -80,7 +80,7 @@ def test_a_signal_during_op_loading_leaves_no_lock(tmp_path):
                             "PATH": f"{shim_dir}{os.pathsep}{ENV['PATH']}"})
     cmd = [sys.executable, "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "nproc=2", "train.steps=10",
            "deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5", "wandb.enabled=false",
-           "train.progress=false", "data.max_bytes=200000"]
+           "train.progress=false", "train.plots=false", "data.max_bytes=200000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
 # micro-batch 4 x 2 accumulation steps: the schedule, syncs and logs count optimizer steps.
 SHORT = ["train.steps=40", "deepspeed.train_micro_batch_size_per_gpu=4", "deepspeed.gradient_accumulation_steps=2", "deepspeed.hdet.sync_interval=10", "deepspeed.hdet.auto.warmup_steps=20",
-         "train.eval_batches=8", "wandb.mode=offline", "train.progress=false"]
+         "train.eval_batches=8", "wandb.mode=offline", "train.progress=false", "train.plots=false"]
 
 
 def hdet_train(args: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -34,8 +34,16 @@ def hdet_train(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def test_default_job_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    proc = hdet_train([f"run_dir={run_dir}", *SHORT], timeout=400)
+    (run_dir / "plots").mkdir(parents=True)
+    (run_dir / "plots" / "sync.png").write_bytes(b"an earlier run's plot")  # replaced, not kept
+    (run_dir / "plots" / "mine.txt").write_text("the user's")  # not ours: stays
+    proc = hdet_train([f"run_dir={run_dir}", *SHORT[:-1], "train.plots=true"], timeout=400)
     check_run(run_dir, proc, "deepspeed")
+    # hdet-train wrote the plots (hdet_scale/plot.py; their numbers: tests/unit/test_plot.py)
+    written = sorted(p.name for p in (run_dir / "plots").iterdir())
+    assert {"fanout_lr_group0.png", "base_lr_group0.png", "sync.png", "loss.png", "mine.txt"} <= set(written), written
+    assert (run_dir / "plots" / "sync.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "4 plots in" in proc.stderr or "plots in" in proc.stderr, proc.stderr[-2000:]
 
 
 # The same job on the other backends, shorter (20 steps, syncs at 10 and 20): the loop,

@@ -1,0 +1,307 @@
+"""``hdet-plot RUN_DIR [--out DIR]``: PNG plots of one ``hdet-train`` run.
+
+Reads ``RUN_DIR/metrics.jsonl`` (``hdet_scale.logging.MetricsLogger``'s records; the x
+axis is always the optimizer step) and writes into ``RUN_DIR/plots/`` (or ``--out``):
+
+- ``fanout_<axis>_group<g>.png``: every replica's value of ``axis`` for parameter group
+  ``g`` at each logged step (``hdet/<axis>/replica_<r>/group_<g>``), one line per replica;
+- ``base_<axis>_group<g>.png``: the shared base value (the replicas' mean: the spread
+  offsets are symmetric, ``hdet_scale.axes``) against the plain schedule, which the
+  metrics do not hold: it is the base divided by the auto-LR multiplier in effect
+  (``hdet/<axis>/group_<g>/multiplier`` of the last sync before the step; minus the shift
+  on an additive axis, whose floor is not modelled). The title says what is shown;
+- ``sync.png``: each sync's per-replica interval training loss (``hdet/loss/replica_<r>``),
+  probe fitness when the run scored by a probe, and softmax weights (meta-updates only);
+- ``loss.png``: rank 0's per-step training loss (``hdet/loss``) and the validation loss.
+
+The trainer evaluates once, at the end, and writes that ``val_loss`` to ``summary.json``
+only; a ``val/loss`` or ``val_loss`` record in ``metrics.jsonl`` is used when there is
+one, else the summary's value is the one point (the only file read besides the metrics).
+
+A plot the records cannot give (no sync yet, a single replica: no fan-out) is skipped
+with one printed line. Uses matplotlib's ``Figure`` directly (Agg canvas), so neither
+pyplot nor the process-wide backend is touched. Exit codes: 0 done; 2 a missing, empty
+or unreadable metrics file (one ``hdet-plot: error:`` line naming it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hdet_scale.errors import HDETConfigError
+
+_VALUE = re.compile(r"^hdet/([^/]+)/replica_(\d+)/group_(\d+)$")  # one replica's axis value
+_SYNC = re.compile(r"^hdet/(loss|fitness|weight)/replica_(\d+)$")  # per replica, at a sync
+VAL_KEYS = ("val/loss", "val_loss")
+
+
+def read_records(path: str) -> list[dict]:
+    """The JSON records of ``path``, one per line (blank lines and a cut-off last line,
+    without its newline, skipped).
+
+    Raises:
+        HDETConfigError: the file is missing, unreadable, has no record, or a line is not
+            a JSON object (the message names the file and line).
+    """
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise HDETConfigError(f"{path}: cannot read the metrics file ({e.strerror or e}); "
+                              "pass the run_dir of an hdet-train run") from None
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            if i == len(lines) and not line.endswith("\n"):
+                continue  # the record a killed (or running) job was writing: the rest is whole
+            raise HDETConfigError(f"{path}:{i}: not a JSON record ({e})") from None
+        if not isinstance(rec, dict):
+            raise HDETConfigError(f"{path}:{i}: not a JSON object")
+        records.append(rec)
+    if not records:
+        raise HDETConfigError(f"{path}: the metrics file holds no record (did the run log a step?)")
+    return records
+
+
+def _num(v: Any) -> float:
+    # json_safe writes NaN / inf as strings ("nan"); hdet/loss may be null (no loss passed).
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _axis_kind(rows: list[list[float]]) -> str:
+    """Multiplicative axes keep the replicas' max/min ratio, additive ones their gap,
+    whatever the base does (the metrics do not name the kind; ``lr`` is always
+    multiplicative). Ambiguous (a constant base, one replica): multiplicative."""
+    rows = [r for r in rows if len(r) > 1 and all(math.isfinite(x) and x > 0 for x in r)]
+    ratios = [max(r) / min(r) for r in rows]
+    gaps = [max(r) - min(r) for r in rows]
+    if not ratios or max(ratios) - min(ratios) <= 1e-6 * max(ratios):
+        return "multiplicative"
+    return "additive" if max(gaps) - min(gaps) <= 1e-6 * max(gaps) else "multiplicative"
+
+
+def series(records: list[dict]) -> dict:
+    """What the plots draw, from the records in file order (pure; the test's handle).
+
+    Returns a dict:
+        ``fanout[(axis, g)]``: ``{"steps": [s], "replicas": [[value of replica r at s]]}``
+        (per-step records only; a sync record repeats its step's values);
+        ``base[(axis, g)]``: ``{"steps", "base", "plain" (None: not derivable), "sync_steps",
+        "sync_base" (the base each sync logged, for the next step), "shown" (title)}``;
+        ``sync``: ``{"steps", "loss": [[per replica]], "fitness" (or None),
+        "weight_steps", "weight": [[per replica]]}``; ``train`` and ``val``:
+        ``{"steps", "loss"}``. Floats; NaN where a record lacks a value.
+    """
+    records = [r for r in records if isinstance(r.get("step"), int)]  # the x axis; all the trainer's have it
+    steps = [r for r in records if "hdet/sync" not in r]
+    syncs = [r for r in records if "hdet/sync" in r]
+    out: dict[str, Any] = {"fanout": {}, "base": {}}
+    cols: dict[tuple[str, int], dict[int, dict[int, float]]] = {}
+    for rec in steps:
+        for k, v in rec.items():
+            m = _VALUE.match(k)
+            if m:
+                cols.setdefault((m[1], int(m[3])), {}).setdefault(rec["step"], {})[int(m[2])] = _num(v)
+    for key, by_step in sorted(cols.items()):
+        n = 1 + max(r for vals in by_step.values() for r in vals)
+        xs = sorted(by_step)
+        rows = [[by_step[s].get(r, float("nan")) for r in range(n)] for s in xs]
+        out["fanout"][key] = {"steps": xs, "replicas": [[row[r] for row in rows] for r in range(n)]}
+        out["base"][key] = _base(key, xs, rows, syncs)
+    n_sync = 1 + max((int(m[2]) for r in syncs for m in map(_SYNC.match, r) if m), default=-1)
+
+    def per_replica(name: str, recs: list[dict]) -> list[list[float]]:
+        return [[_num(r.get(f"hdet/{name}/replica_{i}")) for r in recs] for i in range(n_sync)]
+
+    meta = [r for r in syncs if any(k.startswith("hdet/weight/") for k in r)]
+    probe = any(k.startswith("hdet/fitness/") for r in syncs for k in r)
+    out["sync"] = {"steps": [r["step"] for r in syncs], "loss": per_replica("loss", syncs),
+                   "fitness": per_replica("fitness", syncs) if probe else None,
+                   "weight_steps": [r["step"] for r in meta], "weight": per_replica("weight", meta)}
+    train = [r for r in steps if "hdet/loss" in r]
+    out["train"] = {"steps": [r["step"] for r in train], "loss": [_num(r["hdet/loss"]) for r in train]}
+    val = [(r["step"], _num(r[k])) for r in records for k in VAL_KEYS if k in r]
+    out["val"] = {"steps": [s for s, _ in val], "loss": [x for _, x in val]}
+    return out
+
+
+def _base(key: tuple[str, int], xs: list[int], rows: list[list[float]], syncs: list[dict]) -> dict:
+    axis, g = key
+    base = [sum(row) / len(row) for row in rows]
+    logged = [r for r in syncs if f"hdet/{axis}/group_{g}/base" in r]
+    res = {"steps": xs, "base": base, "sync_steps": [r["step"] for r in logged],
+           "sync_base": [_num(r[f"hdet/{axis}/group_{g}/base"]) for r in logged]}
+    mult_key = f"hdet/{axis}/group_{g}/multiplier"
+    changes = [(r["step"], _num(r[mult_key])) for r in syncs if mult_key in r]
+    if changes:
+        kind = _axis_kind(rows)
+        plain = []
+        for s, b in zip(xs, base):
+            # The record of step s holds the values step s ran with, set before that step's
+            # sync: a sync's multiplier applies from the next step on.
+            m = next((v for t, v in reversed(changes) if t < s), 1.0 if kind == "multiplicative" else 0.0)
+            plain.append(b / m if kind == "multiplicative" else b - m)
+        how = "base / auto-LR multiplier" if kind == "multiplicative" else "base - auto-LR shift"
+        return {**res, "plain": plain, "shown": f"base (mean of replicas) vs plain schedule = {how}"}
+    if any(any(k.startswith("hdet/weight/") for k in r) for r in syncs):  # controller "paper"
+        return {**res, "plain": None,
+                "shown": "base (mean of replicas); no multiplier logged (auto.controller paper): no plain schedule"}
+    return {**res, "plain": None, "shown": "base (mean of replicas) = plain schedule (no auto-LR update ran)"}
+
+
+def _figure(rows: int = 1):
+    # lazily: matplotlib is the optional "plot" extra
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 3.6 * rows), dpi=100, layout="constrained")
+    return fig, [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+
+
+def _save(fig, out_dir: str, name: str, written: list[str]) -> None:
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, format="png")
+    written.append(path)
+
+
+def write_plots(run_dir: str, out_dir: str | None = None,
+                log: Callable[[str], None] = print) -> list[str]:
+    """Write the run's PNGs (module docstring) into ``out_dir`` (default
+    ``run_dir/plots``, created) and return their paths, in writing order. ``log`` gets
+    one line per skipped plot. Raises HDETConfigError for the metrics file
+    (:func:`read_records`); needs matplotlib (ImportError otherwise)."""
+    records = read_records(os.path.join(run_dir, "metrics.jsonl"))
+    s = series(records)
+    if not s["val"]["steps"]:
+        s["val"] = _summary_val(run_dir)
+    import matplotlib  # noqa: F401  (fail before creating the folder)
+
+    out_dir = out_dir or os.path.join(run_dir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    written: list[str] = []
+    for (axis, g), f in s["fanout"].items():
+        if len(f["replicas"]) < 2:
+            log(f"skipped fanout_{axis}_group{g}.png: a single replica (no fan-out)")
+        else:
+            fig, (ax,) = _figure()
+            for r, ys in enumerate(f["replicas"]):
+                ax.plot(f["steps"], ys, label=f"replica {r}", lw=1.2)
+            for x in s["sync"]["steps"]:
+                ax.axvline(x, color="0.85", lw=0.8, zorder=0)
+            ax.set(title=f"{axis}, group {g}: every replica's value (grey: syncs)", xlabel="optimizer step",
+                   ylabel=axis)
+            ax.legend(fontsize="small")
+            _save(fig, out_dir, f"fanout_{axis}_group{g}.png", written)
+        b = s["base"][(axis, g)]
+        fig, (ax,) = _figure()
+        ax.plot(b["steps"], b["base"], label="base (mean of replicas)", lw=1.5)
+        if b["plain"] is not None:
+            ax.plot(b["steps"], b["plain"], "--", label="plain schedule (no auto-LR)", lw=1.2)
+        if b["sync_steps"]:
+            ax.plot(b["sync_steps"], b["sync_base"], "o", ms=4, label="base logged at each sync (next step's)")
+        ax.set_title(f"{axis}, group {g}: {b['shown']}", fontsize="small")
+        ax.set(xlabel="optimizer step", ylabel=axis)
+        ax.legend(fontsize="small")
+        _save(fig, out_dir, f"base_{axis}_group{g}.png", written)
+    if not s["fanout"]:
+        log("skipped fanout_*.png and base_*.png: no per-replica values in the metrics")
+    sy = s["sync"]
+    if not sy["steps"]:
+        log("skipped sync.png: no sync in the metrics yet")
+    else:
+        fig, (top, bottom) = _figure(2)
+        for r, ys in enumerate(sy["loss"]):
+            line, = top.plot(sy["steps"], ys, "o-", ms=3, label=f"replica {r}: interval train loss")
+            if sy["fitness"] is not None:
+                top.plot(sy["steps"], sy["fitness"][r], "s--", ms=3, color=line.get_color(),
+                         label=f"replica {r}: probe fitness")
+        top.set(title="fitness at each sync", xlabel="optimizer step", ylabel="loss (nats/byte)")
+        top.legend(fontsize="x-small")
+        for r, ys in enumerate(sy["weight"]):
+            bottom.plot(sy["weight_steps"], ys, "o-", ms=3, label=f"replica {r}")
+        bottom.set(title="softmax weights (meta-updates only)" if sy["weight_steps"] else
+                   "softmax weights: no meta-update yet (auto-LR off or in warm-up)",
+                   xlabel="optimizer step", ylabel="weight", ylim=(-0.05, 1.05))
+        if sy["weight_steps"]:
+            bottom.legend(fontsize="x-small")
+        _save(fig, out_dir, "sync.png", written)
+    if not s["train"]["steps"] and not s["val"]["steps"]:
+        log("skipped loss.png: no loss in the metrics")
+    else:
+        fig, (ax,) = _figure()
+        ax.plot(s["train"]["steps"], s["train"]["loss"], lw=1, label="train loss (rank 0, per step)")
+        if s["val"]["steps"]:
+            ax.plot(s["val"]["steps"], s["val"]["loss"], "o-", ms=5, label="validation loss")
+        else:
+            log("loss.png: no validation loss in the run (train loss only)")
+        ax.set(title="loss", xlabel="optimizer step", ylabel="loss (nats/byte)")
+        ax.legend(fontsize="small")
+        _save(fig, out_dir, "loss.png", written)
+    return written
+
+
+def _summary_val(run_dir: str) -> dict:
+    """The trainer's one evaluation, at the end: ``summary.json``'s ``val_loss`` at its
+    ``steps`` (nothing when the run has no summary yet or a diverged one, ``null``)."""
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            summary = json.load(f)
+        val, step = summary["val_loss"], summary["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"steps": [], "loss": []}
+    return {"steps": [step], "loss": [float(val)]} if isinstance(val, (int, float)) else {"steps": [], "loss": []}
+
+
+def plot_after_run(run_dir: str) -> None:
+    """``hdet-train``'s end of run (rank 0): write the plots, never fail the run. Without
+    matplotlib one note line; any error one warning line. Prints to stderr (stdout
+    carries the summary JSON)."""
+    def say(line: str) -> None:
+        print(f"hdet-train: {line}", file=sys.stderr, flush=True)
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        say("note: no plots (matplotlib is not installed: pip install 'hdet-scale[plot]', then hdet-plot RUN_DIR)")
+        return
+    try:
+        paths = write_plots(run_dir, log=lambda line: say(f"plot: {line}"))
+        if paths:
+            say(f"{len(paths)} plots in {os.path.dirname(paths[0])}")
+    except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
+        say(f"warning: no plots ({type(e).__name__}: {e})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hdet-plot", description="PNG plots of an hdet-train run (its metrics.jsonl).")
+    p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
+    args = p.parse_args(argv)
+    try:
+        paths = write_plots(args.run_dir, args.out)
+    except HDETConfigError as e:
+        print(f"hdet-plot: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"hdet-plot: error: matplotlib is needed ({e}): pip install 'hdet-scale[plot]'", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""hdet-plot (hdet_scale/plot.py): the series it draws equal the numbers in metrics.jsonl,
+the PNGs exist, and the errors are one line naming the file (exit 2).
+
+The synthetic metrics use the key names a real ``hdet-train`` run writes (measured: 2
+replicas, ddp, auto-LR with the probe fitness, sync_interval 10)."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from hdet_scale.plot import main, series, write_plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+RHO = (0.889, 1.111)  # spread_ratio 0.111, replica r's factor (one fixed permutation here)
+PLAIN = {1: 1e-3, 2: 2e-3, 3: 3e-3, 4: 2e-3, 5: 1e-3, 6: 5e-4}  # the schedule, per step
+MULT = {2: 1.5, 4: 2.0, 6: 2.5}  # multiplier logged at the sync of step 2, 4, 6
+LOSS = {s: 5.0 - 0.25 * s for s in PLAIN}
+
+
+def _records(syncs: bool = True, val: bool = True) -> list[dict]:
+    recs, m = [], 1.0
+    for s in sorted(PLAIN):
+        base = PLAIN[s] * m  # the values step s ran with: the last sync before s set m
+        recs.append({"step": s, "hdet/loss": LOSS[s], "hdet/lr/replica_0/group_0": base * RHO[0],
+                     "hdet/lr/replica_1/group_0": base * RHO[1], "train/tokens_per_s": 1000.0,
+                     "train/backward_passes": s, "train/tokens_seen": 4096 * s})
+        if syncs and s in MULT:
+            m = MULT[s]
+            recs.append({"step": s, "hdet/step": s, "hdet/sync": s // 2, "hdet/converge_s": 0.01,
+                         "hdet/loss/replica_0": 4.0 + s, "hdet/loss/replica_1": 4.5 + s,
+                         "hdet/fitness/replica_0": 3.0 + s, "hdet/fitness/replica_1": 3.5 + s,
+                         "hdet/lr/replica_0/group_0": base * RHO[0], "hdet/lr/replica_1/group_0": base * RHO[1],
+                         "hdet/temperature": 0.05, "hdet/weight/replica_0": 0.25 * s / 2,
+                         "hdet/weight/replica_1": 1 - 0.25 * s / 2, "hdet/lr/group_0/multiplier": m,
+                         "hdet/lr/group_0/hypergradient": 0.76, "hdet/lr/group_0/velocity": 0.38,
+                         "hdet/lr/group_0/base": PLAIN[s] * m})
+    if val:
+        recs.append({"step": 6, "val/loss": 3.25})
+    return recs
+
+
+def _write(run_dir, records) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_series_equal_the_metrics():
+    s = series(_records())
+    f = s["fanout"][("lr", 0)]
+    assert f["steps"] == [1, 2, 3, 4, 5, 6]
+    lr0 = [1e-3 * .889, 2e-3 * .889, 3e-3 * 1.5 * .889, 2e-3 * 1.5 * .889, 1e-3 * 2 * .889, 5e-4 * 2 * .889]
+    assert f["replicas"][0] == pytest.approx(lr0, rel=1e-12)
+    assert f["replicas"][1] == pytest.approx([x / .889 * 1.111 for x in lr0], rel=1e-12)
+    b = s["base"][("lr", 0)]
+    assert b["base"] == pytest.approx([1e-3, 2e-3, 4.5e-3, 3e-3, 2e-3, 1e-3], rel=1e-12)  # mean of the two
+    assert b["plain"] == pytest.approx([PLAIN[k] for k in range(1, 7)], rel=1e-12)  # base / multiplier
+    assert "base / auto-LR multiplier" in b["shown"]
+    assert b["sync_steps"] == [2, 4, 6] and b["sync_base"] == pytest.approx([3e-3, 4e-3, 1.25e-3])
+    sy = s["sync"]
+    assert sy["steps"] == [2, 4, 6] and sy["weight_steps"] == [2, 4, 6]
+    assert sy["loss"] == [[6.0, 8.0, 10.0], [6.5, 8.5, 10.5]]
+    assert sy["fitness"] == [[5.0, 7.0, 9.0], [5.5, 7.5, 9.5]]
+    assert sy["weight"] == [[0.25, 0.5, 0.75], [0.75, 0.5, 0.25]]
+    assert s["train"] == {"steps": [1, 2, 3, 4, 5, 6], "loss": [4.75, 4.5, 4.25, 4.0, 3.75, 3.5]}
+    assert s["val"] == {"steps": [6], "loss": [3.25]}
+
+
+def test_nan_and_no_auto_update():
+    recs = _records(syncs=False, val=False)
+    recs[2]["hdet/loss"] = "nan"  # json_safe's form of a diverged step
+    s = series(recs)
+    assert s["train"]["loss"][2] != s["train"]["loss"][2]  # NaN
+    b = s["base"][("lr", 0)]
+    assert b["plain"] is None and "no auto-LR update ran" in b["shown"]
+    assert s["sync"]["steps"] == [] and s["val"]["steps"] == []
+
+
+def test_write_plots_writes_valid_pngs(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write(run, _records())
+    paths = write_plots(str(run))
+    names = ["fanout_lr_group0.png", "base_lr_group0.png", "sync.png", "loss.png"]
+    assert paths == [str(run / "plots" / n) for n in names]
+    assert sorted(os.listdir(run / "plots")) == sorted(names)  # nothing else in plots/
+    for p in paths:
+        with open(p, "rb") as f:
+            assert f.read(8) == PNG_MAGIC
+    assert "skipped" not in capsys.readouterr().out
+
+
+def test_no_sync_single_replica_val_from_summary(tmp_path, capsys):
+    run = tmp_path / "run"
+    recs = [{k: v for k, v in r.items() if "replica_1" not in k} for r in _records(syncs=False, val=False)]
+    _write(run, recs)
+    with open(run / "summary.json", "w") as f:
+        json.dump({"val_loss": 3.5, "steps": 6}, f)
+    out = tmp_path / "out"
+    assert main([str(run), "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["base_lr_group0.png", "loss.png"]
+    printed = capsys.readouterr().out
+    assert "skipped sync.png" in printed and "skipped fanout_lr_group0.png" in printed
+    assert not (run / "plots").exists()
+
+
+def test_cut_off_last_line_is_skipped(tmp_path):
+    _write(tmp_path, _records())
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "hdet/lo')  # a killed run's record, half written
+    assert len(write_plots(str(tmp_path))) == 4
+
+
+@pytest.mark.parametrize("content", [None, "", "{not json\n", '{"step": 1}\n[1]\n'])
+def test_bad_metrics_file_exits_2(tmp_path, capsys, content):
+    if content is not None:
+        (tmp_path / "metrics.jsonl").write_text(content)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hdet-plot: error: ") and str(tmp_path / "metrics.jsonl") in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "plots").exists()
