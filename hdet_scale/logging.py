@@ -82,13 +82,19 @@ class MetricsLogger:
         config: the fully resolved run config, attached to the W&B run.
         enabled: ``False`` on every rank but global rank 0.
         append: keep an existing JSONL file's records (a resumed run); ``False`` starts
-            it anew. The file is opened at the first record, not here: a trainer can
+            it anew.
+        run_id: the id of the W&B run to continue (a resumed run: the id its checkpoint
+            recorded, ``resume_config``), opened with ``resume="allow"`` so the curves go
+            on in the same run; W&B keeps its step monotonic by dropping rows at steps it
+            already holds, which a resumed run recomputes bit for bit anyway. ``None``:
+            a new run. Unused when the user's own run is open. The file is opened at the first record, not here: a trainer can
             check its run folder on every rank after building the logger and before the
             first collective, and no rank sees a file another rank just created.
     """
 
     def __init__(self, jsonl: str | None = None, wandb: WandbConfig | None = None,
-                 config: dict | None = None, enabled: bool = True, append: bool = True) -> None:
+                 config: dict | None = None, enabled: bool = True, append: bool = True,
+                 run_id: str | None = None) -> None:
         self.enabled = enabled
         self._file = None
         self._wandb_run = None
@@ -112,9 +118,14 @@ class MetricsLogger:
             # "create_new": another run this process holds (not wandb.run) stays untouched.
             self._wandb_run = wb.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
                                       name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},
-                                      reinit="create_new")
+                                      reinit="create_new", id=run_id, resume="allow" if run_id else None)
             self._own_run = True
             self.wandb_mode = mode
+
+    @property
+    def run_id(self) -> str | None:
+        """The id of the W&B run this logger opened (``None``: none, or the user's)."""
+        return self._wandb_run.id if self._wandb_run is not None and self._own_run else None
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
         """Write one record. ``step``: optimizer step (W&B's x axis)."""

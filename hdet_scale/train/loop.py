@@ -185,8 +185,10 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     if rank == 0:
         rundir.prepare_run_dir(run, start)  # before the logger opens metrics.jsonl
     fault = rundir.fault_point()
+    # a resumed run continues its W&B run (the id its checkpoint recorded), not a new one
+    wandb_id = rundir.saved_wandb_run_id(run) if resuming and rank == 0 else None
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
-                           append=resuming)
+                           append=resuming, run_id=wandb_id)
     d = run["data"]
     micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
     probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world)
@@ -245,7 +247,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # step, the RNG is saved per rank: a resume from here continues this run exactly.
         if every and sched.step_count % every == 0 and sched.step_count < steps:  # the last: below
             t0 = time.perf_counter()
-            rundir.save(engine, ckpt, keep, run)
+            rundir.save(engine, ckpt, keep, run, logger.run_id)
             saving = time.perf_counter() - t0
             checkpoint_s += saving
             t_last += saving  # tokens/s counts training time only
@@ -261,7 +263,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
     if run["train"]["checkpoint"]:
-        rundir.save(engine, ckpt, keep, run)
+        rundir.save(engine, ckpt, keep, run, logger.run_id)
     device = engine.device if dist.get_backend() != "gloo" else "cpu"
     memory = every_rank({"peak_host_mb": peak_host_mb(),  # per global rank, MiB
                          "peak_host_mb_after_model": engine.model_built_mb,

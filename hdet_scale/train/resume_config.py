@@ -44,6 +44,7 @@ from hdet_scale.errors import HDETStateError
 from hdet_scale.train.model import VOCAB_SIZE
 
 RECORD_FILE = "hdet_run_config.json"
+WANDB_RUN_ID = "wandb.run_id"  # in a tag's record: the W&B run its resume continues
 _EMPTY_RECORD = '{"runs": {}}'
 RECORD_VERSION = 1
 _UNSET = object()  # a key one side does not have
@@ -112,9 +113,10 @@ def _read(path: str) -> dict:
     return data
 
 
-def save_record(save_dir: str, tag: str, run: dict) -> None:
+def save_record(save_dir: str, tag: str, run: dict, wandb_run_id: str | None = None) -> None:
     """Rank 0, just before the save of ``tag`` into ``save_dir``: record ``run``'s
-    settings for ``tag``, keeping those of the tags the checkpoint index still lists.
+    settings for ``tag`` (and ``wandb_run_id``, the W&B run the tag's resume continues),
+    keeping those of the tags the checkpoint index still lists.
     Atomic (``checkpoint_io.write_atomic``). A damaged record file is replaced: the older
     tags then resume unchecked, as before the record existed."""
     os.makedirs(save_dir, exist_ok=True)
@@ -127,6 +129,8 @@ def save_record(save_dir: str, tag: str, run: dict) -> None:
         runs, index = {}, {}
     runs = {t: r for t, r in runs.items() if t in index and t != tag}
     runs[tag] = record(run)
+    if wandb_run_id is not None:
+        runs[tag][WANDB_RUN_ID] = wandb_run_id  # "wandb." keys are never compared
     write_atomic(path, json.dumps({"version": RECORD_VERSION, "runs": runs}))
 
 
@@ -244,6 +248,17 @@ def _saved_record(save_dir: str) -> tuple[dict | None, str | None, int]:
     runs = _read(path).get("runs", {})
     saved = runs.get(tag)
     return (saved if isinstance(saved, dict) else None), tag, step
+
+
+def saved_wandb_run_id(save_dir: str) -> str | None:
+    """The W&B run id recorded with the tag ``latest`` names, or ``None``. Never
+    raises (a missing or damaged record is refused by :func:`check` before this)."""
+    try:
+        saved, _, _ = _saved_record(save_dir)
+    except (HDETStateError, OSError, ValueError, KeyError, TypeError):
+        return None
+    value = (saved or {}).get(WANDB_RUN_ID)
+    return value if isinstance(value, str) and value else None
 
 
 def check(run: dict, save_dir: str) -> list[str]:

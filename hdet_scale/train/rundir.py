@@ -283,17 +283,23 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def save(engine: Any, path: str, keep: int, run: dict | None = None) -> None:
+def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_id: str | None = None) -> None:
     """The backend's checkpoint of ``engine`` (``engines.py`` ``save``: atomic, ``latest``
     moves last), then keep the newest ``keep``. Collective. With ``run``, rank 0 first
     records its settings for the save's tag (``resume_config.save_record``: what a later
-    resume compares itself with)."""
+    resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues."""
     sched = engine.scheduler
     if run is not None and sched.topology.rank == 0:
         # the tag every backend's save takes by default (common.checkpoint_target)
-        resume_config.save_record(path, f"global_step{sched.step_count}", run)
+        resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
     engine.save(path)
     prune_checkpoints(path, sched.topology, keep)
+
+
+def saved_wandb_run_id(run: dict) -> str | None:
+    """The W&B run id the checkpoint ``latest`` names was saved with (``None``: none
+    recorded, W&B off then, or a user's own run)."""
+    return resume_config.saved_wandb_run_id(checkpoint_dir(run))
 
 
 def check_resume_config(run: dict) -> list[str]:

@@ -8,7 +8,8 @@ one line says what happened and names the last checkpoint, the exit code is 128 
    run_dir lock names the running job) and changes nothing.
 2. The same command with ``train.resume=true`` continues from that checkpoint, saves a
    later one, and gets SIGTERM. Its ``metrics.jsonl`` must read steps 1, 2, ... without a
-   gap or a repeat: the resumed run dropped the records past the checkpoint and went on.
+   gap or a repeat: the resumed run dropped the records past the checkpoint and went on,
+   and it logged into the first attempt's W&B run (the id its checkpoint recorded).
 3. A real DeepSpeed ``*_model_states.pt`` of that checkpoint cut in half: the resume is
    refused before any rank starts, naming the file. The same file replaced by a complete
    archive of other content (damage no structure check sees): the load's check against
@@ -117,6 +118,10 @@ def test_sigint_and_sigterm_stop_every_rank_and_the_checkpoint_resumes(tmp_path)
     steps = steps_logged(run_dir)
     assert int(tag2.removeprefix("global_step")) > first
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > first, steps
+    # the resumed attempt continued the first attempt's W&B run (the id its checkpoint
+    # recorded, resume="allow"), not a new one: two offline folders, one run id
+    folders = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and len({f.rsplit("-", 1)[1] for f in folders}) == 1, folders
 
     # 3. a real DeepSpeed model state file of that checkpoint cut in half
     victim = run_dir / "checkpoint" / "replica_1" / tag2 / "zero_pp_rank_0_mp_rank_00_model_states.pt"
