@@ -12,7 +12,8 @@ axis is always the optimizer step) and writes into ``RUN_DIR/plots/`` (or ``--ou
   on an additive axis, whose floor is not modelled). The title says what is shown;
 - ``sync.png``: each sync's per-replica interval training loss (``hdet/loss/replica_<r>``),
   probe fitness when the run scored by a probe, and softmax weights (meta-updates only);
-- ``loss.png``: rank 0's per-step training loss (``hdet/loss``) and the validation loss.
+- ``loss.png``: the per-step training loss (``train/loss``, the mean over all ranks, which
+  ``hdet-train`` logs; else rank 0's ``hdet/loss``) and the validation loss.
 
 The trainer evaluates once, at the end, and writes that ``val_loss`` to ``summary.json``
 only; a ``val/loss`` or ``val_loss`` record in ``metrics.jsonl`` is used when there is
@@ -132,8 +133,11 @@ def series(records: list[dict]) -> dict:
     out["sync"] = {"steps": [r["step"] for r in syncs], "loss": per_replica("loss", syncs),
                    "fitness": per_replica("fitness", syncs) if probe else None,
                    "weight_steps": [r["step"] for r in meta], "weight": per_replica("weight", meta)}
-    train = [r for r in steps if "hdet/loss" in r]
-    out["train"] = {"steps": [r["step"] for r in train], "loss": [_num(r["hdet/loss"]) for r in train]}
+    # hdet-train logs train/loss, the mean over all ranks; hdet/loss is rank 0's alone
+    key = "train/loss" if any("train/loss" in r for r in steps) else "hdet/loss"
+    train = [r for r in steps if key in r]
+    out["train"] = {"steps": [r["step"] for r in train], "loss": [_num(r[key]) for r in train],
+                    "key": key}
     val = [(r["step"], _num(r[k])) for r in records for k in VAL_KEYS if k in r]
     out["val"] = {"steps": [s for s, _ in val], "loss": [x for _, x in val]}
     return out
@@ -242,7 +246,8 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         log("skipped loss.png: no loss in the metrics")
     else:
         fig, (ax,) = _figure()
-        ax.plot(s["train"]["steps"], s["train"]["loss"], lw=1, label="train loss (rank 0, per step)")
+        who = "mean over all ranks" if s["train"].get("key") == "train/loss" else "rank 0"
+        ax.plot(s["train"]["steps"], s["train"]["loss"], lw=1, label=f"train loss ({who}, per step)")
         if s["val"]["steps"]:
             ax.plot(s["val"]["steps"], s["val"]["loss"], "o-", ms=5, label="validation loss")
         else:

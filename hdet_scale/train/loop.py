@@ -108,6 +108,16 @@ def validate(run: dict, world_size: int):
     return hcfg, corpus
 
 
+def mean_over_ranks(loss: torch.Tensor) -> float:
+    """The step's loss (nats) averaged over all W ranks: what the optimizer step trained
+    on, where ``hdet/loss`` is rank 0's alone. One all-reduce of one float64 on the world
+    group, only at the steps that are logged (``hdet.logging.every``); collective."""
+    device = loss.device if dist.get_backend() == "nccl" else "cpu"  # gloo reduces CPU tensors
+    t = torch.tensor([float(loss)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=dist.group.WORLD)
+    return float(t.item()) / dist.get_world_size()
+
+
 def _quiet_deepspeed() -> None:
     for name in ("DeepSpeed", "deepspeed"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -239,6 +249,8 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # process's (a resumed run counts from its restart); rank 0's, every rank runs alike.
         sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                        "train/backward_passes": engine.backward_passes, "train/tokens_seen": engine.tokens * world}
+        if (step + 1) % hcfg.logging.every == 0:  # a logged step (the same verdict on every rank)
+            sched.extra["train/loss"] = mean_over_ranks(loss)
         t_last = now
         engine.step(loss)
         note_step(sched.step_count)  # the step a stop line names (stopping.py)

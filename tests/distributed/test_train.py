@@ -77,9 +77,16 @@ def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) ->
     assert [r["step"] for r in step_records] == list(range(1, steps + 1))
     assert all(r["train/tokens_per_s"] > 0 for r in step_records)
     assert [r["hdet/step"] for r in syncs] == list(range(10, steps + 1, 10))
+    loss_of = {r["step"]: r["train/loss"] for r in step_records}
     for r in syncs:
         losses = [r["hdet/loss/replica_0"], r["hdet/loss/replica_1"]]
         assert all(0 < x < 6 for x in losses)
+        # train/loss (each step's loss averaged over the 4 ranks, one all-reduce per logged
+        # step) against the sync's interval losses (each replica's ranks and steps, reduced
+        # by the sync's own all-reduce): the same 40 numbers averaged in another order;
+        # float32 losses summed in float64, so 1e-6 relative is rounding
+        interval = [loss_of[t] for t in range(r["hdet/step"] - 9, r["hdet/step"] + 1)]
+        assert sum(interval) / 10 == pytest.approx(sum(losses) / 2, rel=1e-6)
         assert r["hdet/converge_s"] >= 0
         assert "hdet/lr/group_0/base" in r
     # auto-LR from the first sync at or after the warm-up: softmax weights sum to 1; the

@@ -65,8 +65,16 @@ def test_series_equal_the_metrics():
     assert sy["loss"] == [[6.0, 8.0, 10.0], [6.5, 8.5, 10.5]]
     assert sy["fitness"] == [[5.0, 7.0, 9.0], [5.5, 7.5, 9.5]]
     assert sy["weight"] == [[0.25, 0.5, 0.75], [0.75, 0.5, 0.25]]
-    assert s["train"] == {"steps": [1, 2, 3, 4, 5, 6], "loss": [4.75, 4.5, 4.25, 4.0, 3.75, 3.5]}
+    assert s["train"] == {"steps": [1, 2, 3, 4, 5, 6], "loss": [4.75, 4.5, 4.25, 4.0, 3.75, 3.5],
+                          "key": "hdet/loss"}
     assert s["val"] == {"steps": [6], "loss": [3.25]}
+    # hdet-train's train/loss (the mean over all ranks) is preferred to rank 0's hdet/loss
+    recs = _records()
+    for r in recs:
+        if "hdet/loss" in r:
+            r["train/loss"] = r["hdet/loss"] + 0.5
+    assert series(recs)["train"] == {"steps": [1, 2, 3, 4, 5, 6], "loss": [5.25, 5.0, 4.75, 4.5, 4.25, 4.0],
+                                     "key": "train/loss"}
 
 
 def test_nan_and_no_auto_update():
