@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any
 
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train.launcher import USER_ERROR as _USER_ERROR  # the exit code of a user error
@@ -157,6 +158,32 @@ def _print_resume_notice(run: dict, quiet_errors: bool = False) -> None:
         print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
 
 
+def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) -> Any:
+    """``loop.validate``, its config warnings (one replica asked to spread, auto-LR
+    without a signal...) printed once as ``hdet-train: warning:`` lines by the process
+    that announces (the launcher, or rank 0 under torchrun), not by Python's warning
+    format from every check that meets them in every rank (9 copies in a 2-rank run,
+    tester round 10). The ranks then ignore them (``loop.train``)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        checked = validate(run, world_size)
+    shown: set[str] = set()
+    for w in seen:
+        text = str(w.message)
+        if not issubclass(w.category, UserWarning) or not text.startswith(SHOWN_ONCE):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)  # not ours: as it was
+        elif announce and text not in shown:
+            shown.add(text)
+            print(f"hdet-train: warning: {text}", file=sys.stderr, flush=True)
+    return checked
+
+
+#: The prefixes of the config warnings ``validate`` meets (HDETConfig, autolr).
+SHOWN_ONCE = ("hdet.", "hdet_scale: ")
+
+
 def _print_engine_notes(run: dict) -> None:
     """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
     than DeepSpeed would (``engines.engine_notes``), before any rank starts."""
@@ -190,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
             rank = int(os.environ["RANK"])
             # the run's own checks read the same files on every rank: one message, rank 0's
-            checked = validate(run, int(os.environ["WORLD_SIZE"]))
+            checked = _validate_once(validate, run, int(os.environ["WORLD_SIZE"]), announce=rank == 0)
             if rank == 0:
                 from hdet_scale.train.rundir import hold_run_dir
 
@@ -230,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             stale_trainer_locks,
         )
 
-        validate(run, run["nproc"])
+        _validate_once(validate, run, run["nproc"], announce=True)
         from hdet_scale.train.rundir import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends

@@ -306,6 +306,9 @@ CASES = [
      ["WANDB_MODE='bogus' is not a W&B mode"], None),
     ("wandb_dir_procfs", ["wandb.enabled=true", "wandb.dir=/proc/hdet_wandb"], {"WANDB_MODE": "offline"}, 2,
      ["wandb.dir: /proc/hdet_wandb is in /proc, a kernel filesystem"], None),
+    # round 10: 100000 eval batches allocated gigabytes, then a traceback after 60 s
+    ("eval_batches_beyond_the_split", ["train.eval_batches=100000", "data.max_bytes=200000"], {}, 2,
+     ["train.eval_batches=100000 asks for", "validation split (20000 bytes", "at most"], None),
     # round 9: a deleted settings record let a changed model shape reach the ranks' load
     ("resume_run_config_lost", ["run_dir={run}", "train.resume=true", "model.hidden_size=64"], {}, 2,
      ["checkpoint/hdet_run_config.json is missing", 'write {{"runs": {{}}}} into it'],

@@ -309,3 +309,33 @@ def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, c
         lines[rank] = capsys.readouterr().err
     assert lines["0"].count("hdet-train: error: train.stpes: unknown key") == 1, lines
     assert lines["1"] == "", lines
+
+
+def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys):
+    """Tester round 10: one replica asked to spread printed Python's ``UserWarning`` 9
+    times in a 2-rank run (every check that meets it, in the launcher and every rank).
+    ``cli._validate_once`` prints it once as an ``hdet-train: warning:`` line where the
+    run announces (the launcher, or rank 0 under torchrun) and nowhere else; a warning
+    that is not one of ours passes through unchanged."""
+    import warnings
+
+    from hdet_scale.train import cli
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run = load_run_config(None, ["deepspeed.hdet.replicas=1", "backend=ddp", "data.max_bytes=200000",
+                                 "wandb.enabled=false"])
+
+    def validate_and_more(run, world):
+        warnings.warn("a library's own warning", UserWarning)
+        return validate(run, world)
+
+    for announce in (True, False):
+        with warnings.catch_warnings(record=True) as outer:
+            warnings.simplefilter("always")
+            cli._validate_once(validate_and_more, run, 4, announce=announce)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if "1 replica with" in line]
+        assert len(lines) == (1 if announce else 0), err
+        assert not announce or lines[0].startswith("hdet-train: warning: hdet.replicas: 1 replica with")
+        assert [str(w.message) for w in outer] == ["a library's own warning"]
