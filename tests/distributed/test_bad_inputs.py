@@ -270,8 +270,9 @@ CASES = [
     # traceback), or silently wrote elsewhere (an unwritable wandb.dir)
     ("wandb_online_without_key", ["wandb.mode=online"], {"WANDB_API_KEY": "", "NETRC": "{run}.netrc"}, 2,
      ["wandb.mode=online, but no W&B API key is configured", "wandb.mode=offline"], None),
-    ("wandb_dir_unwritable", ["wandb.mode=offline", "wandb.dir=/proc/hdet_wandb"], {}, 2,
-     ["wandb.dir: cannot write to /proc/hdet_wandb"], None),
+    # under a file: unwritable even for root (/proc, the old case here, is refused below)
+    ("wandb_dir_unwritable", ["wandb.mode=offline", "wandb.dir={d}/list.yaml/wandb"], {}, 2,
+     ["wandb.dir: cannot write to {d}/list.yaml/wandb"], None),
     # run_dir
     ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
     ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
