@@ -194,7 +194,11 @@ def write_plots(run_dir: str, out_dir: str | None = None,
     import matplotlib  # noqa: F401  (fail before creating the folder)
 
     out_dir = out_dir or os.path.join(run_dir, "plots")
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only disk: the user's, named
+        raise HDETConfigError(f"{out_dir}: cannot create the plots folder ({e.strerror or e}); move what is there "
+                              "away, or pass --out DIR") from None
     written: list[str] = []
     for (axis, g), f in s["fanout"].items():
         if len(f["replicas"]) < 2:
@@ -302,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ImportError as e:
         print(f"hdet-plot: error: matplotlib is needed ({e}): pip install 'hdet-scale[plot]'", file=sys.stderr)
+        return 2
+    except OSError as e:  # a PNG that cannot be written (disk full, a folder in its place)
+        print(f"hdet-plot: error: cannot write {e.filename or 'a plot'}: {e.strerror or e}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)

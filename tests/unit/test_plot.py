@@ -130,3 +130,17 @@ def test_bad_metrics_file_exits_2(tmp_path, capsys, content):
     assert err.startswith("hdet-plot: error: ") and str(tmp_path / "metrics.jsonl") in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "plots").exists()
+
+
+def test_a_file_where_the_plots_folder_goes_is_named(tmp_path, capsys):
+    """A ``plots`` file in the run_dir (the user's): exit 2, one line naming it, the file
+    untouched (it was a FileExistsError traceback)."""
+    from hdet_scale.plot import main
+
+    _write(tmp_path, _records())
+    (tmp_path / "plots").write_text("mine")
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hdet-plot: error: {tmp_path / 'plots'}: cannot create the plots folder") and \
+        "Traceback" not in err, err
+    assert (tmp_path / "plots").read_text() == "mine"
