@@ -257,11 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             stale_trainer_locks,
         )
 
-        _validate_once(validate, run, run["nproc"], announce=True)
+        _check_local_ranks(run["nproc"])  # first: a world that cannot start names nproc, not a symptom
+        # the model's meta build is left to the ranks (validate's docstring)
+        _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
         from hdet_scale.train.rundir import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
-        _check_local_ranks(run["nproc"])
         _print_engine_notes(run)
         _print_resume_notice(run)
         if run["backend"] == "deepspeed":

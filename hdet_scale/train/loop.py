@@ -45,9 +45,13 @@ def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     return HDETConfigError(text)
 
 
-def validate(run: dict, world_size: int):
+def validate(run: dict, world_size: int, build_model: bool = True):
     """All checks that can fail on bad input, before any collective; identical on every
-    rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError / HDETStateError."""
+    rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError / HDETStateError.
+    ``build_model``: also build the model on the meta device (``model.check_buildable``:
+    what transformers refuses). It imports transformers' model code (2.5 s here), which
+    the ranks import anyway, so ``hdet-train``'s own launcher leaves it to its ranks;
+    they run it before rank 0 prepares the run_dir (``train.overwrite``) or W&B starts."""
     backend = run["backend"]
     # Every backend's settings come from this DeepSpeed JSON: an unknown key (an "hdett"
     # block, a typo) is an error here, not the library's warning (hdet_scale.ds_keys).
@@ -63,7 +67,8 @@ def validate(run: dict, world_size: int):
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":
         check_engine_config(run["deepspeed"], backend, world_size)
-    check_buildable(ModelConfig(**run["model"]))  # what transformers refuses, before any rank or overwrite
+    if build_model:  # what transformers refuses, before train.overwrite removes anything
+        check_buildable(ModelConfig(**run["model"]))
     if hcfg.enabled:  # an additive spread taking the LR or weight decay below 0
         check_additive_floors(hcfg, build_schedule(hcfg), axis_bases(hcfg, run["deepspeed"], backend),
                               prefix="deepspeed.hdet")

@@ -92,8 +92,9 @@ class ModelConfig:
                 f"model.num_heads={self.num_heads} must be divisible by "
                 f"model.num_kv_heads={self.num_kv_heads}"
             )
-        if not self.rope_theta > 0:
-            raise HDETConfigError(f"model.rope_theta must be > 0; got {self.rope_theta!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and 0 < self.rope_theta < float("inf")):
+            # inf (1e400 reads as inf) trained on NaN rotations without a word
+            raise HDETConfigError(f"model.rope_theta must be a finite number > 0; got {self.rope_theta!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise HDETConfigError(f"model.dropout must be in [0, 1); got {self.dropout!r}")
         if not isinstance(self.sharded_init, bool):

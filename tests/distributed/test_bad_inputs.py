@@ -307,6 +307,8 @@ CASES = [
      ["WANDB_MODE='bogus' is not a W&B mode"], None),
     ("wandb_dir_procfs", ["wandb.enabled=true", "wandb.dir=/proc/hdet_wandb"], {"WANDB_MODE": "offline"}, 2,
      ["wandb.dir: /proc/hdet_wandb is in /proc, a kernel filesystem"], None),
+    ("model_rope_theta_inf", ["model.rope_theta=1e400"], {}, 2, ["model.rope_theta must be a finite number > 0"],
+     None),
     # round 10: 100000 eval batches allocated gigabytes, then a traceback after 60 s
     ("eval_batches_beyond_the_split", ["train.eval_batches=100000", "data.max_bytes=200000"], {}, 2,
      ["train.eval_batches=100000 asks for", "validation split (20000 bytes", "at most"], None),
