@@ -104,16 +104,30 @@ def check_config(cfg: HDETConfig) -> None:
 def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, float], prefix: str = "hdet") -> None:
     """An additive axis moves each replica's value by up to ``spread_ratio`` either way: a
     learning rate or a weight decay taken below 0 by it would train with a negative value,
-    silently. ``bases``: ``{(axis, group): value}``, the LR's peak (the schedule's lowest
+    silently. A multiplicative axis on a value of 0 gives every replica 0: nothing is
+    explored, silently. ``bases``: ``{(axis, group): value}``, the LR's peak (the schedule's lowest
     point is checked) or the optimizer's value for other axes. Pure.
 
     Raises:
-        HDETConfigError: every (axis, group) whose lowest replica value would be < 0.
+        HDETConfigError: every (axis, group) whose lowest replica value would be < 0, or
+            that a multiplicative spread of 0 leaves unexplored.
     """
     errors = []
     for (axis, group), base in sorted(bases.items()):
         spec = cfg.axes.get(axis)
-        if spec is None or spec.kind != "additive" or spec.spread_ratio <= 0 or cfg.replicas < 2:
+        if spec is None or spec.spread_ratio <= 0 or cfg.replicas < 2:
+            continue
+        if spec.kind == "multiplicative":
+            # every multiplier times 0 is 0: an axis whose every explored group is at 0
+            # explores nothing (tester round 11); a group at 0 beside others (a no-decay
+            # group of biases and norms) is meant to stay there
+            if base == 0 and all(v == 0 for (a, _), v in bases.items() if a == axis) and \
+                    group == min(g for a, g in bases if a == axis):
+                errors.append(f"{prefix}.axes.{axis}: a multiplicative spread of a {axis} of 0 gives every "
+                              f"replica 0, so nothing is explored: set a {axis} > 0 in the optimizer "
+                              "(optimizer.params), or kind additive")
+            continue
+        if spec.kind != "additive":
             continue
         lowest = min(schedule.value(0, base), schedule.floor(base)) if axis == "lr" else base
         if lowest - spec.spread_ratio < 0:

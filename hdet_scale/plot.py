@@ -197,8 +197,10 @@ def write_plots(run_dir: str, out_dir: str | None = None,
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:  # a file of that name, a read-only disk: the user's, named
-        raise HDETConfigError(f"{out_dir}: cannot create the plots folder ({e.strerror or e}); move what is there "
-                              "away, or pass --out DIR") from None
+        there = os.path.lexists(out_dir) and not os.path.isdir(out_dir)
+        fix = ("a file or broken link is in its place: move it away, or write the plots elsewhere with "
+               f"hdet-plot {run_dir} --out DIR" if there else "choose a folder that can be created")
+        raise HDETConfigError(f"{out_dir}: cannot create the plots folder ({e.strerror or e}); {fix}") from None
     written: list[str] = []
     for (axis, g), f in s["fanout"].items():
         if len(f["replicas"]) < 2:
@@ -259,6 +261,9 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ax.set(title="loss", xlabel="optimizer step", ylabel="loss (nats/byte)")
         ax.legend(fontsize="small")
         _save(fig, out_dir, "loss.png", written)
+    if not written:  # nothing of an hdet-train run in the file: say so, not exit 0
+        raise HDETConfigError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no record of an hdet-train run in it "
+                              "(no hdet/* values per step): nothing to plot")
     return written
 
 
@@ -291,7 +296,8 @@ def plot_after_run(run_dir: str) -> None:
         if paths:
             say(f"{len(paths)} plots in {os.path.dirname(paths[0])}")
     except Exception as e:  # noqa: BLE001 - a plot must never fail a finished run
-        say(f"warning: no plots ({type(e).__name__}: {e})")
+        say(f"warning: no plots: {e}" if isinstance(e, HDETConfigError) else
+            f"warning: no plots ({type(e).__name__}: {e})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,9 +92,11 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         if path is not None:
             user, sections = _load_yaml(path, overrides)
             _check_sections(sections, f"config file {path!r}: ", yaml_form=True)
+            _check_bools(sections, f"config file {path!r}: ")
             explicit_wandb |= set(sections.get("wandb") or {})
             cfg = OmegaConf.merge(cfg, user)
         dotlist, sections = _parse_overrides(overrides)
+        _check_bools(sections, "")
         explicit_wandb |= set(sections.get("wandb") or {})
         cfg = OmegaConf.merge(cfg, dotlist)
         # Interpolations (${...}) are resolved here, once: a bad one is a config error
@@ -114,6 +116,22 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     _validate(run)
     _hdet_logging(run, explicit_wandb)
     return run
+
+
+def _check_bools(top: dict, where: str) -> None:
+    """The trainer's true/false keys take a boolean: OmegaConf would read ``2`` as true
+    (``train.overwrite=2`` replaced a run, tester round 11) and ``0`` as false, where the
+    hdet block refuses both (``expected bool``)."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
+                if f.default_factory is not dataclasses.MISSING and f.name != "deepspeed"}
+    for name, factory in sections.items():
+        given = top.get(name)
+        if not isinstance(given, dict) or not dataclasses.is_dataclass(schema := factory()):
+            continue
+        for f in dataclasses.fields(schema):
+            if f.type in (bool, "bool") and f.name in given and not isinstance(given[f.name], bool) \
+                    and not (isinstance(given[f.name], str) and given[f.name].startswith("${")):
+                raise HDETConfigError(f"{where}{name}.{f.name}: must be true or false, got {given[f.name]!r}")
 
 
 def _check_sections(top: dict, where: str, yaml_form: bool) -> None:

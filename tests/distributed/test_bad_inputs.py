@@ -309,6 +309,14 @@ CASES = [
      ["wandb.dir: /proc/hdet_wandb is in /proc, a kernel filesystem"], None),
     ("model_rope_theta_inf", ["model.rope_theta=1e400"], {}, 2, ["model.rope_theta must be a finite number > 0"],
      None),
+    # round 11: a yes/no key given 2 replaced the run (OmegaConf reads 2 as true)
+    ("bool_key_given_an_integer", ["train.overwrite=2"], {}, 2, ["train.overwrite: must be true or false, got 2"],
+     None),
+    # round 11: a multiplicative weight-decay spread of a decay of 0 explored nothing
+    ("multiplicative_axis_on_zero", ["backend=ddp", "deepspeed.hdet.axes.weight_decay={{spread_ratio: 0.5}}",
+                                     "deepspeed.optimizer.params.weight_decay=0"], {}, 2,
+     ["deepspeed.hdet.axes.weight_decay: a multiplicative spread of a weight_decay of 0", "nothing is explored"],
+     None),
     # round 10: 100000 eval batches allocated gigabytes, then a traceback after 60 s
     ("eval_batches_beyond_the_split", ["train.eval_batches=100000", "data.max_bytes=200000"], {}, 2,
      ["train.eval_batches=100000 asks for", "validation split (20000 bytes", "at most"], None),

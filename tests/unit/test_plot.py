@@ -142,5 +142,15 @@ def test_a_file_where_the_plots_folder_goes_is_named(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"hdet-plot: error: {tmp_path / 'plots'}: cannot create the plots folder") and \
-        "Traceback" not in err, err
+        "a file or broken link is in its place" in err and "Traceback" not in err, err
     assert (tmp_path / "plots").read_text() == "mine"
+
+
+def test_a_metrics_file_of_no_hdet_run_is_an_error(tmp_path, capsys):
+    """Tester round 11: records with no hdet value wrote no PNG and exited 0."""
+    from hdet_scale.plot import main
+
+    _write(tmp_path, [{"foo": 1}, {"step": 2, "bar": 3}])
+    assert main([str(tmp_path)]) == 2
+    assert "no record of an hdet-train run in it" in capsys.readouterr().err
+    assert not (tmp_path / "plots").exists() or not any((tmp_path / "plots").iterdir())

@@ -311,7 +311,7 @@ def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, c
     assert lines["1"] == "", lines
 
 
-def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys):
+def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys, tmp_path):
     """Tester round 10: one replica asked to spread printed Python's ``UserWarning`` 9
     times in a 2-rank run (every check that meets it, in the launcher and every rank).
     ``cli._validate_once`` prints it once as an ``hdet-train: warning:`` line where the
@@ -324,7 +324,7 @@ def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys):
     from hdet_scale.train.loop import validate
 
     run = load_run_config(None, ["deepspeed.hdet.replicas=1", "backend=ddp", "data.max_bytes=200000",
-                                 "wandb.enabled=false"])
+                                 "wandb.enabled=false", f"run_dir={tmp_path / 'run'}"])
 
     def validate_and_more(run, world):
         warnings.warn("a library's own warning", UserWarning)
