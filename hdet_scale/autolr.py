@@ -129,9 +129,9 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
             continue
         if spec.kind != "additive":
             continue
-        lowest = min(schedule.value(0, base), schedule.floor(base)) if axis == "lr" else base
+        lowest = base  # the LR axis is multiplicative only (config.py): no schedule to follow here
         if lowest - spec.spread_ratio < 0:
-            where = "the schedule's lowest LR" if axis == "lr" else f"its {axis}"
+            where = f"its {axis}"
             errors.append(f"{prefix}.axes.{axis}.spread_ratio: an additive spread of {spec.spread_ratio:g} takes "
                           f"parameter group {group} from {where} {lowest:g} to {lowest - spec.spread_ratio:g} for one "
                           f"replica, and {axis} must stay >= 0: use spread_ratio <= {lowest:g}, kind "

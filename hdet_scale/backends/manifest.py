@@ -66,10 +66,8 @@ def manifest_problem(folder: str, part: int = 0, parts: int = 1) -> tuple[str | 
     if not os.path.isfile(path):
         return None, False
     try:
-        with open(path) as f:
-            files = json.load(f)["files"]
-        listed = sorted(files)
-        expected = {n: [int(files[n][0]), int(files[n][1])] for n in listed}
+        expected = _read(path)
+        listed = sorted(expected)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         return f"{path} (unreadable: {type(e).__name__}: {e})", True
     for name in listed[part::parts]:
@@ -87,6 +85,14 @@ def manifest_problem(folder: str, part: int = 0, parts: int = 1) -> tuple[str | 
     return None, True
 
 
+def _read(path: str) -> dict[str, list[int]]:
+    """``{file name: [size, CRC-32]}`` of the manifest at ``path``. Raises what reading or
+    parsing raises (the callers name the file)."""
+    with open(path) as f:
+        files = json.load(f)["files"]
+    return {n: [int(files[n][0]), int(files[n][1])] for n in sorted(files)}
+
+
 def listing_problem(folder: str, required: bool) -> str | None:
     """The cheap part of the check, by ``stat`` alone, for the pre-start check
     (``common.check_resumable``, run by the launcher before any rank starts and by every
@@ -100,9 +106,7 @@ def listing_problem(folder: str, required: bool) -> str | None:
         return (f"{path} (missing: this checkpoint was saved with one, and without it files swapped or copied "
                 "in from another save cannot be found)") if required else None
     try:
-        with open(path) as f:
-            files = json.load(f)["files"]
-        sizes = {n: int(files[n][0]) for n in sorted(files)}
+        sizes = {n: v[0] for n, v in _read(path).items()}
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         return f"{path} (unreadable: {type(e).__name__}: {e})"
     for name, size in sizes.items():
