@@ -105,8 +105,9 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
     """An additive axis moves each replica's value by up to ``spread_ratio`` either way: a
     learning rate or a weight decay taken below 0 by it would train with a negative value,
     silently. A multiplicative axis on a value of 0 gives every replica 0: nothing is
-    explored, silently. ``bases``: ``{(axis, group): value}``, the LR's peak (the schedule's lowest
-    point is checked) or the optimizer's value for other axes. Pure.
+    explored, silently. ``bases``: ``{(axis, group): value}``, the LR's peak or the
+    optimizer's value for other axes (the LR axis is multiplicative only, so only its
+    zero peak matters; ``schedule`` is kept for that reading). Pure.
 
     Raises:
         HDETConfigError: every (axis, group) whose lowest replica value would be < 0, or
