@@ -1,0 +1,318 @@
+"""Hugging Face ``Trainer`` integration: :class:`HDETTrainer`, one line in a standard script.
+
+A ``Trainer`` run with ``TrainingArguments(deepspeed="ds_config.json")`` never calls
+``deepspeed.initialize`` itself: Accelerate does, inside ``Trainer``'s preparation, with
+the config ``Trainer`` filled (``"auto"`` values). :class:`HDETTrainer` keeps that path
+and changes four things, each where ``Trainer`` offers a method to override:
+
+* the engine: while ``Trainer`` prepares the model, the ``deepspeed.initialize`` that
+  Accelerate calls gets HDET's arguments (:func:`_engine_arguments`): the shard group as
+  DeepSpeed's data-parallel group (``mpu``), the :class:`~hdet_scale.ensemble.HDETScheduler`
+  as its LR scheduler, the config without the ``hdet`` block and with the batch size per
+  replica. Then converge, gradient sharing and warm init are attached as in
+  :func:`hdet_scale.initialize`. The patch lasts only for that call (Accelerate looks the
+  function up when it prepares, ``accelerator.py``: ``ds_initialize = deepspeed.initialize``).
+* the loss: Accelerate's ``backward`` calls ``engine.step()`` without ``lr_kwargs``, so
+  the losses ``Trainer`` hands to ``accelerator.backward`` during one optimizer step are
+  summed (each is already divided for gradient accumulation, as ``Trainer`` reports
+  them) and passed to the scheduler as that step's training loss on this rank.
+* the schedule: ``Trainer``'s own LR scheduler would fight HDET's over the same param
+  groups; :meth:`create_scheduler` returns :class:`EngineScheduler`, which leaves every
+  step to the engine. ``lr_scheduler_type`` and ``warmup_*`` are therefore ignored: the
+  schedule is the ``hdet.schedule`` block (``total_steps: "auto"`` takes ``Trainer``'s
+  number of optimizer steps).
+* checkpoints: ``save_steps`` checkpoints hold every replica's DeepSpeed state in
+  ``checkpoint-N/replica_<r>/global_stepN/`` (:func:`hdet_scale.save_checkpoint`); DeepSpeed's
+  own layout would have every replica write the same file names. ``train(resume_from_checkpoint=...)``
+  restores them (:func:`hdet_scale.load_checkpoint`); ``Trainer`` restores its own state,
+  RNG and data position as usual. The model ``save_model`` writes is replica 0's
+  weights gathered to 16 bit (``stage3_gather_16bit_weights_on_model_save`` is set):
+  equal to every replica's right after a converge.
+
+Source: transformers 5.24 ``Trainer._prepare_for_training`` / ``training_step`` and
+accelerate 1.15 ``Accelerator._prepare_deepspeed`` / ``DeepSpeedEngineWrapper.backward``;
+``tests/distributed/test_hf_trainer.py`` runs it against the plain ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable
+
+import torch
+from transformers import Trainer
+
+from hdet_scale.backends.common import attach_sync, check_probe, make_logger, use_topology
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.topology import Topology
+
+
+def _without_auto(value: Any) -> Any:
+    """A copy of a DeepSpeed config without the ``"auto"`` values ``Trainer`` fills only
+    when training starts (bucket sizes from the model's hidden size): checked then."""
+    if isinstance(value, dict):
+        return {k: _without_auto(v) for k, v in value.items() if v != "auto"}
+    return value
+
+
+def resolve_auto(ds_config: dict, max_steps: int | None) -> dict:
+    """``ds_config`` with ``hdet.schedule.total_steps: "auto"`` set to ``max_steps``
+    (``Trainer``'s optimizer steps; ``None`` while unknown: then left out, and
+    :class:`HDETConfig` supplies its check when training starts)."""
+    ds = copy.deepcopy(ds_config)
+    schedule = ((ds.get("hdet") or {}).get("schedule") or {})
+    if schedule.get("total_steps") == "auto":
+        if max_steps is None or max_steps < 1:
+            del schedule["total_steps"]
+        else:
+            schedule["total_steps"] = int(max_steps)
+    return ds
+
+
+class EngineScheduler:
+    """``Trainer``'s ``lr_scheduler`` under HDET: the DeepSpeed engine steps the
+    :class:`HDETScheduler` inside ``engine.step``, so ``step()`` here does nothing and
+    the LR is read from it. Saved and loaded empty (HDET's state travels with the
+    checkpoint's replica folders)."""
+
+    def __init__(self, trainer: "HDETTrainer") -> None:
+        self._trainer = trainer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        scheduler = self._trainer.hdet_scheduler
+        return scheduler.get_last_lr() if scheduler is not None else [0.0]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class HDETTrainer(Trainer):
+    """``transformers.Trainer`` with HDET switched on by the ``"hdet"`` block of the
+    DeepSpeed config given as ``TrainingArguments(deepspeed=...)`` (every key:
+    docs/config.md). Without a block (or ``"enabled": false``) it is the plain ``Trainer``.
+
+    Args:
+        *args, **kwargs: ``Trainer``'s. The model is built whole on every rank (DeepSpeed
+            partitions it over the shard group when training starts) or under
+            ``hdet_scale.zero_init(hdet_scale.hf.build_topology(args), args.hf_deepspeed_config.config)``.
+            A model that ``from_config`` / ``from_pretrained`` partitioned over the whole
+            world (``deepspeed.zero.Init`` of ``Trainer``'s ZeRO-3) is refused.
+        probe: ``probe(engine) -> loss`` (0-dim tensor or float, nats), as for
+            :func:`hdet_scale.initialize`: needed when auto-LR is on with
+            ``hdet.auto.fitness: "probe"`` (the default); with ``"train_loss"`` the step's
+            training loss on each rank scores the replicas.
+
+    ``hdet_scheduler`` (the :class:`HDETScheduler`, once training started) and
+    ``hdet_topology`` (the ``R x S`` process groups) are public.
+
+    Units: ``TrainingArguments`` counts optimizer steps (``max_steps``, ``save_steps``),
+    as ``hdet.sync_interval`` does; ``per_device_train_batch_size`` is per rank, and
+    DeepSpeed's ``train_batch_size`` counts all W ranks (as ``Trainer`` fills it).
+
+    Raises (at construction, the same verdict on every rank, before any collective but
+    the layout's own DeviceMesh):
+        HDETConfigError: no DeepSpeed config with an ``hdet`` block is reachable while
+            ``probe`` is given; an invalid ``hdet`` block or DeepSpeed key (all at once,
+            as :func:`hdet_scale.backends.deepspeed.prepare_config`); a ``scheduler``
+            block; ``load_best_model_at_end`` (its load reads DeepSpeed's own layout); a
+            missing ``probe`` where auto-LR scores by probe.
+    """
+
+    def __init__(self, *args: Any, probe: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hdet_scheduler: HDETScheduler | None = None
+        self.hdet_topology: Topology | None = None
+        self._hdet_probe = probe
+        self._hdet_losses: list[torch.Tensor] = []
+        self._hdet_max_steps: int | None = None
+        ds = self._deepspeed_config()
+        block = None if ds is None else ds.get("hdet")
+        self._hdet_enabled = block is not None and not (isinstance(block, dict) and block.get("enabled") is False)
+        if not self._hdet_enabled:
+            if probe is not None:
+                raise HDETConfigError("HDETTrainer(probe=...): no 'hdet' block in TrainingArguments(deepspeed=...); "
+                                      "add one (docs/config.md) or drop probe")
+            return
+        if self.args.load_best_model_at_end:
+            raise HDETConfigError("TrainingArguments.load_best_model_at_end: not supported with an hdet block (the "
+                                  "best checkpoint holds one folder per replica); set it to False")
+        max_steps = self.args.max_steps if self.args.max_steps > 0 else None
+        cfg = self._check(_without_auto(resolve_auto(ds, max_steps)), partial=max_steps is None)
+        self._hdet_block = copy.deepcopy(block)
+        check_probe(cfg, probe)
+        self.hdet_topology = build_topology(self.args)
+
+    # ---- config ----------------------------------------------------------------------
+    def _deepspeed_config(self) -> dict | None:
+        """The DeepSpeed config dict ``Trainer`` and Accelerate share (``None`` without
+        ``TrainingArguments(deepspeed=...)``)."""
+        hf = getattr(self.args, "hf_deepspeed_config", None)
+        return None if hf is None else hf.config
+
+    def _check(self, ds: dict, partial: bool = False) -> HDETConfig:
+        """Validate ``ds`` as :func:`hdet_scale.initialize` does. ``partial``: the
+        schedule's ``total_steps`` is still ``"auto"`` (known at ``train()``), so the
+        checks that need it wait until then."""
+        from hdet_scale.backends.deepspeed import prepare_config
+
+        if partial:
+            ds = copy.deepcopy(ds)
+            ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
+        cfg, _ = prepare_config(ds, world_size=self.args.world_size)
+        return cfg
+
+    # ---- the engine ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _hdet_engine(self):
+        """While open, ``deepspeed.initialize`` builds an HDET engine (module comment)."""
+        import deepspeed
+
+        real = deepspeed.initialize
+        # Accelerate fills "auto" values it knows and refuses others ("hdet.schedule.total_steps"):
+        # the block stays out of its config while it prepares, and _initialize adds it back.
+        shared = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        block = shared.pop("hdet", None)
+
+        def initialize(*args: Any, **kwargs: Any):
+            return self._initialize(real, *args, **kwargs)
+
+        deepspeed.initialize = initialize
+        try:
+            yield
+        finally:
+            deepspeed.initialize = real
+            if block is not None:
+                shared["hdet"] = block
+
+    def _initialize(self, real: Callable, *args: Any, **kwargs: Any):
+        from hdet_scale.backends.deepspeed import DeepSpeedBackend, prepare_config
+
+        config = kwargs.pop("config_params", None) or kwargs.pop("config", None)
+        if args or config is None:
+            raise RuntimeError("HDETTrainer: Accelerate called deepspeed.initialize in a way this version does not "
+                               "know (positional arguments or no config); supported: accelerate 1.15")
+        config = {**config, "hdet": self._hdet_block}  # held out of Accelerate's "auto" filling
+        cfg, ds = prepare_config(resolve_auto(config, self._hdet_max_steps), world_size=self.args.world_size)
+        topology = use_topology(cfg, self.hdet_topology, self.hdet_topology.mesh.device_type)
+        _check_partitions(kwargs.get("model"), topology)
+        # DeepSpeed's fallback for a ZeRO-3 save_model writes its own checkpoint layout,
+        # where every replica would write the same file names: gather the weights instead.
+        ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+        logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "deepspeed": ds})
+        holder: dict[str, HDETScheduler] = {}
+
+        def make_scheduler(opt: Any) -> HDETScheduler:
+            holder["s"] = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: opt}), logger=logger)
+            return holder["s"]
+
+        kwargs.update(config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler)
+        engine, optimizer, loader, scheduler = real(**kwargs)
+        attach_sync(scheduler, topology, DeepSpeedBackend(engine), engine, self._hdet_probe)
+        self.hdet_scheduler = scheduler
+        self._feed_losses(engine)
+        return engine, optimizer, loader, scheduler
+
+    def _feed_losses(self, engine: Any) -> None:
+        """Hand each optimizer step's loss to the scheduler (module comment)."""
+        accelerator = self.accelerator
+        backward = accelerator.backward
+        losses = self._hdet_losses
+
+        def record(loss: torch.Tensor, **kwargs: Any) -> Any:
+            losses.append(loss.detach().float().reshape(()))
+            return backward(loss, **kwargs)
+
+        accelerator.backward = record
+        step = engine.step
+
+        def step_with_loss(lr_kwargs: dict | None = None) -> Any:
+            if lr_kwargs is None and losses and engine.is_gradient_accumulation_boundary():
+                lr_kwargs = {"loss": torch.stack(losses).sum()}
+                losses.clear()
+            return step(lr_kwargs=lr_kwargs)
+
+        engine.step = step_with_loss
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        if not self._hdet_enabled:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            self.lr_scheduler = EngineScheduler(self)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any):
+        if not self._hdet_enabled:
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        self._hdet_max_steps = max_steps
+        self._check(_without_auto(resolve_auto(self._deepspeed_config(), max_steps)))
+        self._hdet_losses.clear()
+        with self._hdet_engine():
+            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if resume_from_checkpoint is not None:
+            from hdet_scale.backends.deepspeed import load_checkpoint
+
+            load_checkpoint(self.model_wrapped, self.hdet_scheduler, resume_from_checkpoint)
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        return model, train_dataloader
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._hdet_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from hdet_scale.backends.deepspeed import save_checkpoint
+
+        save_checkpoint(self.model_wrapped, self.hdet_scheduler, output_dir,
+                        tag=f"global_step{self.state.global_step}")
+
+
+def build_topology(args: Any) -> Topology:
+    """The ``R x S`` process groups for ``TrainingArguments`` ``args`` whose DeepSpeed
+    config has an ``hdet`` block: built once per process and reused by
+    :class:`HDETTrainer` (so a model built under ``hdet_scale.zero_init(build_topology(args),
+    ...)`` and the trainer share one shard group). Collective on first call.
+
+    Raises:
+        HDETConfigError: no DeepSpeed config or no ``hdet`` block in it.
+    """
+    hf = getattr(args, "hf_deepspeed_config", None)
+    block = None if hf is None else hf.config.get("hdet")
+    if not isinstance(block, dict):
+        raise HDETConfigError("TrainingArguments(deepspeed=...): no 'hdet' block in the DeepSpeed config "
+                              "(docs/config.md)")
+    replicas = block.get("replicas", HDETConfig().replicas)  # HDETTrainer checked the block
+    cached = _TOPOLOGIES.get(replicas)
+    if cached is None:
+        device = args.device.type if args.device.type != "cpu" else "cpu"
+        cached = _TOPOLOGIES[replicas] = Topology(replicas, device_type=device)
+    return cached
+
+
+_TOPOLOGIES: dict[int, Topology] = {}
+
+
+def _check_partitions(model: Any, topology: Topology) -> None:
+    """Refuse a model ZeRO-3 already partitioned over another group than the shard group
+    (``Trainer``'s ``from_config`` under ``deepspeed.zero.Init`` partitions over the world):
+    DeepSpeed would read each partition with the wrong size. Same verdict on every rank
+    (the group sizes are global)."""
+    import torch.distributed as dist
+
+    for p in () if model is None else model.parameters():
+        group = getattr(p, "ds_process_group", None)
+        if group is not None and dist.get_world_size(group) != topology.shard_size:
+            raise HDETConfigError(
+                f"model: partitioned by deepspeed.zero.Init over {dist.get_world_size(group)} ranks, but each hdet "
+                f"replica shards over {topology.shard_size}; build it whole, or under "
+                "hdet_scale.zero_init(hdet_scale.hf.build_topology(args), args.hf_deepspeed_config.config)")
+        return

@@ -1,0 +1,164 @@
+"""Rank side of test_hf_trainer: a standard Hugging Face ``Trainer`` script on 4 gloo ranks
+(2 replica groups x 2 ZeRO-3 shards under HDET; plain data parallelism over 4 without it).
+
+Model: ``LlamaForCausalLM`` from a tiny ``LlamaConfig`` (1 layer, hidden 32), built whole
+with the same seed on every rank. Data: 128 sequences of 16 tokens, each an arithmetic
+progression mod 64 with a seeded start and stride (learnable, so the loss moves).
+``TrainingArguments``: 2 sequences per rank and micro-batch, 2 micro-batches per optimizer
+step (gradient accumulation), constant LR 1e-3, AdamW from the DeepSpeed config's
+``"auto"`` values, gradient clipping 1.0.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+SEQ, VOCAB, ROWS = 16, 64, 128
+LR = 1e-3
+DS_BASE = {
+    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+    "gradient_clipping": "auto", "zero_optimization": {"stage": 3},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+}
+
+
+class Progressions(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        start = torch.randint(0, VOCAB, (ROWS, 1), generator=g)
+        stride = torch.randint(1, 5, (ROWS, 1), generator=g)
+        self.ids = (start + stride * torch.arange(SEQ)) % VOCAB
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def build_model() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def ds_config(hdet: dict | None) -> dict:
+    ds = copy.deepcopy(DS_BASE)
+    if hdet is not None:
+        ds["hdet"] = hdet
+    return ds
+
+
+def hdet_block(spread: float, auto: bool, sync_interval: int = 2) -> dict:
+    return {"replicas": 2, "sync_interval": sync_interval, "axes": {"lr": {"spread_ratio": spread}},
+            "schedule": {"name": "constant", "total_steps": "auto"},
+            "auto": {"enabled": auto, "fitness": "train_loss", "warmup_steps": 2},
+            "logging": {"jsonl": None, "wandb": {"enabled": False}}}
+
+
+def args(out: str, ds: dict, max_steps: int, save_steps: int | None = None) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        report_to=[], deepspeed=ds, ddp_backend="gloo", use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
+        dataloader_num_workers=0)
+
+
+def flat_params(engine: Any) -> np.ndarray:
+    """Every parameter of this rank's replica, gathered from its ZeRO-3 partitions (a
+    collective on the engine's data-parallel group: the shard group under HDET)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return torch.cat([p.detach().float().flatten() for p in params]).numpy().copy()
+
+
+def _recorder(trainer: Any, sync_interval: int | None) -> tuple[list, Any]:
+    """A ``TrainerCallback`` recording, after every optimizer step, this replica's LR for
+    the next step and, at sync steps, the gathered parameters (just after converge)."""
+    from transformers import TrainerCallback
+
+    steps: list[dict] = []
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            row = {"step": state.global_step, "lr": trainer.lr_scheduler.get_last_lr()[0]}
+            if sync_interval and state.global_step % sync_interval == 0:
+                row["params"] = flat_params(trainer.model_wrapped)
+            steps.append(row)
+
+    return steps, Record()
+
+
+def _fed_losses(trainer: Any) -> list:
+    """The losses the trainer hands the HDET scheduler, observed (not replaced)."""
+    fed: list[float] = []
+    sched = trainer.hdet_scheduler
+    step = sched.step
+
+    def observed(loss=None, **kwargs):
+        fed.append(float(loss))
+        return step(loss=loss, **kwargs)
+
+    sched.step = observed
+    return fed
+
+
+def run(tmp: str) -> dict:
+    """Four ``Trainer`` runs in this one launch (each a full ``train()``):
+    ``plain`` (no hdet block), ``spread0`` (HDETTrainer, spread 0, auto-LR off),
+    ``hdet`` (spread 0.2, auto-LR on with the training-loss fitness, 6 steps, a checkpoint
+    every 2) and ``resumed`` (a new HDETTrainer resumed from ``hdet``'s step-2 checkpoint)."""
+    from transformers import Trainer, TrainerCallback
+
+    from hdet_scale.hf import HDETTrainer
+
+    rank = int(os.environ["RANK"])
+    data = Progressions()
+    out: dict[str, Any] = {}
+
+    plain = Trainer(model=build_model(), args=args(f"{tmp}/plain", ds_config(None), 4), train_dataset=data)
+    plain.train()
+    out["plain"] = flat_params(plain.model_wrapped)
+
+    spread0 = HDETTrainer(model=build_model(), args=args(f"{tmp}/spread0", ds_config(hdet_block(0.0, False)), 4),
+                          train_dataset=data)
+    spread0.train()
+    out["spread0"] = flat_params(spread0.model_wrapped)
+
+    class FeedObserver(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.fed = _fed_losses(trainer)
+
+    hdet_args = args(f"{tmp}/hdet", ds_config(hdet_block(0.2, True)), 6, save_steps=2)
+    trainer = HDETTrainer(model=build_model(), args=hdet_args, train_dataset=data)
+    steps, recorder = _recorder(trainer, 2)
+    observer = FeedObserver()
+    trainer.add_callback(recorder)
+    trainer.add_callback(observer)
+    trainer.train()
+    out["hdet"] = {"steps": steps, "final": flat_params(trainer.model_wrapped), "fed": observer.fed,
+                   "logged_loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                   "base": trainer.hdet_scheduler.base_value("lr", 0),
+                   "layout": json.load(open(f"{tmp}/hdet/checkpoint-2/hdet_layout.json")) if rank == 0 else None}
+
+    resumed = HDETTrainer(model=build_model(), args=args(f"{tmp}/hdet", ds_config(hdet_block(0.2, True)), 6,
+                                                         save_steps=2), train_dataset=data)
+    r_steps, r_recorder = _recorder(resumed, None)
+    resumed.add_callback(r_recorder)
+    resumed.train(resume_from_checkpoint=f"{tmp}/hdet/checkpoint-2")
+    out["resumed"] = {"steps": r_steps, "final": flat_params(resumed.model_wrapped)}
+    return out
