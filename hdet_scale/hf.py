@@ -101,11 +101,12 @@ class HDETTrainer(Trainer):
     docs/config.md). Without a block (or ``"enabled": false``) it is the plain ``Trainer``.
 
     Args:
-        *args, **kwargs: ``Trainer``'s. The model is built whole on every rank (DeepSpeed
-            partitions it over the shard group when training starts) or under
-            ``hdet_scale.zero_init(hdet_scale.hf.build_topology(args), args.hf_deepspeed_config.config)``.
-            A model that ``from_config`` / ``from_pretrained`` partitioned over the whole
-            world (``deepspeed.zero.Init`` of ``Trainer``'s ZeRO-3) is refused.
+        *args, **kwargs: ``Trainer``'s. The model is built whole on every rank
+            (DeepSpeed partitions it over the shard group when training starts) or, for
+            a model too large for one rank, partitioned as it is built under
+            :func:`zero_init`. Either way every replica starts from replica 0's weights.
+            A model that ``from_config`` / ``from_pretrained`` partitioned under
+            ``Trainer``'s own ZeRO-3 (over the whole world) is refused.
         probe: ``probe(engine) -> loss`` (0-dim tensor or float, nats), as for
             :func:`hdet_scale.initialize`: needed when auto-LR is on with
             ``hdet.auto.fitness: "probe"`` (the default); with ``"train_loss"`` the step's
@@ -216,7 +217,9 @@ class HDETTrainer(Trainer):
 
         kwargs.update(config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler)
         engine, optimizer, loader, scheduler = real(**kwargs)
-        attach_sync(scheduler, topology, DeepSpeedBackend(engine), engine, self._hdet_probe)
+        backend = DeepSpeedBackend(engine)
+        _start_from_replica_0(backend, topology)
+        attach_sync(scheduler, topology, backend, engine, self._hdet_probe)
         self.hdet_scheduler = scheduler
         self._feed_losses(engine)
         return engine, optimizer, loader, scheduler
@@ -278,9 +281,9 @@ class HDETTrainer(Trainer):
 
 def build_topology(args: Any) -> Topology:
     """The ``R x S`` process groups for ``TrainingArguments`` ``args`` whose DeepSpeed
-    config has an ``hdet`` block: built once per process and reused by
-    :class:`HDETTrainer` (so a model built under ``hdet_scale.zero_init(build_topology(args),
-    ...)`` and the trainer share one shard group). Collective on first call.
+    config has an ``hdet`` block: built once per process for each number of replicas
+    and reused by every :class:`HDETTrainer` (a DeviceMesh per trainer would add process
+    groups at every ``Trainer`` built). Collective on first call.
 
     Raises:
         HDETConfigError: no DeepSpeed config or no ``hdet`` block in it.
@@ -301,6 +304,54 @@ def build_topology(args: Any) -> Topology:
 _TOPOLOGIES: dict[int, Topology] = {}
 
 
+def zero_init(args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.zero.Init`` over the shard group of ``args``' layout: build the model
+    inside it (``from_config`` too) and no rank holds more than its partitions, on the
+    process groups :class:`HDETTrainer` then trains::
+
+        args = TrainingArguments(..., deepspeed="ds_config.json")
+        with hdet_scale.hf.zero_init(args):
+            model = AutoModelForCausalLM.from_config(config)
+        trainer = HDETTrainer(model=model, args=args, ...)
+
+    ``from_config``'s own ``zero.Init`` nests inside it and does nothing (DeepSpeed
+    partitions by the outermost context). transformers then initialises the weights on
+    global rank 0 only, so only replica 0's shard group gets them; :class:`HDETTrainer`
+    copies replica 0's partitions to every replica when training starts, as HDET needs
+    anyway (replicas start as copies of one model). ``kwargs`` go to
+    ``deepspeed.zero.Init``. Collective (the layout, on first use).
+
+    Raises:
+        HDETConfigError: as :func:`build_topology`, or an invalid config.
+    """
+    import deepspeed
+
+    from hdet_scale.backends.deepspeed import zero_init as _zero_init
+
+    topology = build_topology(args)
+    # Accelerate initialised torch.distributed, not DeepSpeed's comm layer, which zero.Init
+    # reads (without it, its config sees a world of 1 and refuses the batch size).
+    deepspeed.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
+    max_steps = args.max_steps if args.max_steps > 0 else None
+    ds = _without_auto(resolve_auto(args.hf_deepspeed_config.config, max_steps))
+    if max_steps is None:  # only the layout and the dtype matter here
+        ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
+    return _zero_init(topology, ds, **kwargs)
+
+
+@torch.no_grad()
+def _start_from_replica_0(backend: Any, topology: Topology) -> None:
+    """Every replica takes replica 0's fp32 master partitions and buffers (one broadcast
+    per tensor over the replica group; a few flat tensors), then refreshes its working
+    copy. Collective on the replica groups."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(topology.replica_group, 0)
+    for t in list(backend.master_tensors()) + list(backend.buffers()):
+        dist.broadcast(t, src=src, group=topology.replica_group)
+    backend.refresh()
+
+
 def _check_partitions(model: Any, topology: Topology) -> None:
     """Refuse a model ZeRO-3 already partitioned over another group than the shard group
     (``Trainer``'s ``from_config`` under ``deepspeed.zero.Init`` partitions over the world):
@@ -313,6 +364,6 @@ def _check_partitions(model: Any, topology: Topology) -> None:
         if group is not None and dist.get_world_size(group) != topology.shard_size:
             raise HDETConfigError(
                 f"model: partitioned by deepspeed.zero.Init over {dist.get_world_size(group)} ranks, but each hdet "
-                f"replica shards over {topology.shard_size}; build it whole, or under "
-                "hdet_scale.zero_init(hdet_scale.hf.build_topology(args), args.hf_deepspeed_config.config)")
+                f"replica shards over {topology.shard_size}; build it under hdet_scale.hf.zero_init(args), or "
+                "whole (LlamaForCausalLM(config)): DeepSpeed then partitions it when training starts")
         return

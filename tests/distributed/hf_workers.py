@@ -42,13 +42,20 @@ class Progressions(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def build_model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(training_args: Any = None) -> Any:
+    """The model, built whole; with ``training_args``, built partitioned over the shard
+    group as a large model is (``from_config`` under ``hdet_scale.hf.zero_init``)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    if training_args is None:
+        return LlamaForCausalLM(cfg)
+    from hdet_scale.hf import zero_init
+
+    with zero_init(training_args):
+        return AutoModelForCausalLM.from_config(cfg)
 
 
 def ds_config(hdet: dict | None) -> dict:
@@ -117,9 +124,35 @@ def _fed_losses(trainer: Any) -> list:
     return fed
 
 
+BAD = {
+    "scheduler": {**ds_config(hdet_block(0.2, False)), "scheduler": {"type": "WarmupLR"}},
+    "sync_intervall": ds_config({**hdet_block(0.2, False), "sync_intervall": 3}),
+    "probe": ds_config({**hdet_block(0.2, True), "auto": {"enabled": True, "warmup_steps": 2}}),
+    "replicas": ds_config({**hdet_block(0.2, False), "replicas": 3}),
+    "zero_optimization.stage": {**ds_config(hdet_block(0.2, False)), "zero_optimization": {"stage": 2}},
+}
+
+
+def refusals(tmp: str, data: Any) -> dict:
+    """Each bad config of ``BAD``: what ``HDETTrainer(...)`` raised (its type and message)."""
+    from hdet_scale.hf import HDETTrainer
+
+    seen = {}
+    for key, ds in BAD.items():
+        try:
+            HDETTrainer(model=build_model(), args=args(f"{tmp}/bad", ds, 4), train_dataset=data)
+            seen[key] = None
+        except Exception as e:  # noqa: BLE001 - the test checks the type
+            seen[key] = (type(e).__name__, str(e))
+    return seen
+
+
 def run(tmp: str) -> dict:
-    """Four ``Trainer`` runs in this one launch (each a full ``train()``):
+    """Six ``Trainer`` runs in this one launch (each a full ``train()``):
     ``plain`` (no hdet block), ``spread0`` (HDETTrainer, spread 0, auto-LR off),
+    ``sharded`` (the same, the model built partitioned by ``from_config`` under
+    ``hdet_scale.hf.zero_init``) and ``plain_from_start`` (the plain ``Trainer`` from the
+    weights ``sharded`` started with),
     ``hdet`` (spread 0.2, auto-LR on with the training-loss fitness, 6 steps, a checkpoint
     every 2) and ``resumed`` (a new HDETTrainer resumed from ``hdet``'s step-2 checkpoint)."""
     from transformers import Trainer, TrainerCallback
@@ -128,7 +161,7 @@ def run(tmp: str) -> dict:
 
     rank = int(os.environ["RANK"])
     data = Progressions()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"refused": refusals(tmp, data)}
 
     plain = Trainer(model=build_model(), args=args(f"{tmp}/plain", ds_config(None), 4), train_dataset=data)
     plain.train()
@@ -138,6 +171,26 @@ def run(tmp: str) -> dict:
                           train_dataset=data)
     spread0.train()
     out["spread0"] = flat_params(spread0.model_wrapped)
+
+    sharded_args = args(f"{tmp}/sharded", ds_config(hdet_block(0.0, False)), 4)
+    model = build_model(sharded_args)
+    out["partition_of"] = {n: (p.ds_tensor.numel(), p.ds_numel) for n, p in model.named_parameters()}
+    sharded = HDETTrainer(model=model, args=sharded_args, train_dataset=data)
+
+    class Start(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            out["sharded_start"] = flat_params(sharded.model_wrapped)
+
+    sharded.add_callback(Start())
+    sharded.train()
+    out["sharded"] = flat_params(sharded.model_wrapped)
+    # The oracle: the plain Trainer from the weights the sharded run started with.
+    whole = build_model()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(out["sharded_start"]), whole.parameters())
+    plain_from = Trainer(model=whole, args=args(f"{tmp}/plain_from", ds_config(None), 4), train_dataset=data)
+    plain_from.train()
+    out["plain_from_start"] = flat_params(plain_from.model_wrapped)
 
     class FeedObserver(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):

@@ -1,7 +1,7 @@
 """The Hugging Face ``Trainer`` with an ``hdet`` block (``hdet_scale.hf.HDETTrainer``) on 4
 real gloo ranks, DeepSpeed ZeRO-3 through Accelerate, against the plain ``Trainer``.
 
-One launch (``hf_workers.run``, ~35 s) runs four ``train()`` calls on the same ranks; each
+One launch (``hf_workers.run``, ~40 s) runs six ``train()`` calls on the same ranks; each
 test below reads one part of what they returned. Layout under HDET: 2 replica groups x 2
 shards (ranks 0, 1 = replica 0; ranks 2, 3 = replica 1).
 
@@ -45,6 +45,16 @@ def runs(tmp_path_factory):
     return launch(H.run, str(tmp_path_factory.mktemp("hf")))
 
 
+def test_bad_configs_are_refused_at_construction_on_every_rank(runs):
+    """``HDETTrainer(...)`` refuses each bad config of ``hf_workers.BAD`` with an
+    ``HDETConfigError`` naming the key, the same on all 4 ranks, before training."""
+    for key in H.BAD:
+        seen = [out["refused"][key] for out in runs]
+        assert seen[0] is not None, f"{key}: accepted"
+        assert seen[0][0] == "HDETConfigError" and key in seen[0][1], f"{key}: {seen[0]}"
+        assert all(s == seen[0] for s in seen), f"{key}: ranks disagree: {seen}"
+
+
 def test_spread0_without_auto_lr_equals_the_plain_trainer(runs):
     """HDETTrainer with spread 0 and auto-LR off computes what the plain ``Trainer`` does
     (global gradient sharing = data parallelism over all 4 ranks), with gradient
@@ -57,6 +67,23 @@ def test_spread0_without_auto_lr_equals_the_plain_trainer(runs):
         init = H.build_model()
     flat0 = np.concatenate([p.detach().float().flatten().numpy() for p in init.parameters()])
     assert np.abs(runs[0]["plain"] - flat0).max() > 1e-4
+
+
+def test_a_model_built_partitioned_trains_as_the_plain_trainer_from_its_start(runs):
+    """``from_config`` under ``hdet_scale.hf.zero_init``: each rank holds half of every
+    parameter (its shard group has 2 ranks, not the world's 4); every replica starts from
+    replica 0's weights (transformers initialises ZeRO-3 partitions on global rank 0
+    only: replica 1 would start from zeros); after 4 steps at spread 0 it equals the plain
+    ``Trainer`` started from those weights (rtol 1e-5, atol 1e-6, as above)."""
+    for name, (local, numel) in runs[0]["partition_of"].items():
+        assert local == -(-numel // 2), f"{name}: {local} of {numel} elements on one rank"
+    for rank, out in enumerate(runs):
+        np.testing.assert_array_equal(out["sharded_start"], runs[0]["sharded_start"],
+                                      err_msg=f"rank {rank} started from other weights than replica 0")
+        np.testing.assert_allclose(out["sharded"], out["plain_from_start"], rtol=1e-5, atol=1e-6,
+                                   err_msg=f"rank {rank}: the partitioned build trained differently")
+    assert np.abs(runs[0]["sharded_start"]).max() > 0.01
+    assert np.abs(runs[0]["sharded"] - runs[0]["sharded_start"]).max() > 1e-4  # it trained
 
 
 def test_replicas_train_at_spread_learning_rates_and_auto_lr_moves_the_base(runs):
