@@ -12,12 +12,24 @@ process). DeepSpeed and fairscale are imported only by their backends.
 """
 
 from hdet_scale.config import HDETConfig
-from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError, HDETStateError, HDETStepMismatchError
-from hdet_scale.reference import OneCycleAutoLR
-from hdet_scale.simulate import SimulatedSync, Simulator
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): they import torch (~1 s), which the CLIs' config checks
+# never need, so a mistyped key is refused before torch is loaded.
+_LAZY = {"HDETScheduler": "hdet_scale.ensemble", "OneCycleAutoLR": "hdet_scale.reference",
+         "SimulatedSync": "hdet_scale.simulate", "Simulator": "hdet_scale.simulate"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hdet_scale' has no attribute {name!r}")
 
 
 def initialize(*args, **kwargs):

@@ -26,7 +26,7 @@ from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 from hdet_scale.backends import BACKENDS
-from hdet_scale.train.model import ModelConfig
+from hdet_scale.train.model_config import ModelConfig
 
 
 

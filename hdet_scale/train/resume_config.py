@@ -41,7 +41,7 @@ from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, checkpoint_index, rea
 from hdet_scale.backends.common import read_layout
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETStateError
-from hdet_scale.train.model import VOCAB_SIZE
+from hdet_scale.train.model_config import VOCAB_SIZE
 
 RECORD_FILE = "hdet_run_config.json"
 WANDB_RUN_ID = "wandb.run_id"  # in a tag's record: the W&B run its resume continues
