@@ -41,7 +41,7 @@ def _final_weights(engine: Any) -> Any:
     if engine.backend == "deepspeed":
         import deepspeed
 
-        module = engine.engine.module
+        module = engine.model.module
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             named = {n: p.detach().double().clone() for n, p in module.named_parameters()}
     else:
@@ -69,7 +69,7 @@ def train_runs(runs: list[dict]) -> list[dict]:
         def capture(*args: Any, seen: dict = seen, **kwargs: Any) -> Any:
             # The real engine; only a reference to it is kept, and counting hooks added.
             engine = seen["engine"] = build_engine(*args, **kwargs)
-            module = engine.engine.module if engine.backend == "deepspeed" else engine._module
+            module = engine.model.module if engine.backend == "deepspeed" else engine._module
             _backward_counter(module, seen)
             _layer_forwards(module, seen)
             return engine
@@ -83,8 +83,8 @@ def train_runs(runs: list[dict]) -> list[dict]:
         result = {"summary": summary, "model_backward_passes": seen["model_backward_passes"],
                   "layer_forwards": seen["layer_forwards"]}
         if engine.backend == "deepspeed":
-            result["ds_global_steps"] = engine.engine.global_steps
-            result["ds_micro_steps"] = engine.engine.micro_steps
+            result["ds_global_steps"] = engine.model.global_steps
+            result["ds_micro_steps"] = engine.model.micro_steps
         weights = _final_weights(engine)
         if dist.get_rank() == 0:
             result["weights"] = weights

@@ -1,0 +1,246 @@
+"""One API for every engine: :func:`prepare` returns an :class:`Ensemble` whose few calls
+are the same on DeepSpeed ZeRO-3, FSDP2, DDP and fairscale OSS, so one training loop runs
+on all four::
+
+    ens = hdet_scale.prepare(model, "ds_config.json", backend="fsdp2", probe=probe)
+    for batch in loader:                       # micro-batches of this rank
+        with ens.accumulate():                 # gradient all-reduce on a step's last micro-batch only
+            loss = compute_loss(ens.model, batch)
+            ens.backward(loss)
+        ens.step()                             # after every micro-batch; updates on every k-th
+    ens.save_checkpoint("ckpt/")               # the same arguments and result on every engine
+
+The config is the DeepSpeed-style JSON with its ``hdet`` block for every engine (as
+``hdet-train``): DeepSpeed reads all of it; the others read ``optimizer.type`` /
+``optimizer.params`` (AdamW, Adam or SGD), ``gradient_accumulation_steps``,
+``gradient_clipping`` (default 1.0, as DeepSpeed) and ``bf16.enabled`` (FSDP2), and refuse
+DeepSpeed-only keys that would change memory or precision
+(:func:`hdet_scale.engine_config.check_engine_config`).
+
+It is a thin layer on each backend's own ``initialize`` / ``save_checkpoint`` /
+``load_checkpoint`` (still public for what it does not cover); ``hdet-train`` trains
+through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from hdet_scale.backends import BACKENDS
+from hdet_scale.errors import HDETConfigError
+
+__all__ = ["Ensemble", "prepare"]
+
+
+def _torch_optimizer(ds: dict) -> Callable[[Any], torch.optim.Optimizer]:
+    """``params -> optimizer`` from the config's ``optimizer`` block."""
+    from hdet_scale.engine_config import OPTIMIZERS, optimizer_class_name
+
+    opt = ds["optimizer"]
+    cls, kwargs = OPTIMIZERS[optimizer_class_name(opt["type"])], dict(opt.get("params", {}) or {})
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return lambda params: cls(params, **kwargs)
+
+
+def _load(config: Any) -> dict:
+    from hdet_scale.backends.deepspeed import _load_ds_config
+
+    return _load_ds_config(config)
+
+
+def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deepspeed",
+            optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, probe: Callable[[Any], Any] | None = None,
+            topology: Any = None, logger: Any = None, **options: Any) -> "Ensemble":
+    """HDET on ``backend`` for ``model``, from the DeepSpeed-style ``config`` (a JSON path
+    or a dict, with its ``"hdet"`` block).
+
+    Args:
+        model: built whole on every rank, or sharded as it is built: under
+            ``hdet_scale.zero_init(topology, config)`` (deepspeed) or on the meta device
+            with ``init_weights=`` in ``options`` (fsdp2); pass that ``topology``.
+        backend: ``"deepspeed"`` (ZeRO-3), ``"fsdp2"``, ``"ddp"`` or ``"fairscale"``.
+        optimizer: ``params -> torch.optim.Optimizer``; default: the config's
+            ``optimizer`` block (DeepSpeed builds its own from it). Not for fairscale,
+            whose OSS takes the block's class and arguments.
+        probe: ``probe(model) -> loss`` for auto-LR's probe fitness (as each backend's
+            ``initialize``: this rank's loss on its slice of fixed probe batches).
+        topology, logger: as each backend's ``initialize``.
+        **options: the backend's own options (fsdp2: ``shard_modules``, ``mp_policy``,
+            ``init_weights``...; ddp / fairscale: ``ddp_kwargs``; ``device``).
+
+    Returns:
+        An :class:`Ensemble`.
+
+    Raises:
+        HDETConfigError: an unknown backend, an invalid config (every problem at once,
+            before any collective, the same on every rank), ``optimizer=`` with
+            fairscale.
+    """
+    if backend not in BACKENDS:
+        raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    ds = _load(config)
+    if backend == "deepspeed":
+        from hdet_scale.backends.deepspeed import initialize
+
+        opt = None if optimizer is None else optimizer(model.parameters())
+        engine, _, _, scheduler = initialize(model, ds, optimizer=opt, probe=probe, topology=topology,
+                                             logger=logger, **options)
+        return Ensemble("deepspeed", engine, engine.optimizer, scheduler,
+                        engine.gradient_accumulation_steps(), clip=0.0)
+    from hdet_scale.backends.common import resolve_config, world_size
+    from hdet_scale.engine_config import check_engine_config
+
+    check_engine_config(ds, backend, world_size(), prefix="")
+    hcfg = resolve_config(ds)
+    make = optimizer or _torch_optimizer(ds)
+    kw = dict(logger=logger, probe=probe, topology=topology, **options)
+    if backend == "fsdp2":
+        from hdet_scale.backends import fsdp2
+
+        if "mp_policy" not in kw and ds.get("bf16", {}).get("enabled", False):
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model, opt, scheduler = fsdp2.initialize(model, hcfg, make, **kw)
+    elif backend == "ddp":
+        from hdet_scale.backends import ddp
+
+        model, opt, scheduler = ddp.initialize(model, hcfg, make, **kw)
+    else:
+        from hdet_scale.backends import fairscale
+        from hdet_scale.engine_config import OPTIMIZERS, optimizer_class_name
+
+        if optimizer is not None:
+            raise HDETConfigError("optimizer: fairscale's OSS builds the optimizer itself from a class and its "
+                                  "arguments; set the config's optimizer block (type, params) instead")
+        block = ds["optimizer"]
+        params = dict(block.get("params", {}) or {})
+        if "betas" in params:
+            params["betas"] = tuple(params["betas"])
+        model, opt, scheduler = fairscale.initialize(model, hcfg, OPTIMIZERS[optimizer_class_name(block["type"])],
+                                                     params, **kw)
+    # DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT = 1.0 in 0.19): the same key means
+    # the same clipping on every backend.
+    return Ensemble(backend, model, opt, scheduler, ds.get("gradient_accumulation_steps", 1),
+                    clip=float(ds.get("gradient_clipping", 1.0)))
+
+
+class Ensemble:
+    """This rank's part of an HDET run, behind the same calls on every engine.
+
+    Attributes:
+        backend: ``"deepspeed"``, ``"fsdp2"``, ``"ddp"`` or ``"fairscale"``.
+        model: what the forward pass runs on (the DeepSpeed engine, the FSDP2 module,
+            the DDP wrapper).
+        optimizer, scheduler: the engine's optimizer and the
+            :class:`~hdet_scale.ensemble.HDETScheduler` (``scheduler.topology``: the
+            ``R x S`` process groups; shard the data over all W of its ranks).
+        grad_accum: micro-batches per optimizer step (``gradient_accumulation_steps``).
+    """
+
+    def __init__(self, backend: str, model: Any, optimizer: Any, scheduler: Any, grad_accum: int,
+                 clip: float) -> None:
+        self.backend, self.model, self.optimizer, self.scheduler = backend, model, optimizer, scheduler
+        self.grad_accum = int(grad_accum)
+        self._clip = clip
+        self._micro = 0  # micro-batches since the last optimizer step
+        self._loss = 0.0  # their losses' sum
+
+    @property
+    def topology(self) -> Any:
+        return self.scheduler.topology
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True while the micro-batch to come is the last of its optimizer step."""
+        return self._micro == self.grad_accum - 1
+
+    def accumulate(self) -> Any:
+        """Context for one micro-batch's forward and backward: the engine's gradient
+        all-reduce runs on the step's last micro-batch only (DDP / fairscale
+        ``no_sync``, FSDP2 ``set_requires_gradient_sync``; DeepSpeed decides itself)."""
+        last = self.sync_gradients
+        if self.backend == "deepspeed" or last and self.backend != "fsdp2":
+            return contextlib.nullcontext()
+        if self.backend == "fsdp2":
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (its mean, a 0-dim tensor in nats); the
+        gradient of the step is the mean over its micro-batches on every engine
+        (DeepSpeed divides by the accumulation steps itself, the others here). The
+        loss is recorded for the scheduler."""
+        if self.backend == "deepspeed":
+            self.model.backward(loss)
+        else:
+            (loss / self.grad_accum).backward()
+        self._loss = self._loss + loss.detach()
+
+    def step(self) -> bool:
+        """Call after every micro-batch's :meth:`backward`. On the step's last one:
+        clip (``gradient_clipping``), step the optimizer, zero the gradients and step
+        the HDET scheduler with the step's loss (the micro-batches' mean): converge every
+        ``sync_interval`` steps, auto-LR. A non-finite gradient norm skips the update and
+        still counts the step, on every engine. Returns whether this was a step's last
+        micro-batch."""
+        self._micro += 1
+        last = self._micro == self.grad_accum
+        if not last:
+            if self.backend == "deepspeed":
+                self.model.step()  # DeepSpeed counts the accumulation boundary by these calls
+            return False
+        loss = self._loss / self.grad_accum
+        self._micro, self._loss = 0, 0.0
+        if self.backend == "deepspeed":
+            self.model.step(lr_kwargs={"loss": loss})
+        else:
+            from hdet_scale.backends.torch_step import optimizer_step
+
+            optimizer_step(self.model.parameters(), self.optimizer, self.scheduler, loss, self._clip)
+        return True
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def _backend(self) -> Any:
+        import importlib
+
+        return importlib.import_module(f"hdet_scale.backends.{self.backend}")
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> str:
+        """Every replica's weights and optimizer state and every rank's HDET state under
+        ``save_dir`` (atomic: ``latest`` moves last); between optimizer steps. Collective:
+        every rank calls it at the same step. Returns the tag (default
+        ``global_step<step>``)."""
+        lib = self._backend()
+        if self.backend == "deepspeed":
+            return lib.save_checkpoint(self.model, self.scheduler, save_dir, tag)
+        return lib.save_checkpoint(self.model, self.optimizer, self.scheduler, save_dir, tag)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> str:
+        """Restore what :meth:`save_checkpoint` wrote (same config, world and model);
+        training then continues as if it had not stopped. Returns the tag loaded.
+
+        Raises:
+            HDETStateError: no checkpoint, another layout or engine, a file changed since
+                it was written (every rank alike, before anything is loaded).
+        """
+        from hdet_scale.backends.common import check_resumable
+
+        lib = self._backend()
+        t = self.scheduler.topology
+        tag = check_resumable(load_dir, t.world_size, t.replicas, self.backend, tag)
+        if self.backend == "deepspeed":
+            lib.load_checkpoint(self.model, self.scheduler, load_dir, tag)
+        else:
+            lib.load_checkpoint(self.model, self.optimizer, self.scheduler, load_dir, tag)
+        return tag

@@ -1,0 +1,148 @@
+"""The checks and choices every non-DeepSpeed engine shares, read from the run's
+DeepSpeed-style config (its ``optimizer``, batch, clipping and precision keys): used by
+:func:`hdet_scale.prepare`, ``hdet-train`` and ``hdet-dryrun`` alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.errors import HDETConfigError
+
+OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+
+
+def optimizer_class_name(name: Any) -> Any:
+    """The :data:`OPTIMIZERS` key for ``name``, case-insensitive as DeepSpeed's
+    ``optimizer.type`` (``adamw`` -> ``AdamW``); ``name`` itself when none matches."""
+    if isinstance(name, str):
+        for key in OPTIMIZERS:
+            if key.lower() == name.lower():
+                return key
+    return name
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "deepspeed.",
+                        title: str = "invalid run config") -> None:
+    """Checks of the ``deepspeed`` section for the fsdp2 / ddp / fairscale backends
+    (DeepSpeed's own are in ``backends.deepspeed.prepare_config``; the values every
+    backend reads, ``gradient_clipping`` and the optimizer's ``lr`` / ``betas`` / ``eps``,
+    are checked once for all when the run config loads: ``train.config``). Pure: the same
+    verdict on every rank, before any collective. ``hdet-dryrun --backend B`` runs it too
+    (on the DeepSpeed JSON itself: ``prefix=""``, its keys as the file spells them).
+
+    Raises:
+        HDETConfigError: every problem at once, each naming its ``deepspeed.*`` key.
+    """
+    errors = []
+    opt = ds.get("optimizer") or {}
+    kind, params = optimizer_class_name(opt.get("type")), opt.get("params", {}) or {}
+    if kind not in OPTIMIZERS:
+        errors.append(f"{prefix}optimizer.type: the {backend} backend builds a torch optimizer: one of "
+                      f"{', '.join(OPTIMIZERS)} (any case), got {opt.get('type')!r}")
+    else:
+        accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
+        unknown = sorted(set(params) - accepted)
+        if unknown:
+            errors.append(f"{prefix}optimizer.params: {unknown} are not arguments of torch.optim.{kind} "
+                          f"(accepted: {', '.join(sorted(accepted))})")
+    if "scheduler" in ds:
+        errors.append(f"{prefix}scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
+    micro, gas = ds.get("train_micro_batch_size_per_gpu", 1), ds.get("gradient_accumulation_steps", 1)
+    if not _positive_int(micro):
+        errors.append(f"{prefix}train_micro_batch_size_per_gpu: must be an integer >= 1, got {micro!r}")
+    if not _positive_int(gas):
+        errors.append(f"{prefix}gradient_accumulation_steps: must be an integer >= 1, got {gas!r}")
+    tbs = ds.get("train_batch_size")
+    if tbs is not None and _positive_int(micro) and _positive_int(gas) and tbs != micro * gas * world_size:
+        errors.append(f"{prefix}train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
+                      f"gradient_accumulation_steps ({gas}) x world size ({world_size})")
+    if ds.get("bf16", {}).get("enabled", False) and backend != "fsdp2":
+        errors.append(f"{prefix}bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
+                      "is available with backend deepspeed or fsdp2")
+    if ds.get("fp16", {}).get("enabled", False):
+        errors.append(f"{prefix}fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
+                      "support it (use bf16 with fsdp2, or backend deepspeed)")
+    errors += _deepspeed_only(ds, backend, prefix)
+    if errors:
+        raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))
+
+
+#: How much each non-DeepSpeed engine shards, as the ZeRO stage that shards as much:
+#: FSDP2 parameters, gradients and optimizer state (3); fairscale OSS the optimizer
+#: state (1); DDP nothing (0).
+ZERO_EQUIVALENT = {"fsdp2": 3, "fairscale": 1, "ddp": 0}
+
+
+def _deepspeed_only(ds: dict, backend: str, prefix: str) -> list[str]:
+    """DeepSpeed keys that change where memory goes or the precision of the training,
+    which the other engines cannot honour: refused, not silently ignored (a run that
+    needs CPU offload to fit would otherwise fail for memory hours in, or train at
+    another precision than the file says)."""
+    errors = []
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    for key in ("offload_optimizer", "offload_param"):
+        block = zero.get(key)
+        device = block.get("device", "none") if isinstance(block, dict) else block
+        if device not in (None, "none"):
+            errors.append(f"{prefix}zero_optimization.{key}: DeepSpeed's offload to {device!r}; the {backend} "
+                          "backend keeps parameters and optimizer state where the model is and cannot offload: "
+                          "remove the block (or set its device to \"none\"), or use backend deepspeed")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if zero.get(key):
+            errors.append(f"{prefix}zero_optimization.{key}: DeepSpeed's quantized communication (ZeRO++); the "
+                          f"{backend} backend communicates at full precision: remove it, or use backend deepspeed")
+    autocast = ds.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled"):
+        errors.append(f"{prefix}torch_autocast.enabled: DeepSpeed's autocast mixed precision; the {backend} "
+                      "backend does not read it (use bf16.enabled with fsdp2, or backend deepspeed)")
+    for key in ("communication_data_type", "data_types"):
+        if ds.get(key) not in (None, {}):
+            errors.append(f"{prefix}{key}: sets DeepSpeed's gradient communication or accumulation dtype; the "
+                          f"{backend} backend does not read it: remove it, or use backend deepspeed")
+    return errors
+
+
+def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int], float]:
+    """``{(axis, 0): value}`` of the one parameter group ``hdet-train`` builds, as the
+    file sets it, for the checks that need the optimizer's values before it exists
+    (``autolr.check_additive_floors``): the LR's peak (``hdet.schedule.max_lr``, else
+    ``optimizer.params.lr``) and ``optimizer.params.weight_decay``, else the optimizer's
+    default (torch's for the torch engines; 0 for DeepSpeed's Adam / AdamW). A value
+    that is not a number is left out (its own check names it)."""
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    kind = optimizer_class_name((ds.get("optimizer") or {}).get("type"))
+    peak = hcfg.schedule.max_lr if hcfg.schedule.max_lr is not None else params.get("lr")
+    decay = params.get("weight_decay")
+    if decay is None:
+        default = inspect.signature(OPTIMIZERS[kind]).parameters.get("weight_decay") if kind in OPTIMIZERS else None
+        decay = 0.0 if backend == "deepspeed" or default is None else default.default
+    bases = {}
+    for axis, value in (("lr", peak), ("weight_decay", decay)):
+        if axis in hcfg.axes and isinstance(value, (int, float)) and not isinstance(value, bool):
+            bases[(axis, 0)] = float(value)
+    return bases
+
+
+def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str]:
+    """What a non-DeepSpeed engine does differently from what the ``deepspeed`` section
+    says, without being wrong: today a ``zero_optimization.stage`` that shards more or
+    less than the engine does (:data:`ZERO_EQUIVALENT`). One line each, printed once by
+    ``hdet-train`` and ``hdet-dryrun`` before the run starts. Pure."""
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage")
+    if backend == "deepspeed" or stage is None or stage == ZERO_EQUIVALENT.get(backend):
+        return []
+    held = {3: "shards parameters, gradients and optimizer state over its shard group (as ZeRO stage 3)",
+            1: "shards only the optimizer state over its shard group (as ZeRO stage 1)",
+            0: "keeps the whole model, its gradients and optimizer state on every rank (as ZeRO stage 0)"}
+    return [f"{prefix}zero_optimization.stage={stage} is DeepSpeed's and is not read by the {backend} backend, "
+            f"which {held[ZERO_EQUIVALENT[backend]]}"]
