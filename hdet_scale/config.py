@@ -298,6 +298,16 @@ def _parse_axes(data: Any, prefix: str, errors: list[str]) -> dict[str, AxisConf
     return axes
 
 
+#: The most optimizer steps a run may have: float64 holds every step count up to it exactly.
+MAX_STEPS = 2 ** 53
+
+
+def seed_ok(seed: object) -> bool:
+    """A seed ``torch.manual_seed`` accepts (an integer in [-2**63, 2**64)); beyond, it
+    raises on every rank after start-up (tester round 12)."""
+    return isinstance(seed, int) and not isinstance(seed, bool) and -2 ** 63 <= seed < 2 ** 64
+
+
 def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
     # A key already reported, or its block (a wrong type: the default stands in), is not
     # judged again on the stand-in: "expected int, got 10.5" then "must be >= 1, got None"
@@ -315,6 +325,9 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
     _check(errors, cfg.gradient_sharing in GRADIENT_SHARING, f"{p}.gradient_sharing",
            f"must be one of {', '.join(GRADIENT_SHARING)}, got {cfg.gradient_sharing!r}")
     _check(errors, cfg.bucket_mb > 0, f"{p}.bucket_mb", f"must be > 0 (MiB), got {cfg.bucket_mb}")
+    for key, seed in ((f"{p}.seed", cfg.seed), (f"{p}.warm_init.seed", cfg.warm_init.seed)):
+        _check(errors, seed_ok(seed), key, f"must be an integer in [-2**63, 2**64) (torch.manual_seed's range), "
+               f"got {seed}")
     for name, axis in cfg.axes.items():
         k = f"{p}.axes.{name}"
         _check(errors, axis.kind in ("multiplicative", "additive"), f"{k}.kind",
@@ -357,6 +370,13 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
     _check(errors, s.final_div_factor > 0, f"{k}.final_div_factor", f"must be > 0, got {s.final_div_factor}")
     _check(errors, 0 <= s.min_ratio <= 1, f"{k}.min_ratio", f"must be in [0, 1], got {s.min_ratio}")
     _check(errors, s.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0, got {s.warmup_steps}")
+    if s.name != "onecycle" and s.total_steps is not None and s.total_steps >= 1:
+        # tester round 12: a warm-up past the run's end never reached the peak (2e-5 of 3e-3)
+        _check(errors, s.warmup_steps < s.total_steps, f"{k}.warmup_steps",
+               f"must be shorter than the run (total_steps={s.total_steps}), got {s.warmup_steps}: the LR would "
+               "never reach its peak")
+    _check(errors, s.total_steps is None or s.total_steps <= MAX_STEPS, f"{k}.total_steps",
+           f"must be at most 2**53 (optimizer steps; the schedules compute in float64), got {s.total_steps}")
     _check(errors, not (s.cycle_momentum and s.name != "onecycle"), f"{k}.cycle_momentum",
            "needs schedule.name = 'onecycle'")
     a, k = cfg.auto, f"{p}.auto"

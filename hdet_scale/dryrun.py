@@ -44,13 +44,13 @@ _MISSING_TOTAL = ("hdet.schedule.total_steps: must be an integer >= 1; the file 
                   "length were not run)")
 
 
-def _with_missing_total(error: str | None) -> str:
-    """One message: the missing total_steps first, then the lines of ``error`` (a
-    message checked with the stand-in length: its own heading dropped)."""
+def _with_first(first: str, error: str | None) -> str:
+    """One message: ``first`` (a problem with total_steps), then the lines of ``error``
+    (the other checks' message, its own heading dropped): every error at once."""
     lines = error.splitlines() if error else []
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
-    return "invalid config:\n  " + "\n  ".join([_MISSING_TOTAL] + [line.strip() for line in lines])
+    return "invalid config:\n  " + "\n  ".join([first] + [line.strip() for line in lines])
 
 
 def _yaml_hint(path: object, error: Exception) -> str:
@@ -157,17 +157,19 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     sched = config["hdet"].setdefault("schedule", {})
     if not isinstance(sched, dict):
         raise HDETConfigError(f"hdet.schedule: expected an object, got {sched!r}")
+    first = None  # a total_steps problem, reported first with every other error
     if total_steps is not None:
         if sched.get("total_steps") not in (None, total_steps):
-            raise HDETConfigError(f"--total-steps {total_steps} differs from hdet.schedule.total_steps="
-                                  f"{sched['total_steps']} in the file")
-        sched["total_steps"] = total_steps
+            first = (f"--total-steps {total_steps} differs from hdet.schedule.total_steps={sched['total_steps']} "
+                     "in the file")
+        else:
+            sched["total_steps"] = total_steps
     from hdet_scale.autolr import build_schedule, decay_for, drowning_warning
 
     # A file that leaves total_steps to the trainer is checked with a stand-in run length
     # too long for any check to fail on, so that its other errors show in the same message.
-    missing_total = sched.get("total_steps") is None
-    if missing_total:
+    if sched.get("total_steps") is None:
+        first = _MISSING_TOTAL
         sched["total_steps"] = _STAND_IN_TOTAL
     with warnings.catch_warnings():
         # Reported below as a line of the report, not twice.
@@ -182,11 +184,11 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
                 cfg = resolve_config(config, world_size)
         except HDETConfigError as e:
-            if missing_total:
-                raise HDETConfigError(_with_missing_total(str(e))) from None
+            if first is not None:
+                raise HDETConfigError(_with_first(first, str(e))) from None
             raise
-    if missing_total:
-        raise HDETConfigError(_with_missing_total(None))
+    if first is not None:
+        raise HDETConfigError(_with_first(first, None))
     from hdet_scale.autolr import check_additive_floors
     from hdet_scale.train.engines import axis_bases
 

@@ -155,6 +155,10 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
     clip = ds.get("gradient_clipping", 1.0)
     if not (_number(clip) and clip >= 0):
         errors.append(f"{p}gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
+    if "steps_per_print" in ds and not _positive_int(ds["steps_per_print"]):
+        # DeepSpeed takes step % steps_per_print every step: 0 divides by zero on every rank
+        errors.append(f"{p}steps_per_print: must be an integer >= 1 (optimizer steps between DeepSpeed's "
+                      f"progress lines), got {ds['steps_per_print']!r}")
     errors += batch_errors(ds, p, world_size)
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))

@@ -12,6 +12,8 @@ import os
 from typing import Any
 
 from hdet_scale.config import WandbConfig
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.wandb_charts import ReplicaSeries
 
 
 def _has_wandb_credentials() -> bool:
@@ -100,6 +102,7 @@ class MetricsLogger:
         self._wandb_run = None
         self._defined: set[str] = set()  # key namespaces given hdet/step as x axis (user's run)
         self._own_run = False
+        self._series = ReplicaSeries()
         self._jsonl, self._append = jsonl, append
         if not enabled:
             return
@@ -116,9 +119,20 @@ class MetricsLogger:
             # unset here: the user's WANDB_MODE, else online with credentials, else offline
             mode = wandb.mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_credentials() else "offline")
             # "create_new": another run this process holds (not wandb.run) stays untouched.
-            self._wandb_run = wb.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
-                                      name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},
-                                      reinit="create_new", id=run_id, resume="allow" if run_id else None)
+            # W&B waits 90 s for its server by default, then raises: an online run on a
+            # node without network (tester round 12) gets 30 s and one line naming the way
+            # out. WANDB_INIT_TIMEOUT, when set, is the user's.
+            settings = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"settings": wb.Settings(init_timeout=30)}
+            try:
+                self._wandb_run = wb.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
+                                          name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},
+                                          reinit="create_new", id=run_id, resume="allow" if run_id else None,
+                                          **settings)
+            except (wb.errors.Error, TimeoutError, OSError) as e:
+                reason = " ".join(str(e).split())[:300]
+                raise HDETConfigError(f"wandb: the {mode} W&B run could not start ({type(e).__name__}: {reason}); "
+                                      "check the network and credentials, or set wandb.mode=offline "
+                                      "(wandb sync uploads it later) or wandb.enabled=false") from None
             self._own_run = True
             self.wandb_mode = mode
 
@@ -139,24 +153,27 @@ class MetricsLogger:
             self._file.write(json.dumps(json_safe(out)) + "\n")
         if self._wandb_run is not None:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+            if "hdet/sync" in record and step is not None:
+                self._series.add(scalars, step)
+            # The optimizer step travels as hdet/step, the x axis (define_metric) of every
+            # key namespace we log, in our own run and in the user's alike.
+            if step is not None:
+                scalars = {"hdet/step": step, **scalars}
+            self._define(scalars)
             if self._own_run:
                 self._wandb_run.log(scalars, step=step)
             else:
-                self._log_into_users_run(scalars, step)
+                # As the Hugging Face Trainer and Lightning do in a run they did not open:
+                # no step= (W&B drops rows whose step is below the run's current one, so
+                # ours and the user's would fight over the counter).
+                self._wandb_run.log(scalars)
 
-    def _log_into_users_run(self, scalars: dict[str, Any], step: int | None) -> None:
-        # As the Hugging Face Trainer and Lightning do in a run they did not open: no
-        # step= (W&B drops rows whose step is below the run's current one, so ours and
-        # the user's would fight over the counter); the optimizer step travels as
-        # hdet/step, the x axis of every key namespace we log.
-        if step is not None:
-            scalars = {"hdet/step": step, **scalars}
+    def _define(self, scalars: dict[str, Any]) -> None:
         for prefix in sorted({k.split("/")[0] for k in scalars if "/" in k} - self._defined):
             if not self._defined:
                 self._wandb_run.define_metric("hdet/step")
             self._wandb_run.define_metric(f"{prefix}/*", step_metric="hdet/step")
             self._defined.add(prefix)
-        self._wandb_run.log(scalars)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self._wandb_run is not None:
@@ -169,6 +186,7 @@ class MetricsLogger:
             self._file = None
         self._jsonl = None  # a closed logger writes nothing more
         if self._wandb_run is not None:
+            self._series.log_charts(self._wandb_run)
             if self._own_run:
                 self._wandb_run.finish()  # a run the user opened is theirs to finish
             self._wandb_run = None

@@ -52,7 +52,9 @@ def read_records(path: str) -> list[dict]:
             a JSON object (the message names the file and line).
     """
     try:
-        with open(path) as f:
+        # Bytes that are not UTF-8 become U+FFFD, so such a line is named as no JSON
+        # record below, not a UnicodeDecodeError traceback (tester round 12).
+        with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.readlines()
     except OSError as e:
         raise HDETConfigError(f"{path}: cannot read the metrics file ({e.strerror or e}); "

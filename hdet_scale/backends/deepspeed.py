@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
+from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
@@ -367,6 +368,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
 
     cfg, ds = prepare_config(config)
     check_probe(cfg, probe)
+    check_accelerator(ds)
     if not cfg.enabled:
         engine, opt, loader, sched = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
                                                           model_parameters=model_parameters,

@@ -184,6 +184,22 @@ def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) ->
 SHOWN_ONCE = ("hdet.", "hdet_scale: ")
 
 
+def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
+    """Whether the user set ``nproc`` (an override, or a top-level key of the YAML)."""
+    if any(o.split("=", 1)[0].strip() == "nproc" for o in overrides):
+        return True
+    if path is None:
+        return False
+    try:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - load_run_config read it already; a note is not worth an error
+        return False
+    return isinstance(data, dict) and "nproc" in data
+
+
 def _print_engine_notes(run: dict) -> None:
     """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
     than DeepSpeed would (``engines.engine_notes``), before any rank starts."""
@@ -216,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
             from hdet_scale.train.stopping import install_rank_handlers, settle
 
             rank = int(os.environ["RANK"])
+            local = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+            if rank == 0 and _sets_nproc(path, overrides) and str(run["nproc"]) != local.strip():
+                # tester round 12: nproc=4 under a 2-rank torchrun, ignored without a word
+                print(f"hdet-train: note: nproc={run['nproc']} is ignored under a launcher: it started {local} "
+                      "ranks on this machine (torchrun --nproc-per-node sets them)", file=sys.stderr, flush=True)
             # the run's own checks read the same files on every rank: one message, rank 0's
             checked = _validate_once(validate, run, int(os.environ["WORLD_SIZE"]), announce=rank == 0)
             if rank == 0:

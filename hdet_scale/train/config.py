@@ -20,7 +20,7 @@ import yaml
 from importlib import resources
 from typing import Any
 
-from hdet_scale.config import WandbConfig
+from hdet_scale.config import MAX_STEPS, WandbConfig, seed_ok
 from hdet_scale.ds_keys import RepeatedKeyError, loads_json
 from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.errors import HDETConfigError
@@ -157,9 +157,16 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if any(o in ("-h", "--help") for o in overrides):
+        raise HDETConfigError("--help goes first (hdet-train --help); overrides are key=value, e.g. train.steps=10")
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
+    # tester round 12: "=5" read as the key '' of the config, "train..steps=5" as "train"
+    bad = [o for o in overrides if not all(o.split("=", 1)[0].split("."))]
+    if bad:
+        raise HDETConfigError(f"override {bad[0]!r}: the key before '=' must be dotted names without an empty part "
+                              "(e.g. train.steps=10)")
     nodes, setters = [], {}  # setters: dotted key -> the override that sets it
     for o in overrides:
         key, value = o.split("=", 1)
@@ -394,8 +401,16 @@ def _validate(run: dict) -> None:
     if run["nproc"] < 1:
         errors.append(f"nproc: must be >= 1, got {run['nproc']}")
     t, d = run["train"], run["data"]
-    if t["steps"] < 1:
-        errors.append(f"train.steps: must be >= 1 (optimizer steps), got {t['steps']}")
+    if t["steps"] < 1 or t["steps"] > MAX_STEPS:
+        errors.append(f"train.steps: must be in [1, 2**53] (optimizer steps), got {t['steps']}")
+    for key, seed in (("seed", run["seed"]), ("model.init_seed", run["model"]["init_seed"])):
+        if not seed_ok(seed):
+            errors.append(f"{key}: must be an integer in [-2**63, 2**64) (torch.manual_seed's range), got {seed}")
+    if t["checkpoint_every"] and not t["checkpoint"]:
+        # tester round 12: saved at steps 2 and 4 but not at the end, beside a finished summary
+        errors.append(f"train.checkpoint_every={t['checkpoint_every']} with train.checkpoint=false: the run would "
+                      "save during training but not at its end; set train.checkpoint=true, or "
+                      "train.checkpoint_every=0 for no checkpoint")
     if t["eval_batches"] < 1:
         errors.append(f"train.eval_batches: must be >= 1, got {t['eval_batches']}")
     if t["checkpoint_every"] is not None and t["checkpoint_every"] < 0:

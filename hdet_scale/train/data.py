@@ -304,6 +304,12 @@ class ByteBatches:
         n = self.data.numel()
         global_batch = micro_batch_size * world_size
         needed = seq_len + global_batch
+        if (n < seq_len + 1 or n - seq_len < global_batch) and global_batch == 1:
+            # a split read one window at a time (validation): the batch keys play no part
+            raise HDETConfigError(
+                f"{key}: data set too small: it has {n} bytes but one window of data.seq_len={seq_len} needs "
+                f"{seq_len + 1} bytes (the inputs and the next byte). Use more data (data.path / "
+                "data.max_bytes, data.val_fraction) or lower data.seq_len")
         if n < seq_len + 1 or n - seq_len < global_batch:
             raise HDETConfigError(
                 f"{key}: data set too small for one batch: it has {n} bytes but needs at "

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hdet_scale.backends.common import check_resumable, read_layout, resolve_config
 from hdet_scale.backends.deepspeed import prepare_config
+from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -59,6 +60,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     try:
         if backend == "deepspeed":
             hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+            check_accelerator(run["deepspeed"])
         else:
             hcfg = HDETConfig.from_dict(run["deepspeed"].get("hdet") or {})
             if hcfg.enabled:
@@ -82,8 +84,22 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
     gas = run["deepspeed"].get("gradient_accumulation_steps", 1)
     gas = gas if isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1 else 1  # the engine names a bad one
-    ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size, key="data (training split)")
+    train_windows = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size,
+                                key="data (training split)").num_windows
+    # micro-batches of 1 on one rank: the split must hold one window; the size each rank
+    # reads is checked below, naming the key that asks for it
     val = ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
+    if hcfg.uses_probe and isinstance(micro, int):
+        # the probe's fixed windows are built at once on every rank, like eval_batches
+        # (tester round 12: probe_batches=100000 allocated gigabytes, then a traceback)
+        shards = world_size // hcfg.replicas
+        probe = run["train"]["probe_batches"] * shards * micro
+        if probe > train_windows:
+            raise HDETConfigError(
+                f"train.probe_batches={run['train']['probe_batches']} asks for {probe} windows (x "
+                f"train_micro_batch_size_per_gpu={micro} x {shards} shard ranks) of data.seq_len={d['seq_len']} "
+                f"bytes, and the training split has {train_windows}: at most "
+                f"{max(1, train_windows // (micro * shards))}")
     # evaluation reads evenly spaced windows of the split, built at once on every rank:
     # more than the split has would read each several times and (100000 batches, tester
     # round 10) allocate gigabytes before failing with a traceback

@@ -222,7 +222,9 @@ def truncate_metrics(path: str, step: int) -> int:
     if not os.path.exists(path):
         return 0
     kept, dropped = [], 0
-    with open(path) as f:
+    # Bytes that are not UTF-8 (a torn or damaged tail) become U+FFFD: such a line is no
+    # JSON record and is dropped like a torn line, not a UnicodeDecodeError on every rank.
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 record = json.loads(line)

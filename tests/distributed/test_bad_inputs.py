@@ -119,6 +119,9 @@ def setup_cases(d) -> None:
     (d / "hf_negative.json").write_text('{"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2}')
     (d / "hf_heads.json").write_text('{"model_type": "llama", "hidden_size": 65, "num_attention_heads": 4}')
     (d / "hf_twice.json").write_text('{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}')
+    # round 12: a --total-steps that differs from the file hid the file's other errors
+    (d / "nan_inf.json").write_text(json.dumps(zero3).replace('"sync_interval": 10', '"sync_interval": 10, "axes": '
+                                                              '{"lr": {"spread_ratio": NaN}}'))
 
 
 # ---- the cases: (id, argv, environment, exit code, text the message must contain) --------
@@ -388,6 +391,28 @@ CASES = [
      ["TORCH_EXTENSIONS_DIR='/proc/hdetx' cannot be created in /proc"], None),
     ("stale_op_lock", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "rm {run}_ext/fused_adam/lock", "prebuilt"], plant_stale_lock),
+    # round 12: raw tracebacks on every rank after start-up, silent acceptances, misleading messages
+    ("probe_batches_beyond_split", ["train.probe_batches=100000", "data.max_bytes=200000"], {}, 2,
+     ["train.probe_batches=100000 asks for", "the training split has", "at most"], None),
+    ("seed_beyond_torch_range", ["seed=36893488147419103232"], {}, 2,
+     ["seed: must be an integer in [-2**63, 2**64)", "36893488147419103232"], None),
+    ("hdet_seed_beyond_torch_range", ["deepspeed.hdet.seed=36893488147419103232"], {}, 2,
+     ["deepspeed.hdet.seed: must be an integer in [-2**63, 2**64)"], None),
+    ("steps_per_print_zero", ["deepspeed.steps_per_print=0"], {}, 2,
+     ["deepspeed.steps_per_print: must be an integer >= 1"], None),
+    ("fp16_on_cpu_deepspeed", ["deepspeed.fp16.enabled=true"], {}, 2,
+     ["deepspeed.fp16.enabled: this machine's DeepSpeed accelerator (cpu) has no fp16"], None),
+    ("lamb_on_cpu_deepspeed", ["deepspeed.optimizer.type=Lamb"], {}, 2,
+     ["deepspeed.optimizer.type: 'Lamb' needs DeepSpeed's FusedLamb op", "(cpu)"], None),
+    ("cosine_warmup_past_the_end", ["backend=ddp", "deepspeed.hdet.schedule.name=cosine",
+                                    "deepspeed.hdet.schedule.warmup_steps=1000"], {}, 2,
+     ["deepspeed.hdet.schedule.warmup_steps: must be shorter than the run (total_steps=300), got 1000"], None),
+    ("steps_beyond_2_53", ["train.steps=99999999999999999999"], {}, 2, ["train.steps: must be in [1, 2**53]"], None),
+    ("checkpoint_every_without_checkpoint", ["train.checkpoint=false", "train.checkpoint_every=2"], {}, 2,
+     ["train.checkpoint_every=2 with train.checkpoint=false"], None),
+    ("override_empty_key_part", ["train..steps=5"], {}, 2, ["override 'train..steps=5'", "empty part"], None),
+    ("override_empty_key", ["=5"], {}, 2, ["override '=5'"], None),
+    ("help_after_overrides", ["train.steps=3", "--help"], {}, 2, ["--help goes first"], None),
     ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "a folder", "(rmdir {run}_ext/fused_adam/lock)"], plant_stale_lock_folder),
 ]
@@ -453,6 +478,9 @@ DRYRUN_CASES = [
     ("dryrun_total_steps_negative", ["{d}/valid.json", "--total-steps", "-5"],
      ["--total-steps: must be an integer >= 1", "got -5"]),
     # round 4: argparse kept the last of two values
+    # round 12: the --total-steps mismatch was the only line; the NaN spread is reported with it now
+    ("dryrun_total_steps_mismatch_and_more", ["{d}/nan_inf.json", "--total-steps", "50"],
+     ["--total-steps 50 differs from hdet.schedule.total_steps=100", "hdet.axes.lr.spread_ratio: must be finite"]),
     ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
      ["--total-steps given twice"]),
 ]

@@ -90,6 +90,16 @@ def test_truncated_metrics_read_like_one_run(tmp_path):
     assert path.read_text() == '{"step": 7, "a": 1}\n{"step": 8, "a": 2}\n{"step": 8, "hdet/sync": 1}\n'
 
 
+def test_a_tail_of_bytes_that_are_not_utf8_is_dropped_like_a_torn_line(tmp_path):
+    """Tester round 12: random bytes appended to metrics.jsonl raised UnicodeDecodeError
+    on every rank at resume; they are a damaged tail, dropped, the records kept as written."""
+    path = tmp_path / "metrics.jsonl"
+    good = '{"step": 7, "a": 1}\n{"step": 8, "a": 2}\n'
+    path.write_bytes(good.encode() + b"\x90\xff\x00garbage\n\x80\x81")
+    assert rundir.truncate_metrics(str(path), 8) == 2
+    assert path.read_text() == good
+
+
 def _run_dir_with_a_run(tmp_path, latest=True):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoint" / "replica_0" / "global_step4").mkdir(parents=True)

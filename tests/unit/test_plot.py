@@ -121,9 +121,12 @@ def test_cut_off_last_line_is_skipped(tmp_path):
     assert len(write_plots(str(tmp_path))) == 4
 
 
-@pytest.mark.parametrize("content", [None, "", "{not json\n", '{"step": 1}\n[1]\n'])
+@pytest.mark.parametrize("content", [None, "", "{not json\n", '{"step": 1}\n[1]\n',
+                                     b"\x80\x90\xff binary, not UTF-8\n"])  # round 12: a UnicodeDecodeError
 def test_bad_metrics_file_exits_2(tmp_path, capsys, content):
-    if content is not None:
+    if isinstance(content, bytes):
+        (tmp_path / "metrics.jsonl").write_bytes(content)
+    elif content is not None:
         (tmp_path / "metrics.jsonl").write_text(content)
     assert main([str(tmp_path)]) == 2
     err = capsys.readouterr().err

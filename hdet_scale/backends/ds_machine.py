@@ -1,0 +1,38 @@
+"""What this machine's DeepSpeed accelerator can run, checked before any rank builds an
+engine (:func:`check_accelerator`)."""
+
+from __future__ import annotations
+
+from hdet_scale.errors import HDETConfigError
+
+# The op each DeepSpeed optimizer type builds when its state is not offloaded (the
+# optimizers of deepspeed 0.19's engine._configure_basic_optimizer that need one).
+_FUSED_OPS = {"lamb": "FusedLambBuilder", "lion": "FusedLionBuilder"}
+
+
+def check_accelerator(ds: dict) -> None:
+    """Refuse what this machine's DeepSpeed accelerator cannot run, before any rank builds
+    an engine: fp16 where it has no fp16 (CPU), an optimizer whose fused op it lacks
+    (Lamb, Lion on CPU). Both raised inside ``deepspeed.initialize`` on every rank
+    before (tester round 12). Not part of :func:`prepare_config`: ``hdet-dryrun`` checks
+    configs for other machines.
+
+    Raises:
+        HDETConfigError: naming the key and the accelerator.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    errors = []
+    if (ds.get("fp16") or {}).get("enabled", False) and not accel.is_fp16_supported():
+        errors.append(f"fp16.enabled: this machine's DeepSpeed accelerator ({accel.device_name()}) has no fp16; "
+                      "use bf16.enabled, or run on a GPU")
+    kind = (ds.get("optimizer") or {}).get("type")
+    op = _FUSED_OPS.get(kind.lower()) if isinstance(kind, str) else None
+    offload = (ds.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    if op is not None and offload.get("device", "none") in (None, "none"):
+        if type(accel.create_op_builder(op)).__name__ == "NotImplementedBuilder":
+            errors.append(f"optimizer.type: {kind!r} needs DeepSpeed's {op[:-7]} op, which this machine's "
+                          f"accelerator ({accel.device_name()}) does not have; use Adam, AdamW or a torch.optim class")
+    if errors:
+        raise HDETConfigError("invalid DeepSpeed config for this machine:\n  " + "\n  ".join(errors))
