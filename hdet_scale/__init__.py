@@ -1,7 +1,8 @@
 """hdet_scale: Hyperparameter-Divergent Ensemble Training (HDET, arXiv 2604.24708) for
 DeepSpeed ZeRO-3, PyTorch FSDP2, DDP and fairscale OSS.
 
-Public API: :func:`initialize` (``deepspeed.initialize`` with HDET),
+Public API: :func:`prepare` (one API on every engine: an :class:`Ensemble`),
+:func:`initialize` (``deepspeed.initialize`` with HDET),
 :func:`build_topology` and :func:`zero_init` (the layout first, then the model built
 partitioned over its shard groups),
 :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed), the other engines'
@@ -18,7 +19,7 @@ __version__ = "0.1.0"
 
 # Imported on first use (PEP 562): they import torch (~1 s), which the CLIs' config checks
 # never need, so a mistyped key is refused before torch is loaded.
-_LAZY = {"HDETScheduler": "hdet_scale.ensemble", "OneCycleAutoLR": "hdet_scale.reference",
+_LAZY = {"Ensemble": "hdet_scale.api", "HDETScheduler": "hdet_scale.ensemble", "OneCycleAutoLR": "hdet_scale.reference",
          "SimulatedSync": "hdet_scale.simulate", "Simulator": "hdet_scale.simulate"}
 
 
@@ -30,6 +31,13 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hdet_scale' has no attribute {name!r}")
+
+
+def prepare(*args, **kwargs):
+    """See :func:`hdet_scale.api.prepare`: one API on DeepSpeed, FSDP2, DDP and fairscale."""
+    from hdet_scale.api import prepare as _prepare
+
+    return _prepare(*args, **kwargs)
 
 
 def initialize(*args, **kwargs):
@@ -67,5 +75,5 @@ def load_checkpoint(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "HDETStepMismatchError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
-           "build_topology", "initialize", "load_checkpoint", "save_checkpoint", "zero_init"]
+__all__ = ["Ensemble", "HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "HDETStepMismatchError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
+           "build_topology", "initialize", "load_checkpoint", "prepare", "save_checkpoint", "zero_init"]

@@ -1,0 +1,82 @@
+"""Rank side of test_api: the README's one loop (``hdet_scale.prepare``) on every engine.
+
+Each rank runs, for each backend in turn, the same loop on TinyNet (rank_tools): 4
+optimizer steps of 2 micro-batches each (gradient accumulation 2), a checkpoint after
+step 2, then a new model and ``Ensemble`` that loads it and runs steps 3 and 4 again.
+Batches are seeded by (rank, step, micro-batch), so every engine sees the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import rank_tools
+from rank_tools import D_IN, D_OUT, LR, MICRO, WORLD
+
+BACKENDS = ("ddp", "fairscale", "fsdp2", "deepspeed")
+CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+          "train_batch_size": MICRO * 2 * WORLD, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                    "weight_decay": 0.0}},
+          "hdet": rank_tools.hdet_block(sync_interval=2, logging={"jsonl": None, "wandb": {"enabled": False}})}
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rank_tools.seeded_batch(50_000 + 1_000 * rank_tools.rank() + 10 * step + micro, MICRO, D_IN, D_OUT)
+
+
+def train_steps(ens: Any, first: int, last: int) -> list[float]:
+    """Optimizer steps ``first..last`` of the README loop; each step's loss (mean of its
+    micro-batches) as this rank recorded it."""
+    losses = []
+    for step in range(first, last + 1):
+        total = 0.0
+        for micro in range(ens.grad_accum):
+            x, y = batch(step, micro)
+            with ens.accumulate():
+                loss = F.mse_loss(ens.model(x), y)
+                ens.backward(loss)
+            total += float(loss)
+            assert ens.step() == (micro == ens.grad_accum - 1)
+        losses.append(total / ens.grad_accum)
+    return losses
+
+
+def weights(ens: Any) -> np.ndarray:
+    """Every parameter of this rank's replica, whole (gathered where sharded)."""
+    if ens.backend == "deepspeed":
+        import deepspeed
+
+        params = list(ens.model.module.parameters())
+        with deepspeed.zero.GatheredParameters(params):
+            return torch.cat([p.detach().flatten() for p in params]).numpy().copy()
+    if ens.backend == "fsdp2":
+        return torch.cat([p.full_tensor().detach().flatten() for p in ens.model.parameters()]).numpy()
+    return torch.cat([p.detach().flatten() for p in ens.model.module.parameters()]).numpy()
+
+
+def run(tmp: str) -> dict:
+    import hdet_scale
+
+    rank_tools.init_dist()
+    torch.set_num_threads(1)
+    out = {}
+    for backend in BACKENDS:
+        ens = hdet_scale.prepare(rank_tools.build_model(), copy.deepcopy(CONFIG), backend=backend)
+        first = train_steps(ens, 1, 2)
+        tag = ens.save_checkpoint(f"{tmp}/{backend}")
+        rest = train_steps(ens, 3, 4)
+        final = weights(ens)
+        again = hdet_scale.prepare(rank_tools.build_model(), copy.deepcopy(CONFIG), backend=backend)
+        loaded = again.load_checkpoint(f"{tmp}/{backend}")
+        resumed = train_steps(again, 3, 4)
+        out[backend] = {"losses": first + rest, "final": final, "tag": tag, "loaded": loaded,
+                        "resumed_losses": resumed, "resumed": weights(again),
+                        "lr": again.scheduler.get_last_lr()[0], "step": again.scheduler.step_count,
+                        "replica": again.topology.replica_index}
+    return out
