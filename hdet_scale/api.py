@@ -94,7 +94,9 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     from hdet_scale.backends.common import resolve_config, world_size
     from hdet_scale.engine_config import check_engine_config
 
-    check_engine_config(ds, backend, world_size(), prefix="")
+    # an optimizer= of the user's stands in for the config's block in the engine checks
+    check_engine_config(ds if optimizer is None else {**ds, "optimizer": {"type": "AdamW"}}, backend,
+                        world_size(), prefix="")
     hcfg = resolve_config(ds)
     make = optimizer or _torch_optimizer(ds)
     kw = dict(logger=logger, probe=probe, topology=topology, **options)

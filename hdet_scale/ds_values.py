@@ -11,7 +11,8 @@ Two questions about the ``optimizer`` block that DeepSpeed itself answers only i
   ``hdet-dryrun`` and ``hdet_scale.initialize`` (``prepare_config``) all run it before
   anything starts.
 
-Pure (no communication); DeepSpeed is imported only to look up its optimizer classes.
+Pure (no communication); DeepSpeed is imported only to look up its optimizer classes
+(without it: :mod:`hdet_scale.ds_schema`'s snapshot).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _DS_SETS_ITSELF = {"params", "model_params", "adam_w_mode", "adamw_mode", "fp32_
 def optimizer_accepts(ds: Mapping) -> tuple[str, set[str]] | None:
     """``(what, accepted keys)`` of the optimizer DeepSpeed will build from
     ``optimizer.type``, or ``None`` when unknown (a type DeepSpeed rejects anyway, an
-    optional package missing, Muon's own keys, a constructor taking ``**kwargs``)."""
+    optional package missing, Muon's own keys, a constructor taking ``**kwargs``).
+    Without DeepSpeed, its own optimizers' answers come from the shipped snapshot
+    (:mod:`hdet_scale.ds_schema`)."""
     import torch
 
     opt = ds.get("optimizer")
@@ -70,8 +73,13 @@ def optimizer_accepts(ds: Mapping) -> tuple[str, set[str]] | None:
             classes = [getattr(torch.optim, name)]
         else:
             return None
-    except ImportError:
-        return None
+    except ImportError as e:
+        if e.name != "deepspeed":
+            return None  # mup, or a part of an installed DeepSpeed: nothing to compare with
+        # no DeepSpeed here: what it would build, from the shipped snapshot
+        from hdet_scale.ds_schema import snapshot_optimizer
+
+        return snapshot_optimizer(lname, isinstance(params, Mapping) and bool(params.get("torch_adam", False)))
     accepted = set(extra)
     for cls in classes:
         sig = inspect.signature(cls).parameters.values()
@@ -155,10 +163,12 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
     clip = ds.get("gradient_clipping", 1.0)
     if not (_number(clip) and clip >= 0):
         errors.append(f"{p}gradient_clipping: must be a number >= 0 (0: off), got {clip!r}")
-    if "steps_per_print" in ds and not _positive_int(ds["steps_per_print"]):
-        # DeepSpeed takes step % steps_per_print every step: 0 divides by zero on every rank
+    spp = ds.get("steps_per_print", 1)
+    if not (_positive_int(spp) or spp == math.inf):
+        # DeepSpeed takes step % steps_per_print every step: 0 divides by zero on every rank.
+        # The Hugging Face Trainer writes inf (never print), which DeepSpeed takes.
         errors.append(f"{p}steps_per_print: must be an integer >= 1 (optimizer steps between DeepSpeed's "
-                      f"progress lines), got {ds['steps_per_print']!r}")
+                      f"progress lines) or inf (never), got {spp!r}")
     errors += batch_errors(ds, p, world_size)
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))

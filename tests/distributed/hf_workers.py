@@ -148,11 +148,10 @@ def refusals(tmp: str, data: Any) -> dict:
 
 
 def run(tmp: str) -> dict:
-    """Six ``Trainer`` runs in this one launch (each a full ``train()``):
-    ``plain`` (no hdet block), ``spread0`` (HDETTrainer, spread 0, auto-LR off),
-    ``sharded`` (the same, the model built partitioned by ``from_config`` under
-    ``hdet_scale.hf.zero_init``) and ``plain_from_start`` (the plain ``Trainer`` from the
-    weights ``sharded`` started with),
+    """Four ``Trainer`` runs in this one launch (each a full ``train()``):
+    ``sharded`` (HDETTrainer, spread 0, auto-LR off, the model built partitioned by
+    ``from_config`` under ``hdet_scale.hf.zero_init``), ``plain_from_start`` (the plain
+    ``Trainer``, data parallel over the 4 ranks, from the weights ``sharded`` started with),
     ``hdet`` (spread 0.2, auto-LR on with the training-loss fitness, 6 steps, a checkpoint
     every 2) and ``resumed`` (a new HDETTrainer resumed from ``hdet``'s step-2 checkpoint)."""
     from transformers import Trainer, TrainerCallback
@@ -162,15 +161,6 @@ def run(tmp: str) -> dict:
     rank = int(os.environ["RANK"])
     data = Progressions()
     out: dict[str, Any] = {"refused": refusals(tmp, data)}
-
-    plain = Trainer(model=build_model(), args=args(f"{tmp}/plain", ds_config(None), 4), train_dataset=data)
-    plain.train()
-    out["plain"] = flat_params(plain.model_wrapped)
-
-    spread0 = HDETTrainer(model=build_model(), args=args(f"{tmp}/spread0", ds_config(hdet_block(0.0, False)), 4),
-                          train_dataset=data)
-    spread0.train()
-    out["spread0"] = flat_params(spread0.model_wrapped)
 
     sharded_args = args(f"{tmp}/sharded", ds_config(hdet_block(0.0, False)), 4)
     model = build_model(sharded_args)
