@@ -180,6 +180,7 @@ class HDETConfig:
     def from_dict(cls, data: Mapping[str, Any], prefix: str = "hdet") -> "HDETConfig":
         """Parse and validate a block. Raises HDETConfigError listing every problem."""
         errors: list[str] = []
+        data = _resolve_auto(data, prefix, errors)
         cfg = _parse(cls, data, prefix, errors)
         # The LR follows the base schedule even when only another axis is explored.
         cfg.axes.setdefault("lr", AxisConfig())
@@ -296,6 +297,26 @@ def _parse_axes(data: Any, prefix: str, errors: list[str]) -> dict[str, AxisConf
             continue
         axes[name] = _parse(AxisConfig, value, f"{prefix}.{name}", errors)
     return axes
+
+
+def _resolve_auto(data: Any, prefix: str, errors: list[str]) -> Any:
+    """``"auto"`` values, as Accelerate's DeepSpeed integration fills them from the
+    trainer: ``schedule.max_lr: "auto"`` is the optimizer's LR (as ``null``).
+    ``schedule.total_steps: "auto"`` is filled by the trainer that knows the run's length
+    (``hdet-train``: ``train.steps``; ``HDETTrainer``: the ``Trainer``'s optimizer steps)
+    before the block gets here; reaching the library it is an error."""
+    sched = data.get("schedule") if isinstance(data, Mapping) else None
+    if not isinstance(sched, Mapping):
+        return data
+    sched = dict(sched)
+    if sched.get("max_lr") == "auto":
+        sched["max_lr"] = None
+    if sched.get("total_steps") == "auto":
+        errors.append(f"{prefix}.schedule.total_steps: 'auto' is the run's length, which hdet-train (train.steps) "
+                      "and HDETTrainer (the Trainer's optimizer steps) fill in; here give the number of optimizer "
+                      "steps")
+        sched["total_steps"] = None
+    return {**data, "schedule": sched}
 
 
 #: The most optimizer steps a run may have: float64 holds every step count up to it exactly.

@@ -434,7 +434,7 @@ def _validate(run: dict) -> None:
     if not isinstance(sched, dict):
         return  # HDETConfig names it (loop.validate)
     total = sched.get("total_steps")
-    if total is None:
+    if total is None or total == "auto":  # "auto": the run's length, as Accelerate fills it
         sched["total_steps"] = t["steps"]
     elif isinstance(total, int) and not isinstance(total, bool) and total < t["steps"]:
         raise HDETConfigError(f"deepspeed.hdet.schedule.total_steps: {sched['total_steps']} is shorter than "
