@@ -227,13 +227,16 @@ class HDETTrainer(Trainer):
     def _feed_losses(self, engine: Any) -> None:
         """Hand each optimizer step's loss to the scheduler (module comment)."""
         accelerator = self.accelerator
-        backward = accelerator.backward
+        # a second train() on this trainer builds a new engine: wrap Accelerate's own
+        # backward again, not our wrapper (each loss would be counted twice)
+        backward = getattr(accelerator.backward, "_hdet_wrapped", accelerator.backward)
         losses = self._hdet_losses
 
         def record(loss: torch.Tensor, **kwargs: Any) -> Any:
             losses.append(loss.detach().float().reshape(()))
             return backward(loss, **kwargs)
 
+        record._hdet_wrapped = backward
         accelerator.backward = record
         step = engine.step
 
