@@ -28,8 +28,9 @@ What the caller does with the findings (:func:`check_deepspeed_keys`):
   accepts such keys; refusing them in ``hdet_scale.initialize`` would break configs
   that run with plain DeepSpeed.
 
-Without DeepSpeed installed only the ``"hdet"`` look-alike check runs (``hdet-dryrun``
-does not need DeepSpeed). Deeper levels of non-pydantic blocks that DeepSpeed reads
+Without DeepSpeed installed (an FSDP2 / DDP user, ``hdet-dryrun``) the same checks run
+on a snapshot of what DeepSpeed's parser reads, shipped with the package
+(:mod:`hdet_scale.ds_schema`: what it does not reproduce is said there). Deeper levels of non-pydantic blocks that DeepSpeed reads
 conditionally (e.g. ``data_efficiency.data_sampling.*``) are checked only where the
 parser reached them.
 """
@@ -179,11 +180,14 @@ def _deepspeed_config_class() -> Any:
 @functools.lru_cache(maxsize=1)
 def valid_top_level_keys() -> frozenset[str]:
     """Every top-level key DeepSpeed's config parser reads (asked for while parsing a
-    minimal config), plus the few read elsewhere and ``"hdet"``. Empty without DeepSpeed,
-    or if this DeepSpeed cannot parse the minimal config (then nothing is checked)."""
+    minimal config), plus the few read elsewhere and ``"hdet"``. Without DeepSpeed: the
+    shipped snapshot's (:mod:`hdet_scale.ds_schema`). Empty if this DeepSpeed cannot
+    parse the minimal config (then nothing is checked)."""
     cls = _deepspeed_config_class()
     if cls is None:
-        return frozenset()
+        from hdet_scale import ds_schema
+
+        return frozenset(ds_schema.load()["top_level"])
     rec = _Recorder({"train_micro_batch_size_per_gpu": 1})
     try:
         with _quiet():
@@ -248,7 +252,12 @@ def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
     refused: list[str] = []
     unknown: list[str] = []
     cls = _deepspeed_config_class()
-    valid = valid_top_level_keys() if cls is not None else frozenset()
+    valid = valid_top_level_keys()
+    if cls is None:  # no DeepSpeed (an FSDP2 / DDP user): the same lines from the shipped snapshot
+        from hdet_scale import ds_schema
+
+        refused, unknown = ds_schema.offline_problems(ds, prefix)
+        return hdet_like, refused, unknown + _optimizer_params(ds, optimizer_params, prefix, valid)
     if not valid:
         return hdet_like, refused, unknown
     not_objects = _not_objects(cls, ds, valid, prefix)
@@ -268,15 +277,18 @@ def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
             if k not in node.seen:
                 unknown.append(f"{prefix}{node.path}{k}: unknown DeepSpeed key (DeepSpeed would ignore it); "
                                f"{_suggest(str(k), {s for s in node.seen if isinstance(s, str)})}")
-    found = optimizer_accepts(ds) if optimizer_params else None
+    return hdet_like, refused, unknown + _optimizer_params(ds, optimizer_params, prefix, valid)
+
+
+def _optimizer_params(ds: Mapping, optimizer_params: bool, prefix: str, valid: frozenset) -> list[str]:
+    """The lines for ``optimizer.params`` the optimizer DeepSpeed builds does not take."""
+    found = optimizer_accepts(ds) if optimizer_params and valid else None
     params = ds["optimizer"].get("params") if found is not None else None
-    if isinstance(params, Mapping):
-        what, accepted = found
-        for k in params:
-            if k not in accepted:
-                unknown.append(f"{prefix}optimizer.params.{k}: not an argument of {what} (the optimizer DeepSpeed "
-                               f"builds for type {ds['optimizer']['type']!r}); {_suggest(str(k), accepted)}")
-    return hdet_like, refused, unknown
+    if not isinstance(params, Mapping):
+        return []
+    what, accepted = found
+    return [f"{prefix}optimizer.params.{k}: not an argument of {what} (the optimizer DeepSpeed builds for type "
+            f"{ds['optimizer']['type']!r}); {_suggest(str(k), accepted)}" for k in params if k not in accepted]
 
 
 def _parse(cls: Any, trial: dict, refused: list[str], unknown: list[str], prefix: str) -> _Recorder | None:

@@ -41,10 +41,20 @@ def check_wandb_settings(wandb: WandbConfig) -> None:
     raises on rank 0 once training has started.
 
     Raises:
-        HDETConfigError: no API key for an online run, or ``WANDB_MODE`` not a W&B mode.
+        HDETConfigError: no API key for an online run, ``WANDB_MODE`` not a W&B mode, or
+            W&B not installed (the ``[fsdp]`` extra leaves it out; rank 0 failed on the import).
     """
+    import importlib.util
+
     from hdet_scale.errors import HDETConfigError
 
+    try:
+        missing = wandb.enabled and importlib.util.find_spec("wandb") is None
+    except ImportError:  # a broken install, or an import hook refusing it
+        missing = True
+    if missing:
+        raise HDETConfigError('wandb.enabled=true, but wandb is not installed: pip install "hdet-scale[wandb]", or '
+                              "set wandb.enabled=false")
     env = os.environ.get("WANDB_MODE")
     if wandb.enabled and env is not None and env not in WANDB_MODES:
         raise HDETConfigError(f"environment: WANDB_MODE={env!r} is not a W&B mode; W&B takes "

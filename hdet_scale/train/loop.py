@@ -46,6 +46,20 @@ def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     return HDETConfigError(text)
 
 
+def _require_deepspeed() -> None:
+    """Refuse ``backend=deepspeed`` where DeepSpeed cannot be imported (the ``[fsdp]``
+    extra leaves it out): one line naming the extra, not a traceback from every rank.
+
+    Raises:
+        HDETConfigError: naming the import error and ``pip install "hdet-scale[deepspeed]"``.
+    """
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        raise HDETConfigError(f"backend=deepspeed: DeepSpeed cannot be imported here ({e}): "
+                              'pip install "hdet-scale[deepspeed]", or choose backend=fsdp2, ddp or fairscale') from None
+
+
 def validate(run: dict, world_size: int, build_model: bool = True):
     """All checks that can fail on bad input, before any collective; identical on every
     rank. Returns ``(hdet_config, corpus)``. Raises HDETConfigError / HDETStateError.
@@ -54,6 +68,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     the ranks import anyway, so ``hdet-train``'s own launcher leaves it to its ranks;
     they run it before rank 0 prepares the run_dir (``train.overwrite``) or W&B starts."""
     backend = run["backend"]
+    if backend == "deepspeed":
+        _require_deepspeed()
     # Every backend's settings come from this DeepSpeed JSON: an unknown key (an "hdett"
     # block, a typo) is an error here, not the library's warning (hdet_scale.ds_keys).
     check_deepspeed_keys(run["deepspeed"], strict=True, prefix="deepspeed.", optimizer_params=backend == "deepspeed")
