@@ -151,7 +151,9 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf)
     except Exception as e:  # noqa: BLE001 - a bad value fails anywhere in transformers or torch, with any type
-        reason = " ".join(str(e).split())[-300:]
+        # the head says why (an unknown model_type's message ends in the list of known ones)
+        reason = " ".join(str(e).split())
+        reason = reason if len(reason) <= 300 else reason[:300] + " ..."
         raise HDETConfigError(f"--hf-config: {source!r} does not build a causal LM: {type(e).__name__}: "
                               f"{reason}") from None
     size = size_of_module(model)

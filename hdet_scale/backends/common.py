@@ -392,7 +392,7 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     if damaged:
         older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
         listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
-        hint = f"resume from an older complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
+        hint = f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
                              f"{hint}or start a new run_dir")
     return tag

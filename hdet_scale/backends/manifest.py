@@ -54,7 +54,10 @@ def write_manifest(save_dir: str, tag: str, topology: Any) -> None:
         for replica, share in gathered:
             if replica == topology.replica_index:
                 files.update(share)
-        write_atomic(os.path.join(folder, MANIFEST_FILE), json.dumps({"files": files}, sort_keys=True))
+        # The folder's own place too: a whole folder copied in from another replica or tag
+        # brings its manifest, and only these name it (tester round 13: a resume hung).
+        write_atomic(os.path.join(folder, MANIFEST_FILE),
+                     json.dumps({"files": files, "replica": topology.replica_index, "tag": tag}, sort_keys=True))
 
 
 def manifest_problem(folder: str, part: int = 0, parts: int = 1) -> tuple[str | None, bool]:
@@ -93,6 +96,16 @@ def _read(path: str) -> dict[str, list[int]]:
     return {n: [int(files[n][0]), int(files[n][1])] for n in sorted(files)}
 
 
+def _place(path: str) -> tuple[str, str] | None:
+    """``("replica_<r>", tag)`` the manifest at ``path`` was written for (``None``: a
+    manifest of an older save, which did not record it)."""
+    with open(path) as f:
+        data = json.load(f)
+    if "replica" not in data or "tag" not in data:
+        return None
+    return f"replica_{int(data['replica'])}", str(data["tag"])
+
+
 def listing_problem(folder: str, required: bool) -> str | None:
     """The cheap part of the check, by ``stat`` alone, for the pre-start check
     (``common.check_resumable``, run by the launcher before any rank starts and by every
@@ -107,8 +120,13 @@ def listing_problem(folder: str, required: bool) -> str | None:
                 "in from another save cannot be found)") if required else None
     try:
         sizes = {n: v[0] for n, v in _read(path).items()}
+        place = _place(path)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         return f"{path} (unreadable: {type(e).__name__}: {e})"
+    here = (os.path.basename(os.path.dirname(os.path.abspath(folder))), os.path.basename(os.path.abspath(folder)))
+    if place is not None and place != here:
+        return (f"{folder} (holds the files saved as {place[0]}/{place[1]}, not {here[0]}/{here[1]}: a folder copied "
+                "in from another replica or checkpoint; each replica's state is its own)")
     for name, size in sizes.items():
         file = os.path.join(folder, name)
         if not os.path.isfile(file):

@@ -205,8 +205,27 @@ def _print_engine_notes(run: dict) -> None:
     than DeepSpeed would (``engines.engine_notes``), before any rank starts."""
     from hdet_scale.train.engines import engine_notes
 
-    for note in engine_notes(run["deepspeed"], run["backend"]):
+    for note in engine_notes(run["deepspeed"], run["backend"]) + _never_notes(run):
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
+
+
+def _never_notes(run: dict) -> list[str]:
+    """Settings that never act in a run of ``train.steps`` steps (tester round 13: said
+    nothing): a sync interval, checkpoint cadence or logging cadence longer than the run."""
+    steps, hdet = run["train"]["steps"], run["deepspeed"].get("hdet") or {}
+    notes = []
+    sync = hdet.get("sync_interval") if isinstance(hdet, dict) else None
+    if isinstance(sync, int) and sync > steps:
+        notes.append(f"deepspeed.hdet.sync_interval={sync} > train.steps={steps}: no sync during the run (no "
+                     "auto-LR step, the replicas are averaged only by the final converge)")
+    every = run["train"].get("checkpoint_every")
+    if isinstance(every, int) and every >= steps:
+        notes.append(f"train.checkpoint_every={every} >= train.steps={steps}: no checkpoint before the end of the run")
+    log_every = ((hdet.get("logging") or {}).get("every") if isinstance(hdet, dict) else None)
+    if isinstance(log_every, int) and log_every > steps:
+        notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets no per-step "
+                     "record (the syncs' records only)")
+    return notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         _check_local_ranks(run["nproc"])  # first: a world that cannot start names nproc, not a symptom
+        from hdet_scale.train.rundir import check_not_in_use
+
+        check_not_in_use(run["run_dir"])  # a running job's run_dir: said first, not advice on its files
         # the model's meta build is left to the ranks (validate's docstring)
         _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
         from hdet_scale.train.rundir import hold_run_dir

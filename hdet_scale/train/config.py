@@ -177,6 +177,11 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
             raise HDETConfigError(f"override {o!r}: the value {value!r} of {key} is not a valid YAML value ({why}); "
                                   "quote it for a string, e.g. 'run_dir=\"a,b\"'") from None
         tree = OmegaConf.to_container(node, resolve=False)
+        if value.strip().lower() in _YAML11_BOOLS and isinstance(OmegaConf.select(node, key.strip()), bool):
+            # tester round 13: train.overwrite=yes replaced a run; the docs promise true/false only
+            raise HDETConfigError(f"override {o!r}: write true or false ({value.strip()!r} is YAML 1.1's spelling "
+                                  f"of a boolean, which hdet-train does not take), or quote a string: "
+                                  f"'{key.strip()}=\"{value.strip()}\"'")
         _check_sections(tree, "", yaml_form=False)
         for leaf in _leaves(tree):
             if leaf in setters:
@@ -193,6 +198,9 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
         nodes.append(node)
     merged = OmegaConf.merge(OmegaConf.create(), *nodes)
     return merged, OmegaConf.to_container(merged, resolve=False)
+
+
+_YAML11_BOOLS = ("yes", "no", "on", "off", "y", "n")
 
 
 def _leaves(tree: Any, path: str = "") -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pathlib
 import zlib
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,15 @@ def _to_tensor(chunks: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+def _at_most(fh: Any, n: int) -> int:
+    """``n``, or the bytes left in the open file if fewer: ``read(n)`` allocates ``n`` up
+    front, so a ``data.max_bytes`` meaning "everything" (1e10, 2**63) raised MemoryError
+    or OverflowError (tester round 13)."""
+    import os
+
+    return max(0, min(n, os.fstat(fh.fileno()).st_size - fh.tell()))
+
+
 def _fill(files: list[pathlib.Path], budget: int) -> tuple[list[bytes], int]:
     """Read files in order until ``budget`` bytes (separators included) are reached."""
     chunks: list[bytes] = []
@@ -83,7 +93,7 @@ def _fill(files: list[pathlib.Path], budget: int) -> tuple[list[bytes], int]:
             break
         try:
             with open(full, "rb") as fh:
-                raw = fh.read(budget - used + 1)
+                raw = fh.read(_at_most(fh, budget - used + 1))
         except OSError:
             continue
         if not raw:
@@ -161,7 +171,7 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
         key, full = files[0]
         try:
             with open(full, "rb") as fh:
-                raw = fh.read(max_bytes)
+                raw = fh.read(_at_most(fh, max_bytes))
         except OSError as exc:
             raise HDETConfigError(f"data.path: cannot read {str(full)!r}: {exc}") from exc
         if len(raw) < 2:

@@ -134,6 +134,10 @@ def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
             folder without any text file.
     """
     parts = [p.strip() for p in path.split(",") if p.strip()]
+    if parts and len(parts) != len(path.split(",")):
+        # tester round 13: "a,,b" and "a," were read as "a,b" and "a" without a word
+        raise HDETConfigError(f"data.path={path!r} has an empty item between its commas: give each path once, "
+                              "separated by single commas")
     if not parts:
         raise HDETConfigError(f"data.path={path!r} names no path: give a text file or folder, or leave data.path "
                               "out (or null) to train on the built-in corpus (the Python standard library's sources)")

@@ -264,7 +264,10 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     # it is built (model.sharded_init).
     # DeepSpeed loads its compiled ops in here: a stale op-build lock is named, not waited on forever.
     with watch_op_locks(announce=int(os.environ.get("LOCAL_RANK", rank)) == 0):
-        engine = build_engine(run["backend"], ModelConfig(**run["model"]), run, hcfg, logger, probe)
+        try:
+            engine = build_engine(run["backend"], ModelConfig(**run["model"]), run, hcfg, logger, probe)
+        except HDETConfigError as e:  # what only the optimizer knows (a group index): in the trainer's key names
+            raise _in_trainer_terms(e) from None
     built_mb = peak_host_mb()  # the construction's peak (docs/benchmarks.md, memory)
     sched = engine.scheduler
     topo = sched.topology

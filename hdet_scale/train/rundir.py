@@ -174,6 +174,36 @@ def hold_run_dir(run_dir: str) -> None:
     _held.append(fd)
 
 
+def check_not_in_use(run_dir: str) -> None:
+    """:func:`hold_run_dir`'s refusal, without taking the lock: the launcher asks first,
+    so that a job started in a run_dir in use is told so, not given advice about the
+    running job's files (tester round 13: a resume was told to start over).
+
+    Raises:
+        HDETConfigError: as :func:`hold_run_dir`.
+    """
+    import fcntl
+
+    path = os.path.join(run_dir, LOCK_FILE)
+    if not os.path.isfile(path):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        raise HDETConfigError(f"run_dir: {run_dir} is in use by a running hdet-train ({holder}); two jobs in one "
+                              "run_dir would mix their metrics and checkpoints: wait for it to end, stop it, or "
+                              "choose another run_dir") from None
+    except OSError:
+        pass
+    finally:
+        os.close(fd)  # closing releases a shared lock this took
+
+
 def check_writable(run_dir: str, key: str = "run_dir") -> None:
     """Create ``run_dir`` if needed and write (then remove) a probe file in it, so that an
     unwritable folder is named before any rank starts, not found by four ranks at once.

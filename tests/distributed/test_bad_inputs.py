@@ -119,6 +119,7 @@ def setup_cases(d) -> None:
     (d / "hf_negative.json").write_text('{"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2}')
     (d / "hf_heads.json").write_text('{"model_type": "llama", "hidden_size": 65, "num_attention_heads": 4}')
     (d / "hf_twice.json").write_text('{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}')
+    (d / "hf_unknown.json").write_text('{"model_type": "nonexistent_model", "hidden_size": 64}')
     # round 12: a --total-steps that differs from the file hid the file's other errors
     (d / "nan_inf.json").write_text(json.dumps(zero3).replace('"sync_interval": 10', '"sync_interval": 10, "axes": '
                                                               '{"lr": {"spread_ratio": NaN}}'))
@@ -413,6 +414,11 @@ CASES = [
     ("override_empty_key_part", ["train..steps=5"], {}, 2, ["override 'train..steps=5'", "empty part"], None),
     ("override_empty_key", ["=5"], {}, 2, ["override '=5'"], None),
     ("help_after_overrides", ["train.steps=3", "--help"], {}, 2, ["--help goes first"], None),
+    # round 13: YAML 1.1 booleans replaced a run (train.overwrite=yes); an empty data.path item read silently
+    ("bool_yaml11_spelling", ["train.overwrite=yes"], {}, 2,
+     ["override 'train.overwrite=yes': write true or false"], None),
+    ("data_path_empty_item", ["data.path={d}/tiny.txt,,{d}/tiny.txt"], {}, 2,
+     ["has an empty item between its commas"], None),
     ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "a folder", "(rmdir {run}_ext/fused_adam/lock)"], plant_stale_lock_folder),
 ]
@@ -481,6 +487,9 @@ DRYRUN_CASES = [
     # round 12: the --total-steps mismatch was the only line; the NaN spread is reported with it now
     ("dryrun_total_steps_mismatch_and_more", ["{d}/nan_inf.json", "--total-steps", "50"],
      ["--total-steps 50 differs from hdet.schedule.total_steps=100", "hdet.axes.lr.spread_ratio: must be finite"]),
+    # round 13: the message kept the tail of transformers' list of model types, not the reason
+    ("dryrun_hf_config_unknown_type", ["{d}/valid.json", "--hf-config", "{d}/hf_unknown.json"],
+     ["hf_unknown.json' does not build a causal LM", "nonexistent_model"]),
     ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
      ["--total-steps given twice"]),
 ]

@@ -229,3 +229,53 @@ def test_write_atomic_removes_the_temp_files_a_stopped_write_left(tmp_path):
     assert read_latest(str(ckpt)) == "global_step4"
     assert not dead.exists() and live.exists() and other.exists()
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(["latest", live.name, other.name])
+
+
+def test_a_replica_folder_copied_from_another_place_is_refused_before_loading(tmp_path):
+    """Tester round 13: a whole replica folder copied from another replica or another tag
+    brings its own manifest, so sizes and CRC-32s all match; the resume then hung
+    (replicas at different steps) or silently gave replica 1 replica 0's state. The
+    manifest now records the folder it was written for, and the pre-start check compares."""
+    from hdet_scale.backends.manifest import MANIFEST_FILE, listing_problem
+
+    def folder(replica, tag, written_for):
+        d = tmp_path / f"replica_{replica}" / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "model.pt").write_bytes(b"x" * 10)
+        (d / MANIFEST_FILE).write_text(json.dumps({"files": {"model.pt": [10, 0]}, **written_for}))
+        return str(d)
+
+    assert listing_problem(folder(1, "global_step5", {"replica": 1, "tag": "global_step5"}), True) is None
+    problem = listing_problem(folder(1, "global_step6", {"replica": 0, "tag": "global_step6"}), True)
+    assert "saved as replica_0/global_step6, not replica_1/global_step6" in problem
+    problem = listing_problem(folder(1, "global_step7", {"replica": 1, "tag": "global_step10"}), True)
+    assert "saved as replica_1/global_step10, not replica_1/global_step7" in problem
+    assert listing_problem(folder(1, "global_step8", {}), True) is None  # an older save's manifest: not recorded
+
+
+def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
+    """Tester round 13: ``train.resume=true`` into a run_dir a running job holds was told
+    to start over (its checkpoint not written yet). The launcher now asks the lock first,
+    without taking it: held by another process -> the in-use message; free -> nothing,
+    and the lock stays takeable."""
+    import subprocess
+    import sys
+    import time
+
+    from hdet_scale.errors import HDETConfigError
+    from hdet_scale.train.rundir import check_not_in_use, hold_run_dir
+
+    check_not_in_use(str(tmp_path))  # no lock file: nothing to say
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hdet_scale.train.rundir import "
+                               "hold_run_dir; hold_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(30)",
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(HDETConfigError, match=r"is in use by a running hdet-train \(pid \d+"):
+            check_not_in_use(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    check_not_in_use(str(tmp_path))  # released with its process
+    hold_run_dir(str(tmp_path))  # and takeable: the check took nothing
