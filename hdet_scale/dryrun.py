@@ -196,6 +196,12 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     lines = [layout_report(world_size, cfg.replicas)]
     if cfg.single_replica_warning:
         lines.append(f"warning: {cfg.single_replica_warning}")
+    total = cfg.schedule.total_steps
+    if cfg.sync_interval > total:  # as hdet-train's notes (tester round 14)
+        lines.append(f"note: hdet.sync_interval={cfg.sync_interval} > total_steps={total}: no sync during the run "
+                     "(no auto-LR step; the replicas are averaged only if the trainer converges at the end)")
+    if cfg.logging.every > total:
+        lines.append(f"note: hdet.logging.every={cfg.logging.every} > total_steps={total}: no per-step record")
     lines.append(f"{backend}, inside each replica (shard group of {world_size // cfg.replicas} ranks): "
                  f"{INSIDE_REPLICA[backend]}")
     if backend == "deepspeed":

@@ -51,6 +51,14 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
     else:
         accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
         unknown = sorted(set(params) - accepted)
+        # torch takes any truthy value for its flags (tester round 14: maximize=1 did
+        # gradient ascent without a word): true/false only (null where torch's default is)
+        for name, param in inspect.signature(OPTIMIZERS[kind]).parameters.items():
+            if name in params and (isinstance(param.default, bool) or name in ("foreach", "fused")):
+                value = params[name]
+                if not (isinstance(value, bool) or (value is None and param.default is None)):
+                    errors.append(f"{prefix}optimizer.params.{name}: must be true or false"
+                                  f"{' (or null)' if param.default is None else ''}, got {value!r}")
         if unknown:
             errors.append(f"{prefix}optimizer.params: {unknown} are not arguments of torch.optim.{kind} "
                           f"(accepted: {', '.join(sorted(accepted))})")

@@ -231,6 +231,11 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
                                                       and getattr(torch.optim, opt_type, None) is None)):
                 errors.append(f"optimizer.type: {opt_type!r} is neither a DeepSpeed optimizer "
                               f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
+        params = (ds.get("optimizer") or {}).get("params") or {}
+        if isinstance(opt_type, str) and opt_type.lower() in ("adam", "adamw") and params.get("amsgrad"):
+            # tester round 14: FusedAdam / DeepSpeedCPUAdam raise on it in every rank
+            errors.append("optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad "
+                          "variant; remove it, or use a torch.optim class as optimizer.type")
         stage = ds.get("zero_optimization", {}).get("stage", 0)
         if stage != 3:
             errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3 (the integer), "

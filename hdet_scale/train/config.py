@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import os
 import sys
 from dataclasses import dataclass, field
@@ -182,6 +183,9 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
             raise HDETConfigError(f"override {o!r}: write true or false ({value.strip()!r} is YAML 1.1's spelling "
                                   f"of a boolean, which hdet-train does not take), or quote a string: "
                                   f"'{key.strip()}=\"{value.strip()}\"'")
+        if _OCTAL.fullmatch(value.strip()) and isinstance(OmegaConf.select(node, key.strip()), int):
+            # tester round 14: train.steps=010 trained 8 steps (YAML 1.1 octal)
+            raise HDETConfigError(f"override {o!r}: {_ambiguous(value)}; write the number without the leading 0")
         _check_sections(tree, "", yaml_form=False)
         for leaf in _leaves(tree):
             if leaf in setters:
@@ -276,6 +280,12 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
     except yaml.YAMLError as e:
         where = " ".join(str(e).replace('"<unicode string>"', repr(path)).split())
         raise HDETConfigError(f"config file {path!r} is not valid YAML: {where}") from None
+    ambiguous = _yaml11_scalar(text)
+    if ambiguous is not None:
+        key, line, value, what = ambiguous
+        raise HDETConfigError(f"config file {path!r} line {line}: {key}: {value} is {what}; write "
+                              + ("true or false, or quote a string" if "boolean" in what else "the number without "
+                                 "the leading 0"))
     twice = _repeated_key(text)
     if twice is not None:
         key, first, again = twice
@@ -292,6 +302,35 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
                               f"it as deepspeed_config={path}; the first argument is the trainer's YAML")
     # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not.
     return OmegaConf.create(text), top or {}
+
+
+_OCTAL = re.compile(r"[+-]?0[0-9_]+")
+
+
+def _ambiguous(value: str) -> str | None:
+    """Why a plain YAML scalar does not mean what it looks like (tester round 14:
+    ``steps: 010`` trained 8 steps, ``project: no`` named a W&B project "False"), or None."""
+    if value.strip().lower() in _YAML11_BOOLS:
+        return "YAML 1.1's spelling of a boolean, which hdet-train does not take"
+    if _OCTAL.fullmatch(value.strip()):
+        return f"an octal number in YAML 1.1 ({value.strip()} = {int(value.strip().replace('_', ''), 8)})" \
+            if all(c in "01234567_+-" for c in value.strip()) else "a number with a leading 0"
+    return None
+
+
+def _yaml11_scalar(text: str) -> tuple[str, int, str, str] | None:
+    """``(dotted key, line, value, why)`` of the first unquoted value of the YAML ``text``
+    that :func:`_ambiguous` names, or ``None``."""
+    todo = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, yaml.MappingNode):
+            todo.extend((f"{path}{k.value}." if isinstance(k, yaml.ScalarNode) else path, v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend((f"{path}{i}.", v) for i, v in enumerate(node.value))
+        elif isinstance(node, yaml.ScalarNode) and node.style is None and (why := _ambiguous(node.value)):
+            return path.rstrip("."), node.start_mark.line + 1, node.value, why
+    return None
 
 
 def _repeated_key(text: str) -> tuple[str, int, int] | None:

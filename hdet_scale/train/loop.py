@@ -41,7 +41,7 @@ from hdet_scale.train.stopping import note_step
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     # The hdet block and DeepSpeed keys live under "deepspeed." in the trainer config.
-    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:|optimizer\.type:)",
+    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:|optimizer\.type:|optimizer\.params\.)",
                   r"deepspeed.\1", str(e))
     return HDETConfigError(text)
 

@@ -309,7 +309,11 @@ def trim_for_resume(run: dict) -> None:
 
 
 def _remove(path: str) -> None:
-    if os.path.isdir(path):
+    if os.path.islink(path):
+        # a link in the run_dir (tester round 14: rmtree raised on every start): remove the
+        # link, never what it points at, which may be another run's
+        os.unlink(path)
+    elif os.path.isdir(path):
         shutil.rmtree(path)
     elif os.path.exists(path):
         os.remove(path)

@@ -119,6 +119,7 @@ def setup_cases(d) -> None:
     (d / "hf_negative.json").write_text('{"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2}')
     (d / "hf_heads.json").write_text('{"model_type": "llama", "hidden_size": 65, "num_attention_heads": 4}')
     (d / "hf_twice.json").write_text('{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}')
+    (d / "yaml11.yaml").write_text("wandb:\n  name: on\n  project: no\n")
     (d / "hf_unknown.json").write_text('{"model_type": "nonexistent_model", "hidden_size": 64}')
     # round 12: a --total-steps that differs from the file hid the file's other errors
     (d / "nan_inf.json").write_text(json.dumps(zero3).replace('"sync_interval": 10', '"sync_interval": 10, "axes": '
@@ -419,6 +420,16 @@ CASES = [
      ["override 'train.overwrite=yes': write true or false"], None),
     ("data_path_empty_item", ["data.path={d}/tiny.txt,,{d}/tiny.txt"], {}, 2,
      ["has an empty item between its commas"], None),
+    # round 14: FusedAdam's AMSGrad refusal in every rank; torch flags taking any truthy value;
+    # YAML 1.1 octal and booleans (train.steps=010 trained 8 steps; project: no named it "False")
+    ("amsgrad_on_deepspeed_adam", ["deepspeed.optimizer.params.amsgrad=true"], {}, 2,
+     ["deepspeed.optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad"], None),
+    ("torch_flag_not_a_boolean", ["backend=ddp", "deepspeed.optimizer.params.maximize=1"], {}, 2,
+     ["deepspeed.optimizer.params.maximize: must be true or false, got 1"], None),
+    ("octal_override", ["train.steps=010"], {}, 2, ["override 'train.steps=010': an octal number in YAML 1.1 (010 = 8)"],
+     None),
+    ("yaml11_boolean_in_the_run_yaml", ["{d}/yaml11.yaml"], {}, 2,
+     ["yaml11.yaml' line 3: wandb.project: no is YAML 1.1's spelling of a boolean"], None),
     ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "a folder", "(rmdir {run}_ext/fused_adam/lock)"], plant_stale_lock_folder),
 ]

@@ -7,6 +7,7 @@ The multi-rank saves, the kill and the resume themselves: tests/distributed/test
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -279,3 +280,21 @@ def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
     time.sleep(0.1)
     check_not_in_use(str(tmp_path))  # released with its process
     hold_run_dir(str(tmp_path))  # and takeable: the check took nothing
+
+
+def test_overwrite_removes_a_link_in_the_run_dir_not_its_target(tmp_path):
+    """Tester round 14: a run_dir whose checkpoint/ and metrics.jsonl are links to another
+    run's: train.overwrite raised in rmtree on rank 0. The links go; the other run stays."""
+    other = tmp_path / "other"
+    (other / "checkpoint").mkdir(parents=True)
+    (other / "checkpoint" / "latest").write_text("global_step4")
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoint").symlink_to(other / "checkpoint")
+    (run_dir / "metrics.jsonl").symlink_to(other / "metrics.jsonl")
+    rundir._remove(str(run_dir / "checkpoint"))
+    rundir._remove(str(run_dir / "metrics.jsonl"))
+    assert not os.path.lexists(run_dir / "checkpoint") and not os.path.lexists(run_dir / "metrics.jsonl")
+    assert (other / "checkpoint" / "latest").read_text() == "global_step4"
+    assert (other / "metrics.jsonl").read_text() == '{"step": 1}\n'
