@@ -35,15 +35,15 @@ from hdet_scale.errors import HDETConfigError
 __all__ = ["Ensemble", "prepare"]
 
 
-def _torch_optimizer(ds: dict) -> Callable[[Any], torch.optim.Optimizer]:
-    """``params -> optimizer`` from the config's ``optimizer`` block."""
+def _optimizer_parts(ds: dict) -> tuple[type, dict]:
+    """``(torch optimizer class, its arguments)`` from the config's ``optimizer`` block."""
     from hdet_scale.engine_config import OPTIMIZERS, optimizer_class_name
 
     opt = ds["optimizer"]
-    cls, kwargs = OPTIMIZERS[optimizer_class_name(opt["type"])], dict(opt.get("params", {}) or {})
+    kwargs = dict(opt.get("params", {}) or {})
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    return lambda params: cls(params, **kwargs)
+    return OPTIMIZERS[optimizer_class_name(opt["type"])], kwargs
 
 
 def _load(config: Any) -> dict:
@@ -98,7 +98,8 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     check_engine_config(ds if optimizer is None else {**ds, "optimizer": {"type": "AdamW"}}, backend,
                         world_size(), prefix="")
     hcfg = resolve_config(ds)
-    make = optimizer or _torch_optimizer(ds)
+    cls, cls_kwargs = _optimizer_parts(ds) if optimizer is None else (None, {})
+    make = optimizer or (lambda params: cls(params, **cls_kwargs))
     kw = dict(logger=logger, probe=probe, topology=topology, **options)
     if backend == "fsdp2":
         from hdet_scale.backends import fsdp2
@@ -114,17 +115,11 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
         model, opt, scheduler = ddp.initialize(model, hcfg, make, **kw)
     else:
         from hdet_scale.backends import fairscale
-        from hdet_scale.engine_config import OPTIMIZERS, optimizer_class_name
 
         if optimizer is not None:
             raise HDETConfigError("optimizer: fairscale's OSS builds the optimizer itself from a class and its "
                                   "arguments; set the config's optimizer block (type, params) instead")
-        block = ds["optimizer"]
-        params = dict(block.get("params", {}) or {})
-        if "betas" in params:
-            params["betas"] = tuple(params["betas"])
-        model, opt, scheduler = fairscale.initialize(model, hcfg, OPTIMIZERS[optimizer_class_name(block["type"])],
-                                                     params, **kw)
+        model, opt, scheduler = fairscale.initialize(model, hcfg, cls, cls_kwargs, **kw)
     # DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT = 1.0 in 0.19): the same key means
     # the same clipping on every backend.
     return Ensemble(backend, model, opt, scheduler, ds.get("gradient_accumulation_steps", 1),
@@ -236,13 +231,13 @@ class Ensemble:
             HDETStateError: no checkpoint, another layout or engine, a file changed since
                 it was written (every rank alike, before anything is loaded).
         """
+        lib = self._backend()
+        if self.backend != "deepspeed":
+            return lib.load_checkpoint(self.model, self.optimizer, self.scheduler, load_dir, tag)
+        # DeepSpeed's load returns its client state, not the tag: resolve the tag first
         from hdet_scale.backends.common import check_resumable
 
-        lib = self._backend()
         t = self.scheduler.topology
         tag = check_resumable(load_dir, t.world_size, t.replicas, self.backend, tag)
-        if self.backend == "deepspeed":
-            lib.load_checkpoint(self.model, self.scheduler, load_dir, tag)
-        else:
-            lib.load_checkpoint(self.model, self.optimizer, self.scheduler, load_dir, tag)
+        lib.load_checkpoint(self.model, self.scheduler, load_dir, tag)
         return tag

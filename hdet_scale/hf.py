@@ -58,6 +58,17 @@ def _without_auto(value: Any) -> Any:
     return value
 
 
+def _checkable(ds_config: dict, max_steps: int | None) -> dict:
+    """``ds_config`` as the checks take it before training starts: the hdet block's
+    ``"auto"`` run length resolved (:func:`resolve_auto`), ``Trainer``'s other autos left
+    out (:func:`_without_auto`), and, while the run length is still unknown, a stand-in
+    too long for any check to fail on (the checks that need it run again at ``train()``)."""
+    ds = _without_auto(resolve_auto(ds_config, max_steps))
+    if ((ds_config.get("hdet") or {}).get("schedule") or {}).get("total_steps") == "auto" and max_steps is None:
+        ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
+    return ds
+
+
 def resolve_auto(ds_config: dict, max_steps: int | None) -> dict:
     """``ds_config`` with ``hdet.schedule.total_steps: "auto"`` set to ``max_steps``
     (``Trainer``'s optimizer steps; ``None`` while unknown: then left out, and
@@ -147,7 +158,7 @@ class HDETTrainer(Trainer):
             raise HDETConfigError("TrainingArguments.load_best_model_at_end: not supported with an hdet block (the "
                                   "best checkpoint holds one folder per replica); set it to False")
         max_steps = self.args.max_steps if self.args.max_steps > 0 else None
-        cfg = self._check(_without_auto(resolve_auto(ds, max_steps)), partial=max_steps is None)
+        cfg = self._check(_checkable(ds, max_steps))
         self._hdet_block = copy.deepcopy(block)
         check_probe(cfg, probe)
         self.hdet_topology = build_topology(self.args)
@@ -159,15 +170,10 @@ class HDETTrainer(Trainer):
         hf = getattr(self.args, "hf_deepspeed_config", None)
         return None if hf is None else hf.config
 
-    def _check(self, ds: dict, partial: bool = False) -> HDETConfig:
-        """Validate ``ds`` as :func:`hdet_scale.initialize` does. ``partial``: the
-        schedule's ``total_steps`` is still ``"auto"`` (known at ``train()``), so the
-        checks that need it wait until then."""
+    def _check(self, ds: dict) -> HDETConfig:
+        """Validate ``ds`` (from :func:`_checkable`) as :func:`hdet_scale.initialize` does."""
         from hdet_scale.backends.deepspeed import prepare_config
 
-        if partial:
-            ds = copy.deepcopy(ds)
-            ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
         cfg, _ = prepare_config(ds, world_size=self.args.world_size)
         return cfg
 
@@ -260,7 +266,7 @@ class HDETTrainer(Trainer):
         if not self._hdet_enabled:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self._hdet_max_steps = max_steps
-        self._check(_without_auto(resolve_auto(self._deepspeed_config(), max_steps)))
+        self._check(_checkable(self._deepspeed_config(), max_steps))
         self._hdet_losses.clear()
         with self._hdet_engine():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
@@ -299,8 +305,7 @@ def build_topology(args: Any) -> Topology:
     replicas = block.get("replicas", HDETConfig().replicas)  # HDETTrainer checked the block
     cached = _TOPOLOGIES.get(replicas)
     if cached is None:
-        device = args.device.type if args.device.type != "cpu" else "cpu"
-        cached = _TOPOLOGIES[replicas] = Topology(replicas, device_type=device)
+        cached = _TOPOLOGIES[replicas] = Topology(replicas, device_type=args.device.type)
     return cached
 
 
@@ -336,10 +341,7 @@ def zero_init(args: Any, **kwargs: Any) -> Any:
     # reads (without it, its config sees a world of 1 and refuses the batch size).
     deepspeed.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
     max_steps = args.max_steps if args.max_steps > 0 else None
-    ds = _without_auto(resolve_auto(args.hf_deepspeed_config.config, max_steps))
-    if max_steps is None:  # only the layout and the dtype matter here
-        ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
-    return _zero_init(topology, ds, **kwargs)
+    return _zero_init(topology, _checkable(args.hf_deepspeed_config.config, max_steps), **kwargs)
 
 
 @torch.no_grad()

@@ -162,9 +162,7 @@ def hold_run_dir(run_dir: str) -> None:
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise HDETConfigError(f"run_dir: {run_dir} is in use by a running hdet-train ({holder}); two jobs in one "
-                              "run_dir would mix their metrics and checkpoints: wait for it to end, stop it, or "
-                              "choose another run_dir") from None
+        raise _in_use(run_dir, holder) from None
     except OSError:  # no flock here: run unguarded rather than refuse
         os.close(fd)
         return
@@ -172,6 +170,12 @@ def hold_run_dir(run_dir: str) -> None:
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
     _held.append(fd)
+
+
+def _in_use(run_dir: str, holder: str) -> HDETConfigError:
+    return HDETConfigError(f"run_dir: {run_dir} is in use by a running hdet-train ({holder}); two jobs in one "
+                           "run_dir would mix their metrics and checkpoints: wait for it to end, stop it, or "
+                           "choose another run_dir")
 
 
 def check_not_in_use(run_dir: str) -> None:
@@ -195,9 +199,7 @@ def check_not_in_use(run_dir: str) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        raise HDETConfigError(f"run_dir: {run_dir} is in use by a running hdet-train ({holder}); two jobs in one "
-                              "run_dir would mix their metrics and checkpoints: wait for it to end, stop it, or "
-                              "choose another run_dir") from None
+        raise _in_use(run_dir, holder) from None
     except OSError:
         pass
     finally:
