@@ -29,6 +29,9 @@ and changes four things, each where ``Trainer`` offers a method to override:
   weights gathered to 16 bit (``stage3_gather_16bit_weights_on_model_save`` is set):
   equal to every replica's right after a converge.
 
+On FSDP2 (the block in ``TrainingArguments.fsdp_config``) the same four changes sit
+around Accelerate's FSDP2 preparation instead: :mod:`hdet_scale.hf_fsdp`.
+
 Source: transformers 5.24 ``Trainer._prepare_for_training`` / ``training_step`` and
 accelerate 1.15 ``Accelerator._prepare_deepspeed`` / ``DeepSpeedEngineWrapper.backward``;
 ``tests/distributed/test_hf_trainer.py`` runs it against the plain ``Trainer``.
@@ -38,15 +41,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import Trainer
 
-from hdet_scale.backends.common import attach_sync, check_probe, make_logger, use_topology
+from hdet_scale import hf_fsdp
+from hdet_scale.backends.common import (
+    attach_sync,
+    check_probe,
+    make_logger,
+    resolve_config,
+    use_topology,
+)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.hf_deepspeed import check_partitions, zero_init  # noqa: F401 - zero_init is public here
+from hdet_scale.hf_fsdp import fsdp_block
 from hdet_scale.topology import Topology
 
 
@@ -84,16 +97,19 @@ def resolve_auto(ds_config: dict, max_steps: int | None) -> dict:
 
 
 class EngineScheduler:
-    """``Trainer``'s ``lr_scheduler`` under HDET: the DeepSpeed engine steps the
-    :class:`HDETScheduler` inside ``engine.step``, so ``step()`` here does nothing and
-    the LR is read from it. Saved and loaded empty (HDET's state travels with the
-    checkpoint's replica folders)."""
+    """``Trainer``'s ``lr_scheduler`` under HDET. On DeepSpeed the engine steps the
+    :class:`HDETScheduler` inside ``engine.step``, so ``step()`` here does nothing; on
+    FSDP2 ``Trainer`` calls ``step()`` after each optimizer step and it steps the
+    :class:`HDETScheduler` with the step's loss (``on_step``). The LR is read from it.
+    Saved and loaded empty (HDET's state travels with the checkpoint's replica folders)."""
 
-    def __init__(self, trainer: "HDETTrainer") -> None:
+    def __init__(self, trainer: HDETTrainer, on_step: Callable[[], None] | None = None) -> None:
         self._trainer = trainer
+        self._on_step = on_step
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        if self._on_step is not None:
+            self._on_step()
 
     def get_last_lr(self) -> list[float]:
         scheduler = self._trainer.hdet_scheduler
@@ -108,8 +124,10 @@ class EngineScheduler:
 
 class HDETTrainer(Trainer):
     """``transformers.Trainer`` with HDET switched on by the ``"hdet"`` block of the
-    DeepSpeed config given as ``TrainingArguments(deepspeed=...)`` (every key:
-    docs/config.md). Without a block (or ``"enabled": false``) it is the plain ``Trainer``.
+    DeepSpeed config given as ``TrainingArguments(deepspeed=...)``, or of
+    ``TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2, "hdet": {...}})``
+    for FSDP2 through Accelerate (:mod:`hdet_scale.hf_fsdp`; every key: docs/config.md).
+    Without a block (or ``"enabled": false``) it is the plain ``Trainer``.
 
     Args:
         *args, **kwargs: ``Trainer``'s. The model is built whole on every rank
@@ -132,14 +150,20 @@ class HDETTrainer(Trainer):
 
     Raises (at construction, the same verdict on every rank, before any collective but
     the layout's own DeviceMesh):
-        HDETConfigError: no DeepSpeed config with an ``hdet`` block is reachable while
-            ``probe`` is given; an invalid ``hdet`` block or DeepSpeed key (all at once,
-            as :func:`hdet_scale.backends.deepspeed.prepare_config`); a ``scheduler``
-            block; ``load_best_model_at_end`` (its load reads DeepSpeed's own layout); a
-            missing ``probe`` where auto-LR scores by probe.
+        HDETConfigError: no ``hdet`` block is reachable while ``probe`` is given; an
+            invalid ``hdet`` block or DeepSpeed key (all at once, as
+            :func:`hdet_scale.backends.deepspeed.prepare_config`); a ``scheduler``
+            block; ``load_best_model_at_end`` (its load reads the engine's own layout); a
+            missing ``probe`` where auto-LR scores by probe; on FSDP2, what
+            :func:`hdet_scale.hf_fsdp.check_args` and ``check_enabled`` refuse (FSDP
+            off or version 1, a ``parallelism_config``).
     """
 
     def __init__(self, *args: Any, probe: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if (training_args is not None and getattr(training_args, "hf_deepspeed_config", None) is None
+                and fsdp_block(training_args) is not None):
+            hf_fsdp.check_args(training_args)  # before Trainer builds its Accelerator
         super().__init__(*args, **kwargs)
         self.hdet_scheduler: HDETScheduler | None = None
         self.hdet_topology: Topology | None = None
@@ -147,18 +171,21 @@ class HDETTrainer(Trainer):
         self._hdet_losses: list[torch.Tensor] = []
         self._hdet_max_steps: int | None = None
         ds = self._deepspeed_config()
-        block = None if ds is None else ds.get("hdet")
+        self._hdet_fsdp = ds is None and fsdp_block(self.args) is not None
+        block = fsdp_block(self.args) if self._hdet_fsdp else None if ds is None else ds.get("hdet")
         self._hdet_enabled = block is not None and not (isinstance(block, dict) and block.get("enabled") is False)
         if not self._hdet_enabled:
             if probe is not None:
-                raise HDETConfigError("HDETTrainer(probe=...): no 'hdet' block in TrainingArguments(deepspeed=...); "
-                                      "add one (docs/config.md) or drop probe")
+                raise HDETConfigError("HDETTrainer(probe=...): no 'hdet' block in TrainingArguments(deepspeed=...) "
+                                      "or fsdp_config; add one (docs/config.md) or drop probe")
             return
         if self.args.load_best_model_at_end:
             raise HDETConfigError("TrainingArguments.load_best_model_at_end: not supported with an hdet block (the "
                                   "best checkpoint holds one folder per replica); set it to False")
+        if self._hdet_fsdp:
+            hf_fsdp.check_enabled(self)
         max_steps = self.args.max_steps if self.args.max_steps > 0 else None
-        cfg = self._check(_checkable(ds, max_steps))
+        cfg = self._check(max_steps)
         self._hdet_block = copy.deepcopy(block)
         check_probe(cfg, probe)
         self.hdet_topology = build_topology(self.args)
@@ -170,11 +197,15 @@ class HDETTrainer(Trainer):
         hf = getattr(self.args, "hf_deepspeed_config", None)
         return None if hf is None else hf.config
 
-    def _check(self, ds: dict) -> HDETConfig:
-        """Validate ``ds`` (from :func:`_checkable`) as :func:`hdet_scale.initialize` does."""
+    def _check(self, max_steps: int | None) -> HDETConfig:
+        """The config (:func:`_checkable` for a run of ``max_steps``) validated as
+        :func:`hdet_scale.initialize` does: the DeepSpeed config with its block, or the
+        block of ``fsdp_config``."""
+        if self._hdet_fsdp:
+            return resolve_config(_checkable({"hdet": fsdp_block(self.args)}, max_steps), world=self.args.world_size)
         from hdet_scale.backends.deepspeed import prepare_config
 
-        cfg, _ = prepare_config(ds, world_size=self.args.world_size)
+        cfg, _ = prepare_config(_checkable(self._deepspeed_config(), max_steps), world_size=self.args.world_size)
         return cfg
 
     # ---- the engine ------------------------------------------------------------------
@@ -210,7 +241,7 @@ class HDETTrainer(Trainer):
         config = {**config, "hdet": self._hdet_block}  # held out of Accelerate's "auto" filling
         cfg, ds = prepare_config(resolve_auto(config, self._hdet_max_steps), world_size=self.args.world_size)
         topology = use_topology(cfg, self.hdet_topology, self.hdet_topology.mesh.device_type)
-        _check_partitions(kwargs.get("model"), topology)
+        check_partitions(kwargs.get("model"), topology)
         # DeepSpeed's fallback for a ZeRO-3 save_model writes its own checkpoint layout,
         # where every replica would write the same file names: gather the weights instead.
         ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
@@ -232,6 +263,19 @@ class HDETTrainer(Trainer):
 
     def _feed_losses(self, engine: Any) -> None:
         """Hand each optimizer step's loss to the scheduler (module comment)."""
+        losses = self._record_losses()
+        step = engine.step
+
+        def step_with_loss(lr_kwargs: dict | None = None) -> Any:
+            if lr_kwargs is None and losses and engine.is_gradient_accumulation_boundary():
+                lr_kwargs = {"loss": torch.stack(losses).sum()}
+                losses.clear()
+            return step(lr_kwargs=lr_kwargs)
+
+        engine.step = step_with_loss
+
+    def _record_losses(self) -> list[torch.Tensor]:
+        """Keep every loss ``Trainer`` hands to ``accelerator.backward`` in the returned list."""
         accelerator = self.accelerator
         # a second train() on this trainer builds a new engine: wrap Accelerate's own
         # backward again, not our wrapper (each loss would be counted twice)
@@ -244,21 +288,20 @@ class HDETTrainer(Trainer):
 
         record._hdet_wrapped = backward
         accelerator.backward = record
-        step = engine.step
+        return losses
 
-        def step_with_loss(lr_kwargs: dict | None = None) -> Any:
-            if lr_kwargs is None and losses and engine.is_gradient_accumulation_boundary():
-                lr_kwargs = {"loss": torch.stack(losses).sum()}
-                losses.clear()
-            return step(lr_kwargs=lr_kwargs)
-
-        engine.step = step_with_loss
+    def _fsdp_step(self) -> None:
+        """FSDP2: close the optimizer step ``Trainer`` just took with its summed loss."""
+        losses = self._hdet_losses
+        loss = torch.stack(losses).sum() if losses else None
+        losses.clear()
+        self.hdet_scheduler.step(loss)
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if not self._hdet_enabled:
             return super().create_scheduler(num_training_steps, optimizer)
         if self.lr_scheduler is None:
-            self.lr_scheduler = EngineScheduler(self)
+            self.lr_scheduler = EngineScheduler(self, self._fsdp_step if self._hdet_fsdp else None)
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
@@ -266,8 +309,10 @@ class HDETTrainer(Trainer):
         if not self._hdet_enabled:
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         self._hdet_max_steps = max_steps
-        self._check(_checkable(self._deepspeed_config(), max_steps))
+        cfg = self._check(max_steps)
         self._hdet_losses.clear()
+        if self._hdet_fsdp:
+            return self._prepare_fsdp(cfg, max_steps, train_dataloader, resume_from_checkpoint)
         with self._hdet_engine():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         if resume_from_checkpoint is not None:
@@ -278,14 +323,50 @@ class HDETTrainer(Trainer):
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
 
+    def _prepare_fsdp(self, cfg: HDETConfig, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any):
+        """FSDP2: ``Trainer`` prepares on HDET's mesh, then HDET attaches
+        (:mod:`hdet_scale.hf_fsdp`) and a resumed run loads every replica's folder."""
+        topology = use_topology(cfg, self.hdet_topology, self.hdet_topology.mesh.device_type)
+        with hf_fsdp.sharding_on(topology, cfg):
+            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self.hdet_scheduler = hf_fsdp.attach(self, cfg, topology, self._hdet_probe, _start_from_replica_0)
+        self._record_losses()
+        if resume_from_checkpoint is not None:
+            from hdet_scale.backends.fsdp2 import load_checkpoint
+
+            load_checkpoint(self.model_wrapped, self._inner_optimizer(), self.hdet_scheduler, resume_from_checkpoint)
+            self._load_scaler(resume_from_checkpoint)
+        return model, train_dataloader
+
+    def _inner_optimizer(self) -> Any:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's AcceleratedOptimizer
+
     # ---- checkpoints -----------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._hdet_enabled:
             return super()._save_optimizer_and_scheduler(output_dir)
+        tag = f"global_step{self.state.global_step}"
+        if self._hdet_fsdp:
+            from hdet_scale.backends.fsdp2 import save_checkpoint as save_fsdp
+
+            save_fsdp(self.model_wrapped, self._inner_optimizer(), self.hdet_scheduler, output_dir, tag=tag)
+            return
         from hdet_scale.backends.deepspeed import save_checkpoint
 
-        save_checkpoint(self.model_wrapped, self.hdet_scheduler, output_dir,
-                        tag=f"global_step{self.state.global_step}")
+        save_checkpoint(self.model_wrapped, self.hdet_scheduler, output_dir, tag=tag)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """On FSDP2 under HDET: replica 0's weights, gathered whole (``FULL_STATE_DICT``,
+        the default; every rank calls it). A checkpoint under ``SHARDED_STATE_DICT``
+        writes none: its ``replica_<r>/`` folders hold every replica's shards."""
+        if not (self._hdet_enabled and self._hdet_fsdp):
+            return super().save_model(output_dir, _internal_call)
+        if _internal_call and "SHARDED_STATE_DICT" in hf_fsdp.state_dict_type(self):
+            return None
+        state = hf_fsdp.gather_replica_0(self.model_wrapped)
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state)
+        return None
 
 
 def build_topology(args: Any) -> Topology:
@@ -298,10 +379,9 @@ def build_topology(args: Any) -> Topology:
         HDETConfigError: no DeepSpeed config or no ``hdet`` block in it.
     """
     hf = getattr(args, "hf_deepspeed_config", None)
-    block = None if hf is None else hf.config.get("hdet")
+    block = fsdp_block(args) if hf is None else hf.config.get("hdet")
     if not isinstance(block, dict):
-        raise HDETConfigError("TrainingArguments(deepspeed=...): no 'hdet' block in the DeepSpeed config "
-                              "(docs/config.md)")
+        raise HDETConfigError("TrainingArguments(deepspeed=...) or fsdp_config: no 'hdet' block (docs/config.md)")
     replicas = block.get("replicas", HDETConfig().replicas)  # HDETTrainer checked the block
     cached = _TOPOLOGIES.get(replicas)
     if cached is None:
@@ -310,38 +390,6 @@ def build_topology(args: Any) -> Topology:
 
 
 _TOPOLOGIES: dict[int, Topology] = {}
-
-
-def zero_init(args: Any, **kwargs: Any) -> Any:
-    """``deepspeed.zero.Init`` over the shard group of ``args``' layout: build the model
-    inside it (``from_config`` too) and no rank holds more than its partitions, on the
-    process groups :class:`HDETTrainer` then trains::
-
-        args = TrainingArguments(..., deepspeed="ds_config.json")
-        with hdet_scale.hf.zero_init(args):
-            model = AutoModelForCausalLM.from_config(config)
-        trainer = HDETTrainer(model=model, args=args, ...)
-
-    ``from_config``'s own ``zero.Init`` nests inside it and does nothing (DeepSpeed
-    partitions by the outermost context). transformers then initialises the weights on
-    global rank 0 only, so only replica 0's shard group gets them; :class:`HDETTrainer`
-    copies replica 0's partitions to every replica when training starts, as HDET needs
-    anyway (replicas start as copies of one model). ``kwargs`` go to
-    ``deepspeed.zero.Init``. Collective (the layout, on first use).
-
-    Raises:
-        HDETConfigError: as :func:`build_topology`, or an invalid config.
-    """
-    import deepspeed
-
-    from hdet_scale.backends.deepspeed import zero_init as _zero_init
-
-    topology = build_topology(args)
-    # Accelerate initialised torch.distributed, not DeepSpeed's comm layer, which zero.Init
-    # reads (without it, its config sees a world of 1 and refuses the batch size).
-    deepspeed.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
-    max_steps = args.max_steps if args.max_steps > 0 else None
-    return _zero_init(topology, _checkable(args.hf_deepspeed_config.config, max_steps), **kwargs)
 
 
 @torch.no_grad()
@@ -355,20 +403,3 @@ def _start_from_replica_0(backend: Any, topology: Topology) -> None:
     for t in list(backend.master_tensors()) + list(backend.buffers()):
         dist.broadcast(t, src=src, group=topology.replica_group)
     backend.refresh()
-
-
-def _check_partitions(model: Any, topology: Topology) -> None:
-    """Refuse a model ZeRO-3 already partitioned over another group than the shard group
-    (``Trainer``'s ``from_config`` under ``deepspeed.zero.Init`` partitions over the world):
-    DeepSpeed would read each partition with the wrong size. Same verdict on every rank
-    (the group sizes are global)."""
-    import torch.distributed as dist
-
-    for p in () if model is None else model.parameters():
-        group = getattr(p, "ds_process_group", None)
-        if group is not None and dist.get_world_size(group) != topology.shard_size:
-            raise HDETConfigError(
-                f"model: partitioned by deepspeed.zero.Init over {dist.get_world_size(group)} ranks, but each hdet "
-                f"replica shards over {topology.shard_size}; build it under hdet_scale.hf.zero_init(args), or "
-                "whole (LlamaForCausalLM(config)): DeepSpeed then partitions it when training starts")
-        return

@@ -59,7 +59,7 @@ from hdet_scale.topology import Topology
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-__all__ = ["FSDP2Backend", "build_topology", "initialize", "load_checkpoint", "save_checkpoint"]
+__all__ = ["FSDP2Backend", "build_topology", "initialize", "load_checkpoint", "mesh_dims", "save_checkpoint"]
 
 BACKEND_NAME = "fsdp2"
 
@@ -142,6 +142,14 @@ def _materialize(model: nn.Module, device: torch.device, init_weights: Callable[
     init_weights(model)
 
 
+def mesh_dims(cfg: HDETConfig) -> tuple[str, ...]:
+    """The dims of HDET's DeviceMesh FSDP2 shards over: ``("replica", "shard")`` (HSDP)
+    for ``gradient_sharing: "global"``, ``("shard",)`` for ``"replica"``. HSDP needs a
+    replica axis to all-reduce over; with R = 1 the shard mesh is the same run without a
+    size-1 all-reduce."""
+    return ("replica", "shard") if cfg.gradient_sharing == "global" and cfg.replicas > 1 else ("shard",)
+
+
 def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | os.PathLike,
                optimizer_fn: Callable[[list[nn.Parameter]], Optimizer], *,
                shard_modules: Callable[[nn.Module], Iterable[nn.Module]] | None = None,
@@ -220,10 +228,7 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
     device = torch.device(device) if device is not None else default_device()
     init_process_group(device)
     topology = use_topology(cfg, topology, device.type)
-    share = cfg.gradient_sharing == "global"
-    # HSDP needs a replica axis to all-reduce over; with R = 1 the shard mesh is the same
-    # run without a size-1 all-reduce.
-    mesh = topology.mesh["replica", "shard"] if share and cfg.replicas > 1 else topology.mesh["shard"]
+    mesh = topology.mesh[mesh_dims(cfg)]
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
