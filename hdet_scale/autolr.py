@@ -22,6 +22,7 @@ import warnings
 from typing import Any, Callable
 
 from hdet_scale import axes as ax
+from hdet_scale import axis_specs as specs
 from hdet_scale import controller as ctl
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError
@@ -192,11 +193,13 @@ class Controller:
         shift = self.log_m.get(key, 0.0)
         if shift == 0.0:
             return raw
-        if self.config.axes[key[0]].kind == "additive":
-            # the lowest replica (value - spread_ratio) stays >= 0: a shift may not take
-            # the value below spread_ratio (check_additive_floors checked raw at the start)
-            return max(raw + shift, min(raw, self.config.axes[key[0]].spread_ratio))
-        return raw * math.exp(shift)
+        spec = self.config.axes[key[0]]
+        # every replica stays inside the axis' bounds (for an additive axis with the
+        # default lower bound 0: the value stays >= spread_ratio); the raw value itself
+        # was checked at the start, and a schedule may take it where it likes
+        lo, hi = specs.base_limits(key[0], spec)
+        moved = raw + shift if spec.kind == "additive" else raw * math.exp(shift)
+        return min(max(moved, min(raw, lo)), max(raw, hi))
 
     def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
                current: Callable[[Key], float], record: dict[str, Any]) -> None:
@@ -225,15 +228,17 @@ class Controller:
                 # The velocity remembers larger, older bases; under a strong decay it can
                 # outweigh base * (1 - gamma) and send the LR below zero. Floor: see
                 # lr_lower_bound (0 for other multiplicative axes).
-                floor = lr_lower_bound(self.schedule, self.peaks[g], auto.max_factor) if a == "lr" else 0.0
-                if self.config.axes[a].kind == "multiplicative" and new_base < floor:
+                # Bounds (axis_specs.base_limits): an additive spread reaches base -
+                # spread_ratio, so with the lower bound 0 the base stays >= spread_ratio.
+                floor, ceiling = specs.base_limits(a, self.config.axes[a])
+                if a == "lr":
+                    floor = max(floor, lr_lower_bound(self.schedule, self.peaks[g], auto.max_factor))
+                if new_base < floor:
                     new_base = floor
                     record[f"hdet/{a}/group_{g}/floored"] = 1
-                elif self.config.axes[a].kind == "additive" and new_base - self.config.axes[a].spread_ratio < 0:
-                    # an additive spread reaches base - spread_ratio: the lowest replica's
-                    # LR or weight decay must stay >= 0 (check_additive_floors, at the start)
-                    new_base = self.config.axes[a].spread_ratio
-                    record[f"hdet/{a}/group_{g}/floored"] = 1
+                elif new_base > ceiling:
+                    new_base = ceiling
+                    record[f"hdet/{a}/group_{g}/ceiled"] = 1
                 self.base[key] = new_base
             else:
                 axis = self.config.axes[a]

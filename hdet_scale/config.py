@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from hdet_scale import axis_specs
+from hdet_scale.axis_specs import AXIS_NAMES
 from hdet_scale.errors import HDETConfigError
 
-AXIS_NAMES = ("lr", "weight_decay")
 GRADIENT_SHARING = ("global", "replica")
 SCHEDULES = ("onecycle", "cosine", "constant")
 CONTROLLERS = ("log", "paper")
@@ -29,14 +30,22 @@ class AxisConfig:
 
     ``spread_ratio`` is alpha: replica multipliers lie in ``[1 - alpha, 1 + alpha]``
     (multiplicative) or offsets in ``[-alpha, +alpha]`` (additive). ``groups`` lists the
-    optimizer parameter-group indices explored (``None``: all). ``auto`` lets the auto-LR
-    controller move this axis' base value.
+    optimizer parameter-group indices explored (``None``: all; optimizer-side axes only).
+    ``auto`` lets the auto-LR controller move this axis' base value. ``bounds``: ``[lo,
+    hi]`` every replica's value stays in (default per axis:
+    :data:`hdet_scale.axis_specs.DEFAULT_BOUNDS`). Model-side axes (dropout, temperature,
+    label_smoothing: :mod:`hdet_scale.axis_specs`) take their base value from ``value``
+    and ``modules`` (fnmatch patterns of module names; ``None``: every module the axis
+    knows) selects what dropout and temperature set.
     """
 
     spread_ratio: float = 0.0
     kind: str = "multiplicative"
     groups: list[int] | None = None
     auto: bool | None = None  # None: True for "lr", False for other axes
+    value: float | None = None
+    bounds: list[float] | None = None
+    modules: list[str] | None = None
 
 
 @dataclass
@@ -361,6 +370,7 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
                    f"must stay > 0), got {axis.spread_ratio}")
         if name == "lr":
             _check(errors, axis.kind == "multiplicative", f"{k}.kind", "the lr axis must be multiplicative")
+        axis_specs.validate(name, axis, k, errors, _check)
         if axis.groups is not None:
             _check(errors, len(axis.groups) > 0 and all(g >= 0 for g in axis.groups), f"{k}.groups",
                    f"must be a non-empty list of parameter-group indices >= 0 or null, got {axis.groups}")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hdet_scale import axes as ax
+from hdet_scale import axis_specs as specs
 from hdet_scale.autolr import (Controller, build_schedule, check_additive_floors, check_config,  # noqa: F401
                                decay_for)
 from hdet_scale.config import HDETConfig
@@ -70,9 +71,18 @@ class HDETScheduler:
         self.num_groups = len(groups)
         self.peaks = self._peaks(groups)
         self.explored = self._explored()  # (axis, group) pairs in hdet.axes
-        self.initial = {(a, g): float(groups[g][a]) for a in config.axes for g in range(self.num_groups)}
-        check_additive_floors(config, self.schedule, {(a, g): self.peaks[g] if a == "lr" else self.initial[(a, g)]
-                                                      for a, g in self.explored})
+        self.initial = {(a, g): (specs.model_value(a, config.axes[a]) if specs.is_model_axis(a)
+                                 else specs.read(groups[g], a))
+                        for a in config.axes for g in self.axis_groups(a)}
+        bases = {(a, g): self.peaks[g] if a == "lr" else self.initial[(a, g)] for a, g in self.explored}
+        check_additive_floors(config, self.schedule, bases)
+        out_of_bounds = specs.check_group_bounds(config, bases)
+        if out_of_bounds:
+            raise HDETConfigError("\n".join(out_of_bounds))
+        # model-side axes: {replica: {axis: value}} now, and the setters of the models
+        # bound with bind_model (label_smoothing has none: the loss reads model_value)
+        self.model_values: dict[int, dict[str, float]] = {r: {} for r in param_groups}
+        self.model_setters: dict[int, dict[str, Any]] = {}
         self.applied: dict[tuple[str, int], list[float]] = {}  # values of the current step
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0
@@ -94,11 +104,16 @@ class HDETScheduler:
             return [float(v) for v in m]
         return [float(m)] * len(groups)
 
+    def axis_groups(self, axis: str) -> range:
+        """The parameter groups ``axis`` has a value for: all of them for an
+        optimizer-side axis, one (``0``) for a model-side axis (one value per replica)."""
+        return range(1) if specs.is_model_axis(axis) else range(self.num_groups)
+
     def _explored(self) -> list[tuple[str, int]]:
         out = []
         for name in sorted(self.config.axes):
             axis = self.config.axes[name]
-            groups = range(self.num_groups) if axis.groups is None else axis.groups
+            groups = self.axis_groups(name) if axis.groups is None else axis.groups
             out.extend((name, g) for g in groups)
         return out
 
@@ -180,11 +195,15 @@ class HDETScheduler:
         cyc = self.config.schedule.cycle_momentum
         beta1 = self.schedule.momentum(min(self.step_count, self.total_steps)) if cyc else None
         for axis in self.config.axes:
-            for g in range(self.num_groups):
+            for g in self.axis_groups(axis):
                 values = self.replica_values(axis, g)
                 self.applied[(axis, g)] = values
                 for r, groups in self.param_groups.items():
-                    groups[g][axis] = values[r]
+                    if specs.is_model_axis(axis):
+                        self.model_values[r][axis] = values[r]
+                    else:
+                        specs.write(groups[g], axis, values[r])
+        self._set_models()
         if beta1 is not None:
             for groups in self.param_groups.values():
                 for grp in groups:
@@ -192,6 +211,37 @@ class HDETScheduler:
                         grp["betas"] = (beta1, *grp["betas"][1:])
                     elif "momentum" in grp:
                         grp["momentum"] = beta1
+
+    # ---- model-side axes ---------------------------------------------------------------
+    def bind_model(self, model: Any, replica: int | None = None) -> None:
+        """Let the model-side axes (dropout, temperature) reach ``model``: the module
+        replica ``replica`` (default: this rank's only one) runs on this rank. Its setters
+        (:func:`hdet_scale.model_axes.setters`) are called now and at every step with
+        the replica's values. The backends bind the model they wrap; the simulator
+        binds each replica's.
+
+        Raises:
+            HDETConfigError: a model-side axis finds nothing to set in ``model`` (same
+                verdict on every rank of a replica: it reads the module tree only).
+        """
+        from hdet_scale.model_axes import setters
+
+        replica = next(iter(self.param_groups)) if replica is None else replica
+        self.model_setters[replica] = setters(model, self.config)
+        self._set_models()
+
+    def model_value(self, axis: str, replica: int | None = None) -> float:
+        """The value of model-side ``axis`` this step on ``replica`` (default: this
+        rank's), e.g. ``label_smoothing`` for the loss: ``F.cross_entropy(...,
+        label_smoothing=scheduler.model_value("label_smoothing"))``. An axis not in
+        ``hdet.axes`` is ``KeyError``."""
+        replica = next(iter(self.param_groups)) if replica is None else replica
+        return self.model_values[replica][axis]
+
+    def _set_models(self) -> None:
+        for r, setters in self.model_setters.items():
+            for axis, set_value in setters.items():
+                set_value(self.model_values[r][axis])
 
     def get_last_lr(self) -> list[float]:
         """LR per parameter group of the first replica this process drives."""
@@ -311,7 +361,7 @@ class HDETScheduler:
                                    lambda k: self.base_value(*k), record)
         self.permutations = self._draw_permutations()
         for a in sorted(self.config.axes):
-            for g in range(self.num_groups):
+            for g in self.axis_groups(a):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
         self.last_sync = record
         if self.logger is not None:
@@ -357,7 +407,7 @@ class HDETScheduler:
         ``hdet/<axis>/replica_<r>/group_<g>`` (for logging)."""
         out = {}
         for a in sorted(self.config.axes):
-            for g in range(self.num_groups):
+            for g in self.axis_groups(a):
                 for r, v in enumerate(self.applied[(a, g)]):
                     out[f"hdet/{a}/replica_{r}/group_{g}"] = v
         return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from hdet_scale.axis_specs import group_has, is_model_axis
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError
 
@@ -43,11 +44,14 @@ def check_param_groups(config: HDETConfig, groups: list[dict]) -> None:
     if isinstance(m, list) and len(m) != len(groups):
         raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {len(groups)} parameter groups")
     for name, axis in sorted(config.axes.items()):
+        if is_model_axis(name):
+            continue  # lives in the model (hdet_scale.model_axes), not in the param groups
         for g in axis.groups or []:
             if g >= len(groups):
                 raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
                                       f"(the optimizer has {len(groups)} parameter groups)")
         for g, grp in enumerate(groups):
-            if name not in grp:
-                raise HDETConfigError(f"hdet.axes.{name}: parameter group {g} has no '{name}' "
+            if not group_has(grp, name):
+                needs = "'betas' (two values)" if name == "beta2" else f"'{name}'"
+                raise HDETConfigError(f"hdet.axes.{name}: parameter group {g} has no {needs} "
                                       f"(keys: {sorted(k for k in grp if k != 'params')})")

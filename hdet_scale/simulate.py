@@ -273,6 +273,8 @@ class Simulator:
         self.sync = SimulatedSync(self.models, self.optimizers, self.config.gradient_sharing)
         self.scheduler = HDETScheduler(self.config, LiveParamGroups(dict(enumerate(self.optimizers))))
         self.scheduler.attach(self.sync)
+        for r, m in enumerate(self.models):
+            self.scheduler.bind_model(m, replica=r)  # model-side axes: replica r's values reach model r
         require_probe(self.config, probe_fn, "probe_fn", "probe_fn(model, r) -> loss", 2)
         self.scheduler.set_probe(probe_fn)
         self.scheduler.warm_init()

@@ -90,10 +90,12 @@ def check_probe(cfg: HDETConfig, probe: Any) -> None:
 
 def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any) -> None:
     """Attach this rank's :class:`~hdet_scale.sync.DistributedSync` (installs the
-    gradient-sharing hook), bind ``probe`` to ``model`` (the object the user's forward
+    gradient-sharing hook), bind the model-side axes and ``probe`` to ``model`` (the object the user's forward
     runs on: the DeepSpeed engine, the FSDP2 / DDP module), and apply the warm noisy
     initialisation when configured. Collective (warm init: on the shard group)."""
     cfg = scheduler.config
+    if model is not None:
+        scheduler.bind_model(model)  # model-side axes (dropout, temperature) reach this rank's module
     scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing,
                                      cfg.overlap_gradient_sharing))
     scheduler.set_probe(None if probe is None else (lambda: probe(model)))

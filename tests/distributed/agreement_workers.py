@@ -42,6 +42,7 @@ REPLICAS, SHARDS = 2, 2
 STEPS, SYNC = 12, 3  # syncs at 3, 6, 9, 12; the run ends on a converge
 WARMUP = 5  # first meta-update at the step-6 sync
 CONTROLLERS = ("paper", "log")
+TEMPERATURE = {"spread_ratio": 0.2, "auto": True}  # the "temperature" runs: "log" plus this model-side axis
 NU, WARM_SEED = 0.05, 11  # warm init: noise std nu * RMS(model)
 WARM_MODE = "replica"  # the warm-init runs: no gradient sharing, so only converge equalises
 
@@ -57,10 +58,14 @@ class TinyNet(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(D_HIDDEN)
         self.fc2 = torch.nn.Linear(D_HIDDEN, D_HIDDEN)
         self.head = torch.nn.Linear(D_HIDDEN, D_OUT)
+        self.tau = 1.0  # a model-side axis ("temperature") through the documented hook
+
+    def hdet_set_temperature(self, tau: float) -> None:
+        self.tau = float(tau)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.norm(self.fc1(x)))
-        h = torch.tanh(self.fc2(h))
+        h = torch.tanh(self.fc2(h) / self.tau)  # / 1.0 is exact: the other runs are unchanged
         return self.head(h)
 
 
@@ -120,6 +125,8 @@ def hdet_block(mode: str, controller: str = "paper", warm: bool = False) -> dict
              "auto": auto}
     if warm:
         block["warm_init"] = {"enabled": True, "nu": NU, "seed": WARM_SEED}
+    if controller == "temperature":
+        block["axes"]["temperature"] = dict(TEMPERATURE)
     return block
 
 
@@ -148,6 +155,7 @@ def sync_record(sched: Any) -> dict:
             "loss": [last.get(f"hdet/loss/replica_{r}") for r in range(REPLICAS)],
             "weights": [last.get(f"hdet/weight/replica_{r}") for r in range(REPLICAS)],
             "delta": [last.get(f"hdet/lr/group_{g}/hypergradient", 0.0) for g in range(groups)],
+            "tau_base": sched.base_value("temperature", 0) if "temperature" in sched.config.axes else None,
             "multiplier": [last.get(f"hdet/lr/group_{g}/multiplier") for g in range(groups)]}
 
 
@@ -157,9 +165,12 @@ class Recorder:
     probe calls this rank made for it."""
 
     def __init__(self, sched: Any, groups: Callable[[], list], calls: list,
-                 full: Callable[[], np.ndarray] | None = None) -> None:
+                 full: Callable[[], np.ndarray] | None = None, model: Any = None) -> None:
         self.sched, self.groups, self.calls, self.full = sched, groups, calls, full
+        self.model = model
+        self.taus: list[tuple[float, float]] = []  # (scheduler's value, the module's tau) per step
         self.lrs = [self._lrs()]
+        self._tau()
         self.syncs: list[dict] = []
         self.steps: list[np.ndarray] = []
         self._seen = 0
@@ -167,8 +178,15 @@ class Recorder:
     def _lrs(self) -> list[float]:
         return [float(g["lr"]) for g in self.groups()]
 
+    def _tau(self) -> None:
+        if self.model is not None and "temperature" in self.sched.config.axes:
+            from hdet_scale.model_axes import _root
+
+            self.taus.append((self.sched.model_value("temperature"), _root(self.model).tau))
+
     def after_step(self) -> None:
         self.lrs.append(self._lrs())
+        self._tau()
         if self.sched.step_count % SYNC == 0:
             self.syncs.append({**sync_record(self.sched), "probe_calls": self.calls[self._seen:]})
             self._seen = len(self.calls)
@@ -178,6 +196,7 @@ class Recorder:
     def result(self, params: np.ndarray, init: dict) -> dict:
         t = self.sched.topology
         return {"lrs": self.lrs, "syncs": self.syncs, "params": params, "steps": self.steps, "init": init,
+                "taus": self.taus,
                 "replica": t.replica_index, "shard": t.shard_index, "shard_size": t.shard_size}
 
 
@@ -196,7 +215,7 @@ def _init_record(model: Any, full: Callable[[], np.ndarray]) -> dict:
 
 def _run_torch(model: Any, opt: Any, sched: Any, data: Any, full: Any, calls: list, init: dict,
                steps: int) -> dict:
-    rec = Recorder(sched, lambda: opt.param_groups, calls, full if steps < STEPS else None)
+    rec = Recorder(sched, lambda: opt.param_groups, calls, full if steps < STEPS else None, model)
     for step in range(1, steps + 1):
         x, y = data(step)
         loss = loss_of(model, x, y)
@@ -296,7 +315,7 @@ def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = S
 
     init = _init_record(engine, full)
     init["master"] = flat_numpy(safe_get_full_fp32_param(p) for p in params)  # fp32 masters
-    rec = Recorder(sched, lambda: engine.optimizer.param_groups, calls, full if steps < STEPS else None)
+    rec = Recorder(sched, lambda: engine.optimizer.param_groups, calls, full if steps < STEPS else None, engine)
     for step in range(1, steps + 1):
         x, y = batch(g, step)
         loss = loss_of(engine, x, y)
@@ -320,6 +339,7 @@ def launch_sharded(modes: list[str]) -> dict:
                 out[(name, controller, mode)] = fn(mode, controller)
     for name, fn in SHARDED.items():
         out[(name, "warm", WARM_MODE)] = fn(WARM_MODE, "log", warm=True, steps=SYNC)
+        out[(name, "temperature", "global")] = fn("global", "temperature")
     return out
 
 
@@ -329,4 +349,5 @@ def launch_ddp(modes: list[str]) -> dict:
     warnings.filterwarnings("ignore")
     out = {("ddp", c, m): run_ddp(m, c) for c in CONTROLLERS for m in modes}
     out[("ddp", "warm", WARM_MODE)] = run_ddp(WARM_MODE, "log", warm=True, steps=SYNC)
+    out[("ddp", "temperature", "global")] = run_ddp("global", "temperature")
     return out

@@ -140,23 +140,34 @@ def simulate(controller: str, mode: str, warm: bool = False, steps: int = W.STEP
         groups = sim.scheduler.num_groups
         init = [rank_tools.flat_numpy(m.parameters()) for m in sim.models]
         lrs = [[list(v) for v in zip(*(sim.scheduler.applied[("lr", g)] for g in range(groups)))]]
+        taus = [_sim_taus(sim)]
         syncs, per_step = [], []
         for step in range(1, steps + 1):
             sim.step(lambda model, r: W.loss_of(model, *W.replica_batch(r, step)))
             lrs.append([list(v) for v in zip(*(sim.scheduler.applied[("lr", g)] for g in range(groups)))])
+            taus.append(_sim_taus(sim))
             if step % W.SYNC == 0:
                 syncs.append({**W.sync_record(sim.scheduler), "slice_losses": slice_losses.get(step)})
             if warm:
                 per_step.append([rank_tools.flat_numpy(m.parameters()) for m in sim.models])
     first_meta = min(s["step"] for s in syncs if s["step"] >= W.WARMUP) if steps > W.WARMUP else None
     return {"lrs": np.array(lrs), "syncs": syncs, "params": rank_tools.flat_numpy(sim.models[0].parameters()),
-            "init": init, "steps": per_step, "first_meta": first_meta}
+            "init": init, "steps": per_step, "first_meta": first_meta, "taus": taus}
+
+
+def _sim_taus(sim: Simulator) -> list | None:
+    """Per replica: (the scheduler's temperature, replica r's module's tau); ``None``
+    without the axis."""
+    if "temperature" not in sim.config.axes:
+        return None
+    return [(sim.scheduler.model_value("temperature", r), m.tau) for r, m in enumerate(sim.models)]
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
     out = {("sim", c, m): simulate(c, m) for c in W.CONTROLLERS for m in MODES}
     out[("sim", "warm", W.WARM_MODE)] = simulate("log", W.WARM_MODE, warm=True, steps=W.SYNC)
+    out[("sim", "temperature", "global")] = simulate("temperature", "global")
     launch = functools.partial(rank_tools.launch, timeout=LAUNCH_TIMEOUT, env=rank_tools.DS_ENV)
     for rank_results in (launch(W.launch_sharded, MODES, world=4), launch(W.launch_ddp, MODES, world=2)):
         for key in rank_results[0]:
@@ -230,6 +241,37 @@ def test_parameters_after_the_last_converge_match_the_simulator(runs, backend, c
     _measure(("params", backend, controller, mode), np.max(np.abs(ranks[0]["params"] - sim["params"])))
     other = runs[("sim", controller, "replica" if mode == "global" else "global")]
     assert np.max(np.abs(other["params"] - sim["params"])) > 100 * PARAM_ATOL  # the modes differ
+
+
+# ---- a model-side axis: the attention-style temperature of TinyNet ----------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_side_temperature_axis_matches_the_simulator(runs, backend):
+    """The "temperature" runs ("log" with ``axes.temperature``: spread 0.2, auto on; the
+    model's ``hdet_set_temperature`` hook scales a hidden layer by 1 / tau): every rank's
+    module runs its replica's tau at every step, equal to the simulator's replica's
+    (rtol 1e-12: the same pure function of the step until the first meta-update, then
+    of the sign of the fitness gap, as for the "log" LRs above); the temperature's base
+    after each sync and the parameters after the last converge match the simulator's
+    (rtol 1e-12; atol ``PARAM_ATOL``, as for the LR runs). The two replicas ran
+    different temperatures, auto-LR moved the temperature's base, and the run ends > 100
+    x atol from the "log" run without the axis, so the checks have teeth."""
+    key = ("temperature", "global")
+    sim = runs[("sim", *key)]
+    for rank in runs[(backend, *key)]:
+        r = rank["replica"]
+        assert len(rank["taus"]) == len(sim["taus"]) == W.STEPS + 1
+        for step, (mine, ref) in enumerate(zip(rank["taus"], sim["taus"])):
+            assert mine[0] == mine[1], f"step {step}: the module runs {mine[1]}, the scheduler says {mine[0]}"
+            assert mine[0] == pytest.approx(ref[r][0], rel=1e-12), (step, backend)
+            assert ref[r][0] == ref[r][1]  # the simulator's replica r module runs its value too
+        for mine, ref in zip(rank["syncs"], sim["syncs"]):
+            assert mine["tau_base"] == pytest.approx(ref["tau_base"], rel=1e-12), (mine["step"], backend)
+        np.testing.assert_allclose(rank["params"], sim["params"], rtol=PARAM_RTOL, atol=PARAM_ATOL)
+        _measure(("params", backend, "temperature"), np.max(np.abs(rank["params"] - sim["params"])))
+    assert all(abs(t[0][0] - t[1][0]) > 0.1 for t in sim["taus"])  # replicas at different temperatures
+    assert abs(sim["syncs"][-1]["tau_base"] - 1.0) > 1e-2  # auto moved the base
+    assert np.max(np.abs(sim["params"] - runs[("sim", "log", "global")]["params"])) > 100 * PARAM_ATOL
 
 
 # ---- the probe -------------------------------------------------------------------------------

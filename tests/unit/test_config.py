@@ -128,9 +128,10 @@ def test_unknown_nested_key():
 
 
 def test_unknown_axis_name():
-    msg = _error(_bad(**{"axes.dropout": {"spread_ratio": 0.1}}))
-    assert "hdet.axes.dropout" in msg and "unknown axis" in msg
-    assert "lr" in msg and "weight_decay" in msg
+    msg = _error(_bad(**{"axes.dropuot": {"spread_ratio": 0.1}}))
+    assert "hdet.axes.dropuot" in msg and "unknown axis" in msg
+    for name in ("lr", "weight_decay", "beta2", "eps", "dropout", "temperature", "label_smoothing"):
+        assert name in msg
 
 
 def test_unknown_key_inside_axis():
