@@ -477,6 +477,9 @@ def _validate(run: dict) -> None:
     ModelConfig(**run["model"]).validate()
     check_deepspeed_values(run["deepspeed"], prefix="deepspeed.", title="invalid run config")
     hdet = run["deepspeed"].setdefault("hdet", {})
+    dropout = (hdet.get("axes") or {}).get("dropout") if isinstance(hdet.get("axes"), dict) else None
+    if isinstance(dropout, dict) and dropout.get("value") is None:
+        dropout["value"] = run["model"]["dropout"]  # the dropout axis spreads around model.dropout
     sched = hdet.setdefault("schedule", {})
     if not isinstance(sched, dict):
         return  # HDETConfig names it (loop.validate)

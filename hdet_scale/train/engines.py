@@ -86,13 +86,18 @@ class Engine:
         :meth:`step` follows)."""
         assert last == self.ens.sync_gradients, "the loop and the ensemble count micro-batches alike"
         with self.ens.accumulate():
-            loss = loss_fn(self.model, inputs, targets)
+            loss = loss_fn(self.model, inputs, targets, self._label_smoothing())
             self.ens.backward(loss)
         self.backward_passes += 1
         self.tokens += inputs.numel()
         if not last:
             self.ens.step()  # DeepSpeed counts accumulation boundaries by these calls
         return loss.detach()
+
+    def _label_smoothing(self) -> float:
+        """This replica's ``hdet.axes.label_smoothing`` value this step (0 without the axis)."""
+        axes = self.scheduler.config.axes
+        return self.scheduler.model_value("label_smoothing") if "label_smoothing" in axes else 0.0
 
     def step(self, loss: torch.Tensor) -> None:
         """The optimizer and HDET step; ``loss`` (the loop's mean of the step's

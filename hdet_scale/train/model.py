@@ -128,8 +128,11 @@ def param_count(model: torch.nn.Module) -> int:
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
 
-def loss_fn(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy, in nats.
+def loss_fn(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+            label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mean next-byte cross-entropy, in nats (with ``label_smoothing`` in [0, 1): the
+    ``hdet.axes.label_smoothing`` value of this rank's replica in training; validation
+    and the probe use 0, the plain cross-entropy).
 
     Args:
         model: the causal LM (or a DeepSpeed engine wrapping it).
@@ -143,7 +146,8 @@ def loss_fn(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor)
     """
     logits = model(input_ids=inputs, use_cache=False).logits
     return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(torch.int64)
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(torch.int64),
+        label_smoothing=float(label_smoothing),
     )
 
 

@@ -1,0 +1,193 @@
+"""Axes beyond the LR: dropout, temperature and label smoothing (model side), beta2 and
+eps (optimizer side), their bounds, and the refusals, in one process (the ``Simulator``
+holds R replicas; the backends bind their model through the same ``bind_model``:
+test_agreement, test_train_axes).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hdet_scale import Simulator
+from hdet_scale.autolr import Controller, build_schedule
+from hdet_scale.config import HDETConfig
+from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
+from hdet_scale.errors import HDETConfigError
+
+
+def tiny_llama(dropout: float = 0.1) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                      attention_dropout=dropout, attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+class WithDropout(nn.Module):
+    """An ``nn.Dropout`` beside the Llama (every dropout is set unless ``modules`` narrows it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llama = tiny_llama()
+        self.head_drop = nn.Dropout(0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head_drop(self.llama(input_ids=ids).logits)
+
+
+def block(**axes) -> dict:
+    return {"replicas": 2, "sync_interval": 2, "axes": {"lr": {"spread_ratio": 0.1}, **axes},
+            "schedule": {"name": "constant", "total_steps": 8}, "auto": {"enabled": False}}
+
+
+def attentions(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+
+
+def run(sim: Simulator, steps: int, check) -> None:
+    ids = torch.arange(8).reshape(1, 8)
+    for _ in range(steps):
+        check()
+        sim.step(lambda m, r: m(ids).float().pow(2).mean())
+    check()
+
+
+def test_dropout_reaches_every_dropout_and_attention_module_of_each_replica():
+    """Additive spread 0.05 around 0.1: the replicas run 0.05 and 0.15 (in the permutation
+    of the interval), and each replica's every ``nn.Dropout.p`` and Llama attention
+    ``attention_dropout`` equals its value at every step, through the redraws at syncs."""
+    sim = Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
+                    block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.1}))
+    seen = set()
+
+    def check():
+        for r, m in enumerate(sim.models):
+            v = sim.scheduler.model_value("dropout", r)
+            seen.add(round(v, 12))
+            assert m.head_drop.p == v
+            assert [a.attention_dropout for a in attentions(m)] == [v, v]
+        assert sorted(sim.scheduler.applied[("dropout", 0)]) == pytest.approx([0.05, 0.15], abs=1e-15)
+
+    run(sim, 6, check)
+    assert seen == {0.05, 0.15}
+
+
+def test_modules_patterns_narrow_what_dropout_sets():
+    """``modules: ["*.self_attn"]`` sets the attention dropout only; the other ``nn.Dropout``
+    keeps its own 0.1."""
+    sim = Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
+                    block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.3,
+                                   "modules": ["*.self_attn"]}))
+    for r, m in enumerate(sim.models):
+        assert m.head_drop.p == 0.1
+        assert [a.attention_dropout for a in attentions(m)] == [sim.scheduler.model_value("dropout", r)] * 2
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout: nothing to set .*matching \['\*.nothing'\]"):
+        Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
+                  block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.3, "modules": ["*.nothing"]}))
+
+
+def test_temperature_divides_the_attention_logits():
+    """Temperature tau on a Llama equals, independently, the same model with its query
+    projections scaled by 1 / tau (the logits q.k * scaling are linear in q, RoPE too):
+    the forward outputs agree (float32 rounding: atol 1e-5 on logits of size ~0.3)."""
+    sim = Simulator(tiny_llama, lambda p: torch.optim.SGD(p, lr=0.01),
+                    block(temperature={"spread_ratio": 0.5}))
+    ids = torch.arange(8).reshape(1, 8)
+    taus = sim.scheduler.applied[("temperature", 0)]
+    assert sorted(taus) == pytest.approx([0.5, 1.5])
+    for r, m in enumerate(sim.models):
+        m.eval()
+        ref = copy.deepcopy(m)
+        for a in attentions(ref):
+            a.scaling = a._hdet_scaling
+            with torch.no_grad():
+                a.q_proj.weight.div_(taus[r])
+        assert [a.scaling for a in attentions(m)] == pytest.approx([8 ** -0.5 / taus[r]] * 2)  # head_dim 8
+        with torch.no_grad():
+            out, want = m(input_ids=ids).logits, ref(input_ids=ids).logits
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+    with torch.no_grad():  # and the two temperatures give different outputs (> 10 x the atol above)
+        a, b = (m(input_ids=ids).logits for m in sim.models)
+    assert (a - b).abs().max() > 1e-4
+
+
+def test_label_smoothing_is_read_per_replica():
+    sim = Simulator(lambda: nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.01),
+                    block(label_smoothing={"spread_ratio": 0.04, "kind": "additive", "value": 0.05}))
+    values = [sim.scheduler.model_value("label_smoothing", r) for r in range(2)]
+    assert sorted(values) == pytest.approx([0.01, 0.09])
+    with pytest.raises(KeyError):
+        sim.scheduler.model_value("dropout", 0)
+
+
+def test_beta2_and_eps_reach_each_replicas_param_groups():
+    """beta2 (additive, around Adam's 0.95) goes into ``betas[1]`` with ``betas[0]`` kept;
+    eps (multiplicative) into ``eps``; each replica's optimizer holds its value."""
+    sim = Simulator(lambda: nn.Linear(2, 2), lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.9, 0.95), eps=1e-8),
+                    block(beta2={"spread_ratio": 0.01, "kind": "additive"}, eps={"spread_ratio": 0.5}))
+    for r, opt in enumerate(sim.optimizers):
+        (g,) = opt.param_groups
+        assert g["betas"] == (0.9, sim.scheduler.applied[("beta2", 0)][r])
+        assert g["eps"] == sim.scheduler.applied[("eps", 0)][r]
+    assert sorted(sim.scheduler.applied[("beta2", 0)]) == pytest.approx([0.94, 0.96])
+    assert sorted(sim.scheduler.applied[("eps", 0)]) == pytest.approx([0.5e-8, 1.5e-8])
+
+
+def test_bounds_hold_the_base_where_every_replica_stays_inside():
+    """Dropout, additive spread 0.05, bounds [0, 0.9]: the base never passes 0.85 (the
+    top replica 0.9) however far auto pushes it, in either controller."""
+    cfg = HDETConfig.from_dict(block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.8,
+                                              "auto": True}))
+    ctl = Controller(cfg, build_schedule(cfg), [0.01], [("dropout", 0), ("lr", 0)])
+    ctl.log_m[("dropout", 0)] = 10.0
+    assert ctl.value(("dropout", 0), 0.8) == pytest.approx(0.85)
+    ctl.log_m[("dropout", 0)] = -10.0
+    assert ctl.value(("dropout", 0), 0.8) == pytest.approx(0.05)
+    paper = HDETConfig.from_dict({**block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.8,
+                                                   "auto": True}),
+                                  "auto": {"enabled": True, "controller": "paper", "decay": 0.0, "step_size": 100.0,
+                                           "temperature": 0.01, "fitness": "train_loss"}})
+    ctl = Controller(paper, build_schedule(paper), [0.01], [("dropout", 0)])
+    record: dict = {}
+    ctl.update([1.0, 2.0], {("dropout", 0): [1, 0]}, {("dropout", 0): [0.85, 0.75]}, lambda k: 0.8, record)
+    assert ctl.base[("dropout", 0)] == pytest.approx(0.85) and record["hdet/dropout/group_0/ceiled"] == 1
+
+
+@pytest.mark.parametrize("axes,needle", [
+    ({"dropout": {"spread_ratio": 0.05}}, "hdet.axes.dropout.value: required"),
+    ({"dropout": {"spread_ratio": 0.05, "kind": "additive", "value": 0.02}}, "outside bounds [0, 0.9]"),
+    ({"dropout": {"value": 0.1, "groups": [0]}}, "hdet.axes.dropout.groups: dropout is a model-side axis"),
+    ({"beta2": {"value": 0.9}}, "hdet.axes.beta2.value: beta2 is read from the optimizer"),
+    ({"label_smoothing": {"modules": ["*"]}}, "hdet.axes.label_smoothing.modules: only dropout and temperature"),
+    ({"temperature": {"bounds": [0, 2]}}, "hdet.axes.temperature.bounds: must be [lo, hi]"),
+    ({"dropout": {"value": 0.1, "bounds": [0.0, 1.0]}}, "hdet.axes.dropout.bounds"),
+    ({"temperature": {"spread_ratio": 0.5, "value": 0.015}}, "hdet.axes.temperature.value"),
+])
+def test_bad_axis_blocks_are_refused_naming_the_key(axes, needle):
+    with pytest.raises(HDETConfigError) as e:
+        HDETConfig.from_dict(block(**axes))
+    assert needle in str(e.value)
+
+
+def test_optimizer_side_bounds_and_missing_keys_are_refused_at_the_scheduler():
+    """beta2 0.999 with a multiplicative spread of 0.1 reaches 1.099: refused naming the
+    bounds; SGD has no betas: refused naming the key."""
+    adam = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.01, betas=(0.9, 0.999))
+    cfg = HDETConfig.from_dict(block(beta2={"spread_ratio": 0.1}))
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.beta2: the optimizer's beta2 0.999 .*outside bounds"):
+        HDETScheduler(cfg, LiveParamGroups({0: adam}))
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.01)
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.beta2: parameter group 0 has no 'betas'"):
+        HDETScheduler(cfg, LiveParamGroups({0: sgd}))
+
+
+def test_a_model_without_dropout_is_refused_naming_the_axis():
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout: nothing to set in Linear: it needs an nn.Dropout"):
+        Simulator(lambda: nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.01),
+                  block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.1}))
