@@ -38,6 +38,11 @@ TRAIN_LOSS = {"auto": {"fitness": "train_loss", "step_size": 0.5}}
 PAPER = {"auto": {"controller": "paper", "fitness": "train_loss", "groups": "independent"}}
 REPLICA = {"auto": {"step_size": 0.5}, "gradient_sharing": "replica"}
 SLOW = {"auto": {"step_size": 0.25}, "warm_init": {"enabled": False}}
+DROPOUT_GRID = (0.0, 0.1, 0.2)
+DROPOUT_START = 0.1
+DROPOUT_AXIS = {"auto": {"step_size": 0.5},
+                "axes": {"lr": {"spread_ratio": 0.111},
+                         "dropout": {"spread_ratio": 0.05, "kind": "additive", "value": DROPOUT_START, "auto": True}}}
 
 
 def specs() -> list[dict]:
@@ -74,6 +79,16 @@ def specs() -> list[dict]:
         for s in SEEDS:
             out.append({"name": f"drop/at{at}x{f:g}/s{s}", "group": f"plain 10x high, LR x{f:g} from step {at}",
                         "kind": "plain", "lr": starts["10x high"], "seed": s, "drop": {"at": at, "factor": f}})
+    # A regularisation axis with the LR (issue 12): plain runs over a small dropout grid at
+    # the best LR (dropout 0 too: the LR grid's runs predate the current weight init), and
+    # HDET exploring dropout (additive spread 0.05 around 0.1, auto on) beside the LR.
+    for p in DROPOUT_GRID:
+        for s in SEEDS:
+            out.append({"name": f"plain dropout/p{p:g}/s{s}", "group": f"plain, dropout {p:g}", "kind": "plain",
+                        "lr": BEST, "seed": s, "dropout": p})
+    for s in SEEDS:
+        out.append({"name": f"hdet lr+dropout/best/s{s}", "group": "HDET full + dropout axis, start best",
+                    "kind": "hdet", "lr": BEST, "seed": s, "dropout": DROPOUT_START, "hdet": DROPOUT_AXIS})
     # Where plain training is fragile: no gradient clipping, high LR.
     for lr in (1e-1,):
         for s in SEEDS:
@@ -176,6 +191,29 @@ def _plots(groups: dict, grid: dict, plot_dir: str) -> None:
     plt.close(fig)
 
 
+def dropout_report(results: list[dict]) -> str:
+    """The dropout axis (issue 12): the plain dropout grid at the best LR, and where HDET's
+    dropout base ended (mean +- std over seeds) against the grid's best point."""
+    grid = {}
+    for p in DROPOUT_GRID:
+        rs = [r for r in results if r["name"].startswith("plain dropout/") and r.get("dropout") == p
+              and r["val_loss"] is not None]
+        if rs:
+            grid[p] = _stats([r["val_loss"] for r in rs]) + (len(rs),)
+    hd = [r for r in results if r["group"] == "HDET full + dropout axis, start best"]
+    lines = ["| run | dropout | val loss (mean +- std) | seeds |", "|---|---|---|---|"]
+    lines += [f"| plain, lr {BEST:g} | {p:g} | {m:.3f} +- {sd:.3f} | {n} |" for p, (m, sd, n) in sorted(grid.items())]
+    if hd:
+        finals = [[t["dropout"] for t in r["trace"] if t.get("dropout") is not None][-1] for r in hd if r["trace"]]
+        m, sd = _stats([r["val_loss"] for r in hd if r["val_loss"] is not None])
+        fm, fsd = _stats(finals)
+        lines.append(f"| HDET lr + dropout, start lr {BEST:g} | {DROPOUT_START:g} -> {fm:.3f} +- {fsd:.3f} | "
+                     f"{m:.3f} +- {sd:.3f} | {len(hd)} |")
+    best = min(grid, key=lambda k: grid[k][0]) if grid else None
+    tail = f"\n\nBest dropout of the grid: {best:g}." if best is not None else ""
+    return "\n".join(lines) + tail
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
@@ -185,7 +223,8 @@ def main() -> None:
     a = p.parse_args()
     if not a.report_only:
         run_all(specs(), run, a.results, a.jobs)
-    table = report(load(a.results), a.out, os.path.dirname(a.out) or ".")
+    results = load(a.results)
+    table = report(results, a.out, os.path.dirname(a.out) or ".") + "\n\n" + dropout_report(results)
     with open(a.out, "w") as f:
         f.write(table + "\n")
     print(table)

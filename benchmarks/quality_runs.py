@@ -6,7 +6,9 @@ A run is a dict ``spec``::
     {"name": ..., "kind": "plain" | "hdet", "lr": peak LR, "seed": data seed,
      "hdet": {...overrides of the hdet block...}, "steps": 200, "clip": 1.0,
      "drop": {"at": step, "factor": f}  (plain only: the LR times f from that step on),
-     "two_groups": true  (AdamW with decay / no-decay parameter groups)}
+     "two_groups": true  (AdamW with decay / no-decay parameter groups),
+     "dropout": p  (the model's attention dropout; with an ``axes.dropout`` block in
+                    "hdet", the value the replicas spread around)}
 
 Layout: R = 4 replicas x 8 sequences of 128 bytes (global batch 32); plain data
 parallelism is one model on the same 32 sequences per step (R = 1, the mean gradient of
@@ -98,7 +100,7 @@ def run(spec: dict) -> dict:
     torch.set_num_threads(1)
     steps, seed, lr = spec.get("steps", 200), spec["seed"], spec["lr"]
     shards, probe, val = _data(seed)
-    mcfg = ModelConfig(init_seed=seed)
+    mcfg = ModelConfig(init_seed=seed, dropout=spec.get("dropout", 0.0))
     opt_kw = {"lr": lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     clip = spec.get("clip", 1.0)
     R = 1 if spec["kind"] == "plain" else REPLICAS
@@ -150,6 +152,7 @@ def run(spec: dict) -> dict:
         if rec and rec.get("hdet/step") == step + 1:
             trace.append({"step": step + 1, "base": rec.get("hdet/lr/group_0/base"),
                           "multiplier": rec.get("hdet/lr/group_0/multiplier"),
+                          "dropout": rec.get("hdet/dropout/group_0/base"),
                           "loss": sum(float(x) for x in losses) / len(losses)})
     if not diverged and steps % block["sync_interval"]:
         sim.converge()

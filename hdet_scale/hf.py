@@ -188,6 +188,12 @@ class HDETTrainer(Trainer):
         cfg = self._check(max_steps)
         self._hdet_block = copy.deepcopy(block)
         check_probe(cfg, probe)
+        if "label_smoothing" in cfg.axes:
+            # Trainer's loss comes from the model (or its LabelSmoother, one epsilon for all
+            # ranks): a per-replica value would be silently ignored
+            raise HDETConfigError("hdet.axes.label_smoothing: not applied by HDETTrainer (Trainer's loss has one "
+                                  "label_smoothing_factor for every rank); explore dropout or temperature, or "
+                                  "compute the loss with scheduler.model_value('label_smoothing') in your own loop")
         self.hdet_topology = build_topology(self.args)
 
     # ---- config ----------------------------------------------------------------------

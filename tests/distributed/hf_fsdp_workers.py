@@ -111,6 +111,8 @@ def refusals(tmp: str, data: Any) -> dict:
                                               parallelism_config=ParallelismConfig(dp_shard_size=4))),
         "sync_intervall": (HDETFSDP, args(f"{tmp}/bad", {**block, "sync_intervall": 3}, 4)),
         "replicas": (HDETFSDP, args(f"{tmp}/bad", {**block, "replicas": 3}, 4)),
+        "label_smoothing": (HDETFSDP, args(f"{tmp}/bad", {**block, "axes": {
+            "lr": {"spread_ratio": 0.2}, "label_smoothing": {"spread_ratio": 0.04, "kind": "additive", "value": 0.05}}}, 4)),
     }
     seen = {}
     for key, (cls, a) in cases.items():

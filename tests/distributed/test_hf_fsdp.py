@@ -49,10 +49,12 @@ def test_bad_setups_are_refused_at_construction_on_every_rank(runs):
     """Each bad setup of ``hf_fsdp_workers.refusals`` raises ``HDETConfigError`` at
     ``HDETTrainer(...)``, naming what is wrong, the same on all 4 ranks: an hdet block
     that would be ignored (Accelerate without FSDP, ``fsdp`` unset), FSDP1, a
-    ``parallelism_config``, a misspelt key, replicas not dividing the world."""
+    ``parallelism_config``, a misspelt key, replicas not dividing the world, a label
+    smoothing axis (``Trainer``'s loss has one factor for all ranks)."""
     needles = {"runs without FSDP": "HDET would be off", "fsdp is not set": "fsdp is not set",
                "fsdp_config.version": "fsdp_config.version", "parallelism_config": "parallelism_config",
-               "sync_intervall": "hdet.sync_intervall", "replicas": "hdet.replicas"}
+               "sync_intervall": "hdet.sync_intervall", "replicas": "hdet.replicas",
+               "label_smoothing": "hdet.axes.label_smoothing: not applied by HDETTrainer"}
     for key, needle in needles.items():
         seen = [out["refused"][key] for out in runs]
         assert seen[0] is not None, f"{key}: accepted"
