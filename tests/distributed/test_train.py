@@ -53,13 +53,24 @@ def test_default_job_end_to_end(tmp_path):
 # test_api (the four engines held to each other and resumed), and their probe fitness,
 # LRs and converge against the Simulator in test_agreement: a third and fourth copy of
 # this end-to-end run (~32 s of the suite) added nothing those do not check.
+# It also explores two model-side axes beside the LR (dropout around model.dropout, label
+# smoothing in the training loss), their logged values held to the Simulator
+# (test_train_axes.check_axis_values; the other backends' axes: test_train_axes).
+FSDP2_AXES = {"lr": {"spread_ratio": 0.111}, "dropout": {"spread_ratio": 0.05, "kind": "additive"},
+              "label_smoothing": {"spread_ratio": 0.04, "kind": "additive", "value": 0.05}}
+
+
 @pytest.mark.parametrize("backend", ["fsdp2"])
 def test_default_job_on_every_backend(tmp_path, backend):
+    from test_train_axes import check_axis_values
+
     run_dir = tmp_path / "run"
     args = [a for a in SHORT if not a.startswith(("train.steps", "deepspeed.hdet.auto.warmup_steps"))]
-    args += ["train.steps=20", "deepspeed.hdet.auto.warmup_steps=10", f"backend={backend}"]
+    args += ["train.steps=20", "deepspeed.hdet.auto.warmup_steps=10", f"backend={backend}", "model.dropout=0.1",
+             f"deepspeed.hdet.axes={json.dumps(FSDP2_AXES)}"]
     proc = hdet_train([f"run_dir={run_dir}", *args], timeout=400)
     check_run(run_dir, proc, backend, steps=20, warmup=10)
+    check_axis_values(run_dir, FSDP2_AXES, "label_smoothing", steps=20, sync=10, dropout=0.1)
 
 
 def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) -> None:
