@@ -255,7 +255,14 @@ def test_model_side_temperature_axis_matches_the_simulator(runs, backend):
     after each sync and the parameters after the last converge match the simulator's
     (rtol 1e-12; atol ``PARAM_ATOL``, as for the LR runs). The two replicas ran
     different temperatures, auto-LR moved the temperature's base, and the run ends > 100
-    x atol from the "log" run without the axis, so the checks have teeth."""
+    x atol from the "log" run without the axis, so the checks have teeth.
+
+    Why temperature and not dropout: dropout masks draw from the global RNG, which the
+    Simulator advances once for all R replicas in one process (replica 0's masks, then
+    replica 1's, ...) while each rank draws from its own, over its own micro-batch (a
+    half of the replica's samples on 2 x 2); no seeding makes the two layouts draw the
+    same masks for the same samples. The dropout setter is held to the Simulator by
+    value (test_train_axes) and checked on the modules (tests/unit/test_model_axes.py)."""
     key = ("temperature", "global")
     sim = runs[("sim", *key)]
     for rank in runs[(backend, *key)]:
