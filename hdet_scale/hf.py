@@ -174,6 +174,7 @@ class HDETTrainer(Trainer):
         self._hdet_fsdp = ds is None and fsdp_block(self.args) is not None
         block = fsdp_block(self.args) if self._hdet_fsdp else None if ds is None else ds.get("hdet")
         self._hdet_enabled = block is not None and not (isinstance(block, dict) and block.get("enabled") is False)
+        _refuse_lookalikes(ds, getattr(self.args, "fsdp_config", None))
         if not self._hdet_enabled:
             if probe is not None:
                 raise HDETConfigError("HDETTrainer(probe=...): no 'hdet' block in TrainingArguments(deepspeed=...) "
@@ -373,6 +374,23 @@ class HDETTrainer(Trainer):
         if self.args.should_save:
             self._save(output_dir or self.args.output_dir, state_dict=state)
         return None
+
+
+def _refuse_lookalikes(ds: dict | None, fsdp_config: Any) -> None:
+    """A top-level key that looks like ``"hdet"`` (``"hdett"``, ``"HDET"``) in the DeepSpeed
+    config or ``fsdp_config``: the block would be ignored and the run plain (or Accelerate
+    would stop on its ``"auto"`` values, naming no HDET key).
+
+    Raises:
+        HDETConfigError: naming the key and where it is.
+    """
+    from hdet_scale.ds_keys import looks_like_hdet
+
+    for where, cfg in (("TrainingArguments(deepspeed=...)", ds), ("TrainingArguments.fsdp_config", fsdp_config)):
+        bad = [k for k in cfg if looks_like_hdet(k)] if isinstance(cfg, dict) else []
+        if bad:
+            raise HDETConfigError(f"{where}: key {bad[0]!r} looks like the hdet block, which must be spelt 'hdet': "
+                                  "as it is, HDET would be off (a plain Trainer run); rename it")
 
 
 def build_topology(args: Any) -> Topology:

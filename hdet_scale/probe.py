@@ -23,9 +23,9 @@ def require_probe(cfg: Any, probe: Any, name: str, signature: str | None = None,
     """
     if cfg.enabled and cfg.uses_probe and probe is None:
         raise HDETConfigError("hdet.auto.fitness: 'probe' (the default) needs probe batches: pass probe=... to a "
-                              "backend's initialize (probe(model) -> this rank's loss on its slice of fixed probe "
-                              "batches, the same batches in every replica) or probe_fn=... to the Simulator "
-                              "(probe_fn(model, r)), or set hdet.auto.fitness='train_loss'")
+                              "backend's initialize, hdet_scale.prepare or HDETTrainer (probe(model) -> this rank's loss on "
+                              "its slice of fixed probe batches, the same batches in every replica) or probe_fn=... to "
+                              "the Simulator (probe_fn(model, r)), or set hdet.auto.fitness='train_loss'")
     if probe is not None and signature is not None:
         check_callable(probe, name, signature, nargs)
 

@@ -315,6 +315,9 @@ def read_layout(load_dir: str) -> dict:
             edited), or its step is not an integer; the message names the file.
     """
     path = os.path.join(load_dir, LAYOUT_FILE)
+    if not os.path.isdir(load_dir):
+        what = "is not a folder" if os.path.exists(load_dir) else "does not exist"
+        raise HDETStateError(f"{load_dir} {what}: pass the folder save_checkpoint wrote (it holds {LAYOUT_FILE})")
     if not os.path.exists(path):
         raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no {LAYOUT_FILE})")
     try:

@@ -114,6 +114,9 @@ def refusals(tmp: str, data: Any) -> dict:
         "label_smoothing": (HDETFSDP, args(f"{tmp}/bad", {**block, "axes": {
             "lr": {"spread_ratio": 0.2}, "label_smoothing": {"spread_ratio": 0.04, "kind": "additive", "value": 0.05}}}, 4)),
     }
+    lookalike = args(f"{tmp}/bad", None, 4)
+    lookalike.fsdp_config["hdett"] = block  # HDET would be off
+    cases["'hdett'"] = (HDETFSDP, lookalike)
     seen = {}
     for key, (cls, a) in cases.items():
         try:

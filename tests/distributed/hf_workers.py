@@ -130,6 +130,7 @@ BAD = {
     "probe": ds_config({**hdet_block(0.2, True), "auto": {"enabled": True, "warmup_steps": 2}}),
     "replicas": ds_config({**hdet_block(0.2, False), "replicas": 3}),
     "zero_optimization.stage": {**ds_config(hdet_block(0.2, False)), "zero_optimization": {"stage": 2}},
+    "'hdett'": {**ds_config(None), "hdett": hdet_block(0.2, False)},  # a look-alike: HDET would be off
 }
 
 

@@ -54,7 +54,8 @@ def test_bad_setups_are_refused_at_construction_on_every_rank(runs):
     needles = {"runs without FSDP": "HDET would be off", "fsdp is not set": "fsdp is not set",
                "fsdp_config.version": "fsdp_config.version", "parallelism_config": "parallelism_config",
                "sync_intervall": "hdet.sync_intervall", "replicas": "hdet.replicas",
-               "label_smoothing": "hdet.axes.label_smoothing: not applied by HDETTrainer"}
+               "label_smoothing": "hdet.axes.label_smoothing: not applied by HDETTrainer",
+               "'hdett'": "key 'hdett' looks like the hdet block"}
     for key, needle in needles.items():
         seen = [out["refused"][key] for out in runs]
         assert seen[0] is not None, f"{key}: accepted"
