@@ -123,9 +123,10 @@ def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int]
     """``{(axis, 0): value}`` of the one parameter group ``hdet-train`` builds, as the
     file sets it, for the checks that need the optimizer's values before it exists
     (``autolr.check_additive_floors``): the LR's peak (``hdet.schedule.max_lr``, else
-    ``optimizer.params.lr``) and ``optimizer.params.weight_decay``, else the optimizer's
-    default (torch's for the torch engines; 0 for DeepSpeed's Adam / AdamW). A value
-    that is not a number is left out (its own check names it)."""
+    ``optimizer.params.lr``), ``optimizer.params.weight_decay``, else the optimizer's
+    default (torch's for the torch engines; 0 for DeepSpeed's Adam / AdamW), and Adam's
+    ``betas[1]`` and ``eps`` (else the optimizer's defaults). A value that is not a
+    number is left out (its own check names it)."""
     params = (ds.get("optimizer") or {}).get("params") or {}
     kind = optimizer_class_name((ds.get("optimizer") or {}).get("type"))
     peak = hcfg.schedule.max_lr if hcfg.schedule.max_lr is not None else params.get("lr")
@@ -133,8 +134,14 @@ def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int]
     if decay is None:
         default = inspect.signature(OPTIMIZERS[kind]).parameters.get("weight_decay") if kind in OPTIMIZERS else None
         decay = 0.0 if backend == "deepspeed" or default is None else default.default
+    # Adam's betas and eps: the file's, else the optimizer's defaults (DeepSpeed's Adam has
+    # torch's: (0.9, 0.999), 1e-8)
+    sig = inspect.signature(OPTIMIZERS[kind]).parameters if kind in OPTIMIZERS else {}
+    betas = params.get("betas", sig["betas"].default if "betas" in sig else None)
+    beta2 = betas[1] if isinstance(betas, (list, tuple)) and len(betas) == 2 else None
+    eps = params.get("eps", sig["eps"].default if "eps" in sig else None)
     bases = {}
-    for axis, value in (("lr", peak), ("weight_decay", decay)):
+    for axis, value in (("lr", peak), ("weight_decay", decay), ("beta2", beta2), ("eps", eps)):
         if axis in hcfg.axes and isinstance(value, (int, float)) and not isinstance(value, bool):
             bases[(axis, 0)] = float(value)
     return bases

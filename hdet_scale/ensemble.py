@@ -75,10 +75,7 @@ class HDETScheduler:
                                  else specs.read(groups[g], a))
                         for a in config.axes for g in self.axis_groups(a)}
         bases = {(a, g): self.peaks[g] if a == "lr" else self.initial[(a, g)] for a, g in self.explored}
-        check_additive_floors(config, self.schedule, bases)
-        out_of_bounds = specs.check_group_bounds(config, bases)
-        if out_of_bounds:
-            raise HDETConfigError("\n".join(out_of_bounds))
+        check_additive_floors(config, self.schedule, bases)  # and the bounds (axis_specs)
         # model-side axes: {replica: {axis: value}} now, and the setters of the models
         # bound with bind_model (label_smoothing has none: the loss reads model_value)
         self.model_values: dict[int, dict[str, float]] = {r: {} for r in param_groups}

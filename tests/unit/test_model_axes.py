@@ -191,3 +191,19 @@ def test_a_model_without_dropout_is_refused_naming_the_axis():
     with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout: nothing to set in Linear: it needs an nn.Dropout"):
         Simulator(lambda: nn.Linear(2, 2), lambda p: torch.optim.SGD(p, lr=0.01),
                   block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.1}))
+
+
+def test_hdet_train_checks_beta2_bounds_from_the_file_before_any_rank_starts():
+    """hdet-train and hdet-dryrun read Adam's betas from the DeepSpeed optimizer block (or the
+    optimizer's default 0.999) for the bounds check, before the optimizer exists."""
+    from hdet_scale.autolr import check_additive_floors
+    from hdet_scale.engine_config import axis_bases
+
+    cfg = HDETConfig.from_dict(block(beta2={"spread_ratio": 0.1}))
+    for params, beta2 in (({"lr": 1e-3, "betas": [0.9, 0.95]}, 0.95), ({"lr": 1e-3}, 0.999)):
+        ds = {"optimizer": {"type": "AdamW", "params": params}}
+        assert axis_bases(cfg, ds, "deepspeed")[("beta2", 0)] == beta2
+        with pytest.raises(HDETConfigError, match=rf"beta2 {beta2:g} .*outside bounds \[0, 0.99999\]"):
+            check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, ds, "deepspeed"))
+    ok = HDETConfig.from_dict(block(beta2={"spread_ratio": 0.0005, "kind": "additive"}))
+    check_additive_floors(ok, build_schedule(ok), axis_bases(ok, {"optimizer": {"type": "AdamW", "params": {}}}, "ddp"))
