@@ -89,14 +89,23 @@ def lr_lower_bound(schedule: Schedule, peak: float, max_factor: float) -> float:
     return min(schedule.floor(peak), peak / max_factor)
 
 
+def _warn_once(msg: str) -> None:
+    # check_config and the Controller both meet this (initialize runs one, then builds the
+    # other): warned from this one line, Python's default filter shows the text once.
+    warnings.warn(msg, UserWarning, stacklevel=1)
+
+
 def check_config(cfg: HDETConfig) -> None:
     """Checks that need the schedule (the derived decay) without an optimizer: the ratio
     floor/start does not depend on the peak, so peak 1.0 stands for every group. Pure;
     raises HDETConfigError. Warns (``UserWarning``) when one replica is asked to do what
-    takes two (:attr:`HDETConfig.single_replica_warning`)."""
+    takes two (:attr:`HDETConfig.single_replica_warning`), and when auto-LR is on with
+    nothing to compare (:attr:`HDETConfig.auto_without_spread_warning`)."""
     msg = cfg.single_replica_warning
     if msg:
         warnings.warn(msg, UserWarning, stacklevel=2)
+    if cfg.auto_without_spread_warning:
+        _warn_once(cfg.auto_without_spread_warning)
     schedule = build_schedule(cfg)
     for axis in cfg.axes:
         decay_for(cfg, schedule, axis, 1.0)
@@ -138,6 +147,7 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
                           f"parameter group {group} from {where} {lowest:g} to {lowest - spec.spread_ratio:g} for one "
                           f"replica, and {axis} must stay >= 0: use spread_ratio <= {lowest:g}, kind "
                           "multiplicative, or a larger base value")
+    errors += specs.check_group_bounds(cfg, bases, prefix)  # beta2 near 1, a user's bounds
     if errors:
         raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))
 
@@ -170,7 +180,9 @@ class Controller:
         self.velocity: dict[Key, float] = {k: 0.0 for k in explored}
         self.decay = {(a, g): decay_for(config, schedule, a, peaks[g]) for a, g in explored}
         self.updates = 0
-        if self.auto.enabled and not config.auto_can_move:
+        if config.auto_without_spread_warning:
+            _warn_once(config.auto_without_spread_warning)
+        elif self.auto.enabled and not config.auto_can_move:
             warnings.warn("hdet.auto.enabled: no axis it controls has a spread (spread_ratio > 0) over more than "
                           "one replica, so the meta-update has no signal and leaves the LR to the schedule"
                           + (" and the decay" if self.auto.controller == "paper" else ""), UserWarning, stacklevel=2)

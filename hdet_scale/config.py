@@ -243,6 +243,24 @@ class HDETConfig:
                 "parallelism. Set hdet.replicas >= 2 (it must divide the world size)")
 
     @property
+    def auto_without_spread_warning(self) -> str | None:
+        """A message when auto-LR is on over two or more replicas but no axis it controls
+        has a spread: every replica trains with the same values, so the hypergradient is 0
+        and the multiplier stays 1 for the whole run. ``None`` otherwise: also for spread
+        0 with ``auto.enabled=false`` (the documented plain data parallelism) and for one
+        replica (:attr:`single_replica_warning` says it)."""
+        if not self.enabled or not self.auto.enabled or self.replicas < 2 or self.auto_can_move:
+            return None
+        controlled = sorted(n for n in self.axes if self.axis_auto(n))
+        spreads = ", ".join(f"axes.{n}.spread_ratio={self.axes[n].spread_ratio:g}" for n in controlled)
+        which = f"no axis it controls has a spread ({spreads})" if controlled else \
+            "it controls no axis (every axis has auto: false)"
+        return (f"hdet.auto.enabled: auto-LR is on, but {which}: the replicas train with the same values, so "
+                "auto-LR has no signal and cannot move anything (hypergradient 0, multiplier 1). For plain data "
+                "parallelism set hdet.auto.enabled=false; to explore, set a spread_ratio > 0 on an axis it "
+                "controls (e.g. hdet.axes.lr.spread_ratio=0.2)")
+
+    @property
     def uses_probe(self) -> bool:
         """The auto-LR fitness is the probe loss and there is something to score."""
         return self.auto_can_move and self.auto.fitness == "probe"
@@ -338,13 +356,19 @@ def seed_ok(seed: object) -> bool:
     return isinstance(seed, int) and not isinstance(seed, bool) and -2 ** 63 <= seed < 2 ** 64
 
 
-def _check(errors: list[str], ok: bool, key: str, message: str) -> None:
+def _reported(errors: list[str], key: str) -> bool:
+    """Whether ``key`` or a block above it already has an error in ``errors``."""
+    parts = key.split(".")
+    return any(e.startswith(tuple(".".join(parts[:i]) + ": " for i in range(1, len(parts) + 1))) for e in errors)
+
+
+def _check(errors: list[str], ok: bool, key: str, message: str, reads: tuple[str, ...] = ()) -> None:
     # A key already reported, or its block (a wrong type: the default stands in), is not
     # judged again on the stand-in: "expected int, got 10.5" then "must be >= 1, got None"
-    # would contradict itself.
-    parts = key.split(".")
-    reported = tuple(".".join(parts[:i]) + ": " for i in range(1, len(parts) + 1))
-    if not ok and not any(e.startswith(reported) for e in errors):
+    # would contradict itself. Nor is a check across keys when a key it also reads
+    # (``reads``) was refused: sync_interval=5.0 drew a warmup_steps verdict computed with
+    # the default sync_interval 1000, which the user never set (tester, issue 9).
+    if not ok and not any(_reported(errors, k) for k in (key, *reads)):
         errors.append(f"{key}: {message}")
 
 
@@ -367,7 +391,7 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         if axis.kind == "multiplicative":
             _check(errors, axis.spread_ratio < 1, f"{k}.spread_ratio",
                    f"must be in [0, 1) for a multiplicative axis (a multiplier 1 - spread_ratio "
-                   f"must stay > 0), got {axis.spread_ratio}")
+                   f"must stay > 0), got {axis.spread_ratio}", reads=(f"{k}.kind",))
         if name == "lr":
             _check(errors, axis.kind == "multiplicative", f"{k}.kind", "the lr axis must be multiplicative")
         axis_specs.validate(name, axis, k, errors, _check)
@@ -394,7 +418,8 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         _check(errors, all(b > a for a, b in zip(ends, ends[1:])), f"{k}.pct_start",
                f"gives a OneCycle phase of zero or negative length with total_steps={n} "
                f"(phase ends {ends[1:]}); need 1 < pct_start * total_steps"
-               + (" and 2 * pct_start * total_steps - 1 < total_steps" if s.three_phase else " < total_steps"))
+               + (" and 2 * pct_start * total_steps - 1 < total_steps" if s.three_phase else " < total_steps"),
+               reads=(f"{k}.name", f"{k}.total_steps", f"{k}.three_phase"))
     _check(errors, s.anneal_strategy in ("cos", "linear"), f"{k}.anneal_strategy",
            f"must be 'cos' or 'linear', got {s.anneal_strategy!r}")
     _check(errors, s.div_factor > 0, f"{k}.div_factor", f"must be > 0, got {s.div_factor}")
@@ -405,11 +430,11 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         # tester round 12: a warm-up past the run's end never reached the peak (2e-5 of 3e-3)
         _check(errors, s.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (total_steps={s.total_steps}), got {s.warmup_steps}: the LR would "
-               "never reach its peak")
+               "never reach its peak", reads=(f"{k}.name", f"{k}.total_steps"))
     _check(errors, s.total_steps is None or s.total_steps <= MAX_STEPS, f"{k}.total_steps",
            f"must be at most 2**53 (optimizer steps; the schedules compute in float64), got {s.total_steps}")
     _check(errors, not (s.cycle_momentum and s.name != "onecycle"), f"{k}.cycle_momentum",
-           "needs schedule.name = 'onecycle'")
+           "needs schedule.name = 'onecycle'", reads=(f"{k}.name",))
     a, k = cfg.auto, f"{p}.auto"
     _check(errors, a.controller in CONTROLLERS, f"{k}.controller",
            f"must be one of {', '.join(CONTROLLERS)}, got {a.controller!r}")
@@ -432,18 +457,20 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         _check(errors, 0 <= a.decay < 1, f"{k}.decay", f"must be in [0, 1) (gamma per sync), got {a.decay}")
         _check(errors, a.controller == "paper" or a.decay == 0, f"{k}.decay",
                "is a setting of controller 'paper' (the 'log' controller follows the schedule's own decay); "
-               "remove it or set auto.controller='paper'")
+               "remove it or set auto.controller='paper'", reads=(f"{k}.controller",))
     w = cfg.warm_init
     _check(errors, math.isfinite(w.nu) and 0 <= w.nu <= 1, f"{p}.warm_init.nu",
            f"must be in [0, 1] (noise std relative to the weights' RMS; paper 0.01), got {w.nu}")
     if a.enabled and s.total_steps is not None:
+        run_keys = (f"{k}.enabled", f"{p}.schedule.total_steps")
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "
-               f"lower it or set {k}.enabled=false")
+               f"lower it or set {k}.enabled=false", reads=run_keys)
         first = cfg.first_meta_step if cfg.sync_interval >= 1 else 0
         _check(errors, first <= s.total_steps, f"{k}.warmup_steps",
                f"leaves no sync after warm-up: the first sync at or after warmup_steps ({a.warmup_steps}) is step "
-               f"{first} (sync_interval {cfg.sync_interval}), past schedule.total_steps ({s.total_steps})")
+               f"{first} (sync_interval {cfg.sync_interval}), past schedule.total_steps ({s.total_steps})",
+               reads=(*run_keys, f"{p}.sync_interval"))
     lg = cfg.logging
     _check(errors, lg.every >= 1, f"{p}.logging.every", f"must be >= 1, got {lg.every}")
     _check(errors, lg.wandb.mode in (None, "online", "offline", "disabled"), f"{p}.logging.wandb.mode",

@@ -174,6 +174,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     with warnings.catch_warnings():
         # Reported below as a line of the report, not twice.
         warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
+        warnings.filterwarnings("ignore", message="hdet.auto.enabled: auto-LR is on, but")
         try:
             if backend == "deepspeed":
                 cfg, ds = prepare_config(config, world_size=world_size)
@@ -194,8 +195,9 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
     check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, config, backend))  # hdet-train's check
     lines = [layout_report(world_size, cfg.replicas)]
-    if cfg.single_replica_warning:
-        lines.append(f"warning: {cfg.single_replica_warning}")
+    for warning in (cfg.single_replica_warning, cfg.auto_without_spread_warning):
+        if warning:
+            lines.append(f"warning: {warning}")
     total = cfg.schedule.total_steps
     if cfg.sync_interval > total:  # as hdet-train's notes (tester round 14)
         lines.append(f"note: hdet.sync_interval={cfg.sync_interval} > total_steps={total}: no sync during the run "
@@ -221,7 +223,10 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
                 lines.append(f"  warning: {warn}")
     lines.append(f"sync every {cfg.sync_interval} optimizer steps; gradient sharing: {cfg.gradient_sharing}")
     a = cfg.auto
-    if a.enabled:
+    if a.enabled and not cfg.auto_can_move:  # no meta-update count or reach: nothing would move (warning above)
+        lines.append(f"auto-LR: on (controller {a.controller}), but it cannot move anything in this run: no axis it "
+                     "controls has a spread over two or more replicas")
+    elif a.enabled:
         T, total = cfg.sync_interval, cfg.schedule.total_steps
         n_meta = max((total - cfg.first_meta_step) // T + 1, 0)
         lines.append(f"auto-LR: controller {a.controller}, fitness {a.fitness}, groups {a.groups}, "

@@ -35,21 +35,36 @@ class LiveParamGroups(Mapping):
         return len(self._optimizers)
 
 
+def check_group_count(config: HDETConfig, count: int) -> None:
+    """The checks of ``config`` that need only the number of parameter groups: a
+    ``max_lr`` list has one value per group and every explored group index exists. For a
+    trainer that knows how many groups it will build (``hdet-train``: one) and refuses
+    before anything starts; :func:`check_param_groups` runs them too.
+
+    Raises:
+        HDETConfigError: naming ``hdet.schedule.max_lr`` or ``hdet.axes.<axis>.groups``.
+    """
+    m = config.schedule.max_lr
+    if isinstance(m, list) and len(m) != count:
+        raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {count} parameter groups")
+    for name, axis in sorted(config.axes.items()):
+        if is_model_axis(name):
+            continue  # lives in the model (hdet_scale.model_axes), not in the param groups
+        for g in axis.groups or []:
+            if g >= count:
+                raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
+                                      f"(the optimizer has {count} parameter groups)")
+
+
 def check_param_groups(config: HDETConfig, groups: list[dict]) -> None:
     """The checks of ``config`` against an optimizer's param groups, without building
     anything (so a backend runs them before its first collective): every explored
     group index exists and holds the explored hyperparameter, and a ``max_lr`` list
     has one value per group. Raises HDETConfigError naming the key."""
-    m = config.schedule.max_lr
-    if isinstance(m, list) and len(m) != len(groups):
-        raise HDETConfigError(f"hdet.schedule.max_lr: {len(m)} values for {len(groups)} parameter groups")
+    check_group_count(config, len(groups))
     for name, axis in sorted(config.axes.items()):
         if is_model_axis(name):
-            continue  # lives in the model (hdet_scale.model_axes), not in the param groups
-        for g in axis.groups or []:
-            if g >= len(groups):
-                raise HDETConfigError(f"hdet.axes.{name}.groups: group {g} does not exist "
-                                      f"(the optimizer has {len(groups)} parameter groups)")
+            continue
         for g, grp in enumerate(groups):
             if not group_has(grp, name):
                 needs = "'betas' (two values)" if name == "beta2" else f"'{name}'"

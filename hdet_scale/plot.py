@@ -20,9 +20,11 @@ only; a ``val/loss`` or ``val_loss`` record in ``metrics.jsonl`` is used when th
 one, else the summary's value is the one point (the only file read besides the metrics).
 
 A plot the records cannot give (no sync yet, a single replica: no fan-out) is skipped
-with one printed line. Uses matplotlib's ``Figure`` directly (Agg canvas), so neither
+with one printed line; so is a value of a plotted key that is not a number (text, a list,
+``1e999``), one line per key naming its first line (:func:`read_records`). Uses matplotlib's ``Figure`` directly (Agg canvas), so neither
 pyplot nor the process-wide backend is touched. Exit codes: 0 done; 2 a missing, empty
-or unreadable metrics file (one ``hdet-plot: error:`` line naming it).
+or unreadable metrics file (one ``hdet-plot: error:`` line naming it; a run_dir without one
+yet is said so).
 """
 
 from __future__ import annotations
@@ -41,11 +43,56 @@ from hdet_scale.errors import HDETConfigError
 _VALUE = re.compile(r"^hdet/([^/]+)/replica_(\d+)/group_(\d+)$")  # one replica's axis value
 _SYNC = re.compile(r"^hdet/(loss|fitness|weight)/replica_(\d+)$")  # per replica, at a sync
 VAL_KEYS = ("val/loss", "val_loss")
+# Every value the plots draw (series): a value of these that is not a number is skipped with a note.
+_PLOTTED = re.compile(r"^(hdet/[^/]+/replica_\d+/group_\d+|hdet/(loss|fitness|weight)/replica_\d+|"
+                      r"hdet/[^/]+/group_\d+/(base|multiplier)|train/loss|hdet/loss|val/loss|val_loss)$")
 
 
-def read_records(path: str) -> list[dict]:
+class _Overflowed(float):
+    """A JSON number beyond float64 (``1e999``): read as inf, which no trainer writes so
+    (``json_safe`` writes ``"inf"``). Shown as written."""
+
+    text = ""
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isinf(value):
+        return value
+    over = _Overflowed(value)
+    over.text = text
+    return over
+
+
+_NONFINITE_TEXT = {"nan", "inf", "-inf", "+inf", "infinity", "-infinity"}  # json_safe's str(x), and spellings
+
+
+def _is_number(value: Any) -> bool:
+    """What the plots can draw: a JSON number within float64, ``null`` (no loss passed)
+    and the strings ``json_safe`` writes for NaN / inf; not a list, object, boolean or
+    other text."""
+    if value is None:
+        return True
+    if isinstance(value, str):
+        return value.strip().lower() in _NONFINITE_TEXT
+    if isinstance(value, (bool, _Overflowed)) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:  # an integer beyond float64
+        return False
+    return True
+
+
+def read_records(path: str, log: Callable[[str], None] | None = None) -> list[dict]:
     """The JSON records of ``path``, one per line (blank lines and a cut-off last line,
-    without its newline, skipped).
+    without its newline, skipped). A value the plots draw that is not a number (a list,
+    text, ``1e999``) is left out of its record, and a record whose ``step`` is not an
+    integer is left out whole: ``log`` gets one line per key, naming the first line and
+    how many more there are.
 
     Raises:
         HDETConfigError: the file is missing, unreadable, has no record, or a line is not
@@ -60,18 +107,28 @@ def read_records(path: str) -> list[dict]:
         raise HDETConfigError(f"{path}: cannot read the metrics file ({e.strerror or e}); "
                               "pass the run_dir of an hdet-train run") from None
     records = []
+    bad: dict[str, list] = {}  # key -> [first line, its value, how many]
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, parse_float=_parse_float)
         except ValueError as e:
             if i == len(lines) and not line.endswith("\n"):
                 continue  # the record a killed (or running) job was writing: the rest is whole
             raise HDETConfigError(f"{path}:{i}: not a JSON record ({e})") from None
         if not isinstance(rec, dict):
             raise HDETConfigError(f"{path}:{i}: not a JSON object")
+        for key in [k for k, v in rec.items() if (k == "step" or _PLOTTED.match(k)) and not _is_number(v)
+                    or k == "step" and not isinstance(v, int)]:
+            bad.setdefault(key, [i, rec[key], 0])[2] += 1
+            rec.pop(key)  # a record without a step is left out of every plot (series)
         records.append(rec)
+    for key, (i, value, count) in bad.items():
+        if log is not None:
+            more = f" (and {count - 1} more such value(s) of {key})" if count > 1 else ""
+            what = "is not an integer step: record skipped" if key == "step" else "is not a number: skipped"
+            log(f"{path}:{i}: {key} = {repr(value)[:40]} {what}{more}")
     if not records:
         raise HDETConfigError(f"{path}: the metrics file holds no record (did the run log a step?)")
     return records
@@ -189,7 +246,11 @@ def write_plots(run_dir: str, out_dir: str | None = None,
     ``run_dir/plots``, created) and return their paths, in writing order. ``log`` gets
     one line per skipped plot. Raises HDETConfigError for the metrics file
     (:func:`read_records`); needs matplotlib (ImportError otherwise)."""
-    records = read_records(os.path.join(run_dir, "metrics.jsonl"))
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.isdir(run_dir) and not os.path.lexists(path):  # "No such file or directory" said nothing of why
+        raise HDETConfigError(f"{run_dir} has no metrics.jsonl yet ({path}): a run that has not logged its first "
+                              "step, or not an hdet-train run_dir")
+    records = read_records(path, log)
     s = series(records)
     if not s["val"]["steps"]:
         s["val"] = _summary_val(run_dir)

@@ -211,13 +211,20 @@ def _print_engine_notes(run: dict) -> None:
 
 def _never_notes(run: dict) -> list[str]:
     """Settings that never act in a run of ``train.steps`` steps (tester round 13: said
-    nothing): a sync interval, checkpoint cadence or logging cadence longer than the run."""
+    nothing): a sync interval, checkpoint cadence or logging cadence longer than the run, a
+    schedule longer than the run (it never anneals)."""
     steps, hdet = run["train"]["steps"], run["deepspeed"].get("hdet") or {}
     notes = []
     sync = hdet.get("sync_interval") if isinstance(hdet, dict) else None
     if isinstance(sync, int) and sync > steps:
         notes.append(f"deepspeed.hdet.sync_interval={sync} > train.steps={steps}: no sync during the run (no "
                      "auto-LR step, the replicas are averaged only by the final converge)")
+    sched = hdet.get("schedule") if isinstance(hdet, dict) else None
+    total = sched.get("total_steps") if isinstance(sched, dict) else None
+    if isinstance(total, int) and not isinstance(total, bool) and total > steps:  # config.py filled and checked it
+        notes.append(f"deepspeed.hdet.schedule.total_steps={total} > train.steps={steps}: the run covers the "
+                     f"schedule's first {steps} steps only and ends before its LR anneals (leave total_steps out, "
+                     "or set it to train.steps, to run the whole schedule)")
     every = run["train"].get("checkpoint_every")
     if isinstance(every, int) and every >= steps:
         notes.append(f"train.checkpoint_every={every} >= train.steps={steps}: no checkpoint before the end of the run")
@@ -289,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 print(json.dumps(summary, indent=2), flush=True)
             return 0
+        _check_local_ranks(run["nproc"])  # first: a world that cannot start names nproc, not a symptom
+        from hdet_scale.train.run_lock import check_not_in_use
+
+        # a running job's run_dir: said first, not advice on its files; and before torch and
+        # DeepSpeed are imported (20-30 s on a loaded machine), so the refusal takes a second
+        check_not_in_use(run["run_dir"])
         from hdet_scale.train.loop import validate
         from hdet_scale.train.startup import (
             STALE_LOCK_EXIT,
@@ -297,13 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             stale_trainer_locks,
         )
 
-        _check_local_ranks(run["nproc"])  # first: a world that cannot start names nproc, not a symptom
-        from hdet_scale.train.rundir import check_not_in_use
-
-        check_not_in_use(run["run_dir"])  # a running job's run_dir: said first, not advice on its files
         # the model's meta build is left to the ranks (validate's docstring)
         _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
-        from hdet_scale.train.rundir import hold_run_dir
+        from hdet_scale.train.run_lock import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
         _print_engine_notes(run)

@@ -469,7 +469,9 @@ def _validate(run: dict) -> None:
         errors.append(f"train.probe_batches: must be >= 1 (micro-batches per shard rank), got {t['probe_batches']}")
     if run["wandb"]["mode"] not in (None, "online", "offline", "disabled"):
         errors.append(f"wandb.mode: must be null, 'online', 'offline' or 'disabled', got {run['wandb']['mode']!r}")
-    if d["seq_len"] < 1 or d["seq_len"] > run["model"]["max_seq_len"]:
+    if run["model"]["max_seq_len"] < 1:
+        pass  # ModelConfig.validate names model.max_seq_len; the range [1, 0] would blame data.seq_len
+    elif d["seq_len"] < 1 or d["seq_len"] > run["model"]["max_seq_len"]:
         errors.append(f"data.seq_len: must be in [1, model.max_seq_len={run['model']['max_seq_len']}], "
                       f"got {d['seq_len']}")
     if errors:

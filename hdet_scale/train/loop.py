@@ -29,6 +29,7 @@ from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
+from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.autolr import build_schedule, check_additive_floors
@@ -37,6 +38,12 @@ from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, check_buildable, loss_fn
 from hdet_scale.train.startup import watch_op_locks
 from hdet_scale.train.stopping import note_step
+
+
+#: The optimizer's parameter groups in every hdet-train engine: ``engines.Engine`` hands it
+#: ``model.parameters()``, one group (so ``hdet.schedule.max_lr`` lists one value, and
+#: ``hdet.axes.<axis>.groups`` can name group 0 only).
+PARAM_GROUPS = 1
 
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
@@ -81,6 +88,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
             hcfg = HDETConfig.from_dict(run["deepspeed"].get("hdet") or {})
             if hcfg.enabled:
                 hcfg = resolve_config(hcfg, world_size)
+        if hcfg.enabled:  # the library's words, before anything starts (it finds them in every rank, after W&B)
+            check_group_count(hcfg, PARAM_GROUPS)
     except HDETConfigError as e:
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":

@@ -32,11 +32,10 @@ from hdet_scale.backends.checkpoint_io import (
 from hdet_scale.backends.common import read_layout
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train import resume_config
+from hdet_scale.train.run_lock import LOCK_FILE, check_not_in_use, hold_run_dir  # noqa: F401 (re-exported)
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
 JOB_FILE = "job.json"  # which torchrun job (TORCHELASTIC_RUN_ID) last started in this run_dir
-LOCK_FILE = ".hdet_run.lock"  # held (flock) by the job training in this run_dir
-_held: list[int] = []  # this process's lock descriptors: open until it exits
 FAULT_ENV = "HDET_FAULT_KILL"
 
 
@@ -136,74 +135,6 @@ def _check_kinds(run_dir: str) -> None:
             what = "a folder" if want_dir else "a file"
             raise HDETConfigError(f"run_dir: {path} is not {what}, which the run writes there; move it away or "
                                   "choose another run_dir")
-
-
-def hold_run_dir(run_dir: str) -> None:
-    """Take ``run_dir``'s lock for the rest of this process: an exclusive ``flock`` on
-    ``run_dir/.hdet_run.lock``, which the kernel releases when the process ends however it
-    ends (so no stale lock survives a crash or SIGKILL). Two jobs started in one run_dir
-    would interleave their metrics and overwrite each other's checkpoints; the second is
-    refused. Taken by the one process that speaks for the job (``hdet-train``'s launcher,
-    or global rank 0 under ``torchrun``), after ``run_dir`` is known to be writable. On a
-    filesystem without ``flock`` (some network mounts), nothing is held.
-
-    Raises:
-        HDETConfigError: another process holds the lock (the message names it as it
-            recorded itself: pid, host, start time).
-    """
-    import fcntl
-    import socket
-    import time
-
-    path = os.path.join(run_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise _in_use(run_dir, holder) from None
-    except OSError:  # no flock here: run unguarded rather than refuse
-        os.close(fd)
-        return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
-                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
-    _held.append(fd)
-
-
-def _in_use(run_dir: str, holder: str) -> HDETConfigError:
-    return HDETConfigError(f"run_dir: {run_dir} is in use by a running hdet-train ({holder}); two jobs in one "
-                           "run_dir would mix their metrics and checkpoints: wait for it to end, stop it, or "
-                           "choose another run_dir")
-
-
-def check_not_in_use(run_dir: str) -> None:
-    """:func:`hold_run_dir`'s refusal, without taking the lock: the launcher asks first,
-    so that a job started in a run_dir in use is told so, not given advice about the
-    running job's files (tester round 13: a resume was told to start over).
-
-    Raises:
-        HDETConfigError: as :func:`hold_run_dir`.
-    """
-    import fcntl
-
-    path = os.path.join(run_dir, LOCK_FILE)
-    if not os.path.isfile(path):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        raise _in_use(run_dir, holder) from None
-    except OSError:
-        pass
-    finally:
-        os.close(fd)  # closing releases a shared lock this took
 
 
 def check_writable(run_dir: str, key: str = "run_dir") -> None:

@@ -282,6 +282,35 @@ def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
     hold_run_dir(str(tmp_path))  # and takeable: the check took nothing
 
 
+def test_a_run_dir_in_use_is_refused_before_torch_is_imported(tmp_path):
+    """Tester issue 9: the refusal took 24-30 s on a loaded machine, spent importing torch
+    and DeepSpeed before the check. ``hdet-train`` now refuses with exit 2 having imported
+    neither (``-X importtime`` lists every module the process imported)."""
+    import subprocess
+    import sys
+    import time
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hdet_scale.train.run_lock import "
+                               "hold_run_dir; hold_run_dir(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "hdet_scale.train.cli", f"run_dir={tmp_path}",
+                               "wandb.enabled=false"], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        seconds = time.monotonic() - start
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = done.stderr.splitlines()
+    said = [line for line in lines if not line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
+    assert done.returncode == 2 and len(said) == 1 and "is in use by a running hdet-train" in said[0], done.stderr[-2000:]
+    assert not imported & {"torch", "deepspeed", "numpy"}, sorted(imported & {"torch", "deepspeed", "numpy"})
+    assert seconds < 10, seconds  # ~1 s measured; the torch import alone took 2-30 s
+
+
 def test_overwrite_removes_a_link_in_the_run_dir_not_its_target(tmp_path):
     """Tester round 14: a run_dir whose checkpoint/ and metrics.jsonl are links to another
     run's: train.overwrite raised in rmtree on rank 0. The links go; the other run stays."""

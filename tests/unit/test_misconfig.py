@@ -521,6 +521,129 @@ def test_one_replica_with_a_spread_or_auto_lr_warns(block, warns):
         assert f"warning: hdet.replicas: 1 replica with {warns}" in report
 
 
+# ---- auto-LR with nothing to compare; wrong types; what hdet-train refuses or notes (issue 9) --
+
+_AUTO_ON = {"replicas": 2, "auto": {"enabled": True, "fitness": "train_loss"}}
+
+
+@pytest.mark.parametrize("block,warns", [
+    ({**_AUTO_ON, "axes": {"lr": {"spread_ratio": 0.0}}}, "(axes.lr.spread_ratio=0)"),
+    ({**_AUTO_ON, "axes": {}}, "(axes.lr.spread_ratio=0)"),
+    # a spread on an axis auto-LR does not control
+    ({**_AUTO_ON, "axes": {"weight_decay": {"spread_ratio": 0.05, "kind": "additive"}}}, "(axes.lr.spread_ratio=0)"),
+    ({"replicas": 2, "axes": {"lr": {"spread_ratio": 0.0}}}, None),  # auto off: the documented plain DP
+    ({**_AUTO_ON, "axes": {"lr": {"spread_ratio": 0.1}}}, None),
+    ({**_AUTO_ON, "replicas": 1}, None),  # single_replica_warning says it
+])
+def test_auto_lr_with_nothing_to_compare_warns(block, warns):
+    """Auto-LR on, but no axis it controls has a spread: the hypergradient is 0 and the
+    multiplier 1 for the whole run. hdet-train ran so without a word (the Controller's
+    warning is met only in the ranks, which leave config warnings to the launcher), and
+    hdet-dryrun promised a multiplier reaching x2.72."""
+    cfg = HDETConfig.from_dict({**block, "sync_interval": 5, "schedule": {"name": "constant", "total_steps": 100}})
+    from hdet_scale.dryrun import describe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_config(cfg)
+    msgs = [str(w.message) for w in caught if str(w.message).startswith("hdet.auto.enabled: auto-LR is on")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the dry run prints it as a line of its report, not also as a warning
+        report = describe({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+                           "hdet": cfg.to_dict()}, world_size=2, backend="ddp") if cfg.replicas > 1 else ""
+    if warns is None:
+        assert msgs == [] and "warning: hdet.auto.enabled" not in report
+        if cfg.replicas > 1 and cfg.auto.enabled:
+            assert "meta-updates (first at step 5)" in report and "cannot move" not in report
+        return
+    assert len(msgs) == 1 and warns in msgs[0], msgs
+    for needle in ("cannot move anything", "hdet.auto.enabled=false", "spread_ratio > 0"):
+        assert needle in msgs[0]
+    assert f"warning: {msgs[0]}" in report
+    assert "auto-LR: on (controller log), but it cannot move anything in this run" in report
+    assert "meta-updates" not in report and "the multiplier can reach" not in report
+
+
+def test_the_controller_and_check_config_give_the_warning_once():
+    """The library meets it twice (``check_config`` at initialize, then the Controller):
+    shown once under Python's default filter."""
+    cfg = HDETConfig.from_dict({**_AUTO_ON, "sync_interval": 5, "schedule": {"name": "constant", "total_steps": 100}})
+    import subprocess
+    import sys
+
+    code = ("from hdet_scale.config import HDETConfig; from hdet_scale.autolr import Controller, build_schedule, "
+            f"check_config; c = HDETConfig.from_dict({cfg.to_dict()!r}); check_config(c); "
+            "Controller(c, build_schedule(c), [1e-3], [('lr', 0)])")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+    assert err.count("hdet.auto.enabled:") == 1 and "cannot move anything" in err, err
+
+
+@pytest.mark.parametrize("overrides,line", [
+    # tester issue 9: also "auto.warmup_steps: leaves no sync after warm-up ... (sync_interval 1000)", the
+    # default standing in for the refused value
+    (["deepspeed.hdet.sync_interval=5.0"], "deepspeed.hdet.sync_interval: expected int, got 5.0"),
+    # the default controller 'log' standing in: "decay is a setting of controller 'paper'"
+    (["deepspeed.hdet.auto.controller=5", "deepspeed.hdet.auto.decay=0.5"],
+     "deepspeed.hdet.auto.controller: expected str, got 5"),
+])
+def test_a_wrong_type_draws_no_verdict_computed_from_its_default(overrides, line):
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run = load_run_config(None, [*overrides, "train.steps=100", "wandb.enabled=false"])
+    with pytest.raises(HDETConfigError) as e:
+        validate(run, 4, build_model=False)
+    assert str(e.value).splitlines()[1:] == [f"  {line}"], str(e.value)
+
+
+def test_hdet_dryrun_gives_a_wrong_type_one_line(tmp_path):
+    from hdet_scale.dryrun import describe
+
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "hdet": {"replicas": 2, "sync_interval": 5.0, "auto": {"enabled": True}, "schedule": {"total_steps": 100}}}
+    with pytest.raises(HDETConfigError) as e:
+        describe(config, world_size=2, backend="ddp")
+    assert str(e.value).splitlines()[1:] == ["  hdet.sync_interval: expected int, got 5.0"], str(e.value)
+
+
+def test_max_seq_len_below_one_is_named_not_data_seq_len():
+    """Was ``data.seq_len: must be in [1, model.max_seq_len=0], got 128``."""
+    assert _run_config_error(overrides=["model.max_seq_len=0"]) == "model.max_seq_len must be an integer >= 1; got 0"
+
+
+@pytest.mark.parametrize("override,line", [
+    ("deepspeed.hdet.axes.lr.groups=[5]",
+     "deepspeed.hdet.axes.lr.groups: group 5 does not exist (the optimizer has 1 parameter groups)"),
+    ("deepspeed.hdet.schedule.max_lr=[1e-3,1e-3,1e-3]", "deepspeed.hdet.schedule.max_lr: 3 values for 1 parameter "
+                                                         "groups"),
+])
+def test_hdet_train_refuses_groups_its_optimizer_does_not_have(override, line):
+    """hdet-train builds one parameter group: these were refused by the library in every
+    rank, after W&B started (18-39 s); now by validate, before anything starts, in the
+    library's words (param_groups.check_group_count)."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    for backend in ("deepspeed", "ddp"):
+        run = load_run_config(None, [override, f"backend={backend}", "wandb.enabled=false"])
+        with pytest.raises(HDETConfigError) as e:
+            validate(run, 4, build_model=False)
+        assert str(e.value) == line
+
+
+def test_a_schedule_longer_than_the_run_gets_a_note(tmp_path):
+    from hdet_scale.train.cli import _never_notes
+    from hdet_scale.train.config import load_run_config
+
+    run = load_run_config(None, ["train.steps=50", "deepspeed.hdet.schedule.total_steps=300"])
+    notes = [n for n in _never_notes(run) if n.startswith("deepspeed.hdet.schedule.total_steps")]
+    assert notes == ["deepspeed.hdet.schedule.total_steps=300 > train.steps=50: the run covers the schedule's first "
+                     "50 steps only and ends before its LR anneals (leave total_steps out, or set it to train.steps, "
+                     "to run the whole schedule)"]
+    for same in (["train.steps=50"], ["train.steps=50", "deepspeed.hdet.schedule.total_steps=50"]):
+        assert not any("total_steps" in n for n in _never_notes(load_run_config(None, same)))
+
+
 # ---- overrides and interpolations of the run config (issue 9, config & dryrun round 2) ------
 
 @pytest.mark.parametrize("overrides,line", [

@@ -157,3 +157,38 @@ def test_a_metrics_file_of_no_hdet_run_is_an_error(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no record of an hdet-train run in it" in capsys.readouterr().err
     assert not (tmp_path / "plots").exists() or not any((tmp_path / "plots").iterdir())
+
+
+def test_a_run_dir_without_metrics_yet_says_so(tmp_path, capsys):
+    """Tester issue 9: "cannot read the metrics file (No such file or directory)" for the
+    run_dir of a job that had not logged its first step."""
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"hdet-plot: error: {tmp_path} has no metrics.jsonl yet "
+                                       f"({tmp_path / 'metrics.jsonl'}): a run that has not logged its first step, "
+                                       "or not an hdet-train run_dir\n")
+
+
+def test_values_that_are_not_numbers_are_skipped_with_one_note_per_key(tmp_path, capsys):
+    """Tester issue 9: text, a list, 1e999 (inf to json) and a text step were drawn as NaN
+    or dropped, and hdet-plot exited 0 without a word. Each key is named once, with the
+    line of its first bad value; the values the trainer writes ("nan", null) pass."""
+    from hdet_scale.plot import read_records
+
+    recs = _records()
+    recs[0]["hdet/loss"] = [1]
+    recs[1]["hdet/loss"] = "x"
+    recs[2]["hdet/loss"] = "nan"  # json_safe's NaN
+    recs[3]["hdet/lr/replica_0/group_0"] = True
+    _write(tmp_path, recs)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": "x", "hdet/loss": 1.0}\n{"step": 9, "hdet/loss": 1e999}\n{"step": 10, "hdet/loss": null}\n')
+    n = len(recs)
+    assert main([str(tmp_path)]) == 0
+    path = tmp_path / "metrics.jsonl"
+    notes = [line for line in capsys.readouterr().out.splitlines() if not line.endswith(".png")]
+    assert notes == [f"{path}:1: hdet/loss = [1] is not a number: skipped (and 2 more such value(s) of hdet/loss)",
+                     f"{path}:4: hdet/lr/replica_0/group_0 = True is not a number: skipped",
+                     f"{path}:{n + 1}: step = 'x' is not an integer step: record skipped"]
+    s = series(read_records(str(path)))
+    assert s["train"]["steps"] == [3, 4, 5, 6, 10]  # steps 1, 2, 9: no loss left; the text step: no record
+    assert s["fanout"][("lr", 0)]["replicas"][0][2] != s["fanout"][("lr", 0)]["replicas"][0][2]  # step 3's: NaN
