@@ -214,7 +214,8 @@ class Controller:
         return min(max(moved, min(raw, lo)), max(raw, hi))
 
     def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
-               current: Callable[[Key], float], record: dict[str, Any]) -> None:
+               current: Callable[[Key], float], record: dict[str, Any],
+               raw: Callable[[Key], float] | None = None) -> None:
         """One meta-update from the replicas' ``fitness`` (length R, lower is better,
         non-finite allowed). ``permutations`` and ``applied`` are those the interval ran
         with; ``current(key)`` the shared value now. Writes ``hdet/weight/replica_<r>``,
@@ -264,11 +265,35 @@ class Controller:
                     moved, self.velocity[key] = ctl.log_update(0.0, self.velocity[key], delta, momentum, step,
                                                                math.inf)
                     self.log_m[key] += axis.spread_ratio * moved
+                if raw is not None and a != "lr":
+                    self._hold_in_bounds(key, raw(key), record)
                 record[f"hdet/{a}/group_{g}/multiplier"] = (math.exp(self.log_m[key]) if axis.kind == "multiplicative"
                                                             else self.log_m[key])
             record[f"hdet/{a}/group_{g}/hypergradient"] = delta
             record[f"hdet/{a}/group_{g}/velocity"] = self.velocity[key]
         self.updates += 1
+
+    def _hold_in_bounds(self, key: Key, raw: float, record: dict[str, Any]) -> None:
+        """"log": keep the multiplier (shift) of a non-LR axis where its value's whole
+        spread stays in the bounds (``raw``: the axis' constant un-controlled value), so
+        the logged multiplier is the one used and does not wind up beyond the bound while
+        the value is held; records ``floored`` / ``ceiled`` as the "paper" branch does."""
+        a, g = key
+        spec = self.config.axes[a]
+        lo, hi = specs.base_limits(a, spec)
+        if spec.kind == "additive":
+            low, high = lo - raw, hi - raw
+        elif raw > 0:
+            low = math.log(lo / raw) if lo > 0 else -math.inf
+            high = math.log(hi / raw) if math.isfinite(hi) else math.inf
+        else:
+            return
+        if self.log_m[key] < low:
+            self.log_m[key] = low
+            record[f"hdet/{a}/group_{g}/floored"] = 1
+        elif self.log_m[key] > high:
+            self.log_m[key] = high
+            record[f"hdet/{a}/group_{g}/ceiled"] = 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"base": dict(self.base), "log_m": dict(self.log_m), "velocity": dict(self.velocity),

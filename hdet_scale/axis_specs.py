@@ -115,20 +115,31 @@ def validate(name: str, axis: Any, key: str, errors: list[str], check: Callable[
               f"or null, got {axis.modules}")
     dlo, dhi, closed = DOMAIN[name]
     interval = f"[{dlo:g}, {dhi:g}{']' if closed else ')'}"
-    if axis.bounds is not None:
+    bounds_ok = True
+    if axis.bounds is not None and name == "lr":
+        # the LR's base follows hdet.schedule, which bounds would cut: refused, not half-kept
+        check(errors, False, f"{key}.bounds", "the lr axis follows hdet.schedule (its peak, min_ratio / "
+              "final_div_factor) and auto.max_factor: bound it there")
+        bounds_ok = False
+    elif axis.bounds is not None:
         b = axis.bounds
-        ok = (len(b) == 2 and all(not math.isnan(v) for v in b) and b[0] < b[1] and b[0] >= dlo
-              and (b[1] <= dhi if closed else b[1] < dhi) and not (name == "temperature" and b[0] <= 0))
-        check(errors, ok, f"{key}.bounds", f"must be [lo, hi] with lo < hi inside {name}'s range {interval}"
-              f"{' (lo > 0)' if name == 'temperature' else ''}, got {b}")
-    if not model:
+        bounds_ok = (len(b) == 2 and all(not math.isnan(v) for v in b) and b[0] < b[1] and b[0] >= dlo
+                     and (b[1] <= dhi if closed else b[1] < dhi) and not (name == "temperature" and b[0] <= 0))
+        check(errors, bounds_ok, f"{key}.bounds", f"must be [lo, hi] with lo < hi inside {name}'s range "
+              f"{interval}{' (lo > 0)' if name == 'temperature' else ''}, got {b}")
+    if not model or not bounds_ok:
         return
     value = model_value(name, axis)
     if value is None:
         check(errors, False, f"{key}.value", f"required: the {name} probability the replicas spread around "
               "(e.g. 0.1)")
         return
-    lo, hi = bounds(name, axis) if axis.bounds is None or len(axis.bounds) == 2 else DEFAULT_BOUNDS[name]
+    if axis.kind == "multiplicative" and value == 0 and axis.spread_ratio > 0:
+        check(errors, False, f"{key}.kind", f"a multiplicative spread of a {name} of 0 gives every replica 0, so "
+              f"nothing is explored: use kind additive, or a {name} > 0 ({key}.value"
+              f"{', or model.dropout in hdet-train' if name == 'dropout' else ''})")
+        return
+    lo, hi = bounds(name, axis)
     low, high = spread_range(axis.kind, axis.spread_ratio, value)
     check(errors, math.isfinite(value) and lo <= low and high <= hi, f"{key}.value",
           f"{value:g} with spread_ratio {axis.spread_ratio:g} ({axis.kind}) puts replicas in "

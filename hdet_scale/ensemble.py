@@ -355,7 +355,7 @@ class HDETScheduler:
             scored = [f if ok else float("nan") for f, ok in zip(fitness, finite)]
             # Before the first update, the paper controller starts from the schedule's value now.
             self.controller.update(scored, self.permutations, self.applied,
-                                   lambda k: self.base_value(*k), record)
+                                   lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k))
         self.permutations = self._draw_permutations()
         for a in sorted(self.config.axes):
             for g in self.axis_groups(a):

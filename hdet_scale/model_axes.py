@@ -101,6 +101,11 @@ def setters(model: Any, cfg: HDETConfig) -> dict[str, Setter]:
             where = f" among the modules matching {spec.modules}" if spec.modules else ""
             raise HDETConfigError(f"hdet.axes.{axis}: nothing to set in {type(root).__name__}{where}: it needs "
                                   f"{wanted}")
+        # each pattern must find something: a typo beside a good pattern would go unseen
+        idle = [p for p in spec.modules or [] if not find(_modules(root, [p]))]
+        if idle:
+            raise HDETConfigError(f"hdet.axes.{axis}.modules: {idle[0]!r} matches no module it can set in "
+                                  f"{type(root).__name__} (it needs {wanted})")
 
         def set_all(value: float, targets: list[Setter] = targets) -> None:
             for t in targets:

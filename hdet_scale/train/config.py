@@ -110,6 +110,9 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     if not isinstance(run["deepspeed"] or {}, dict):
         raise HDETConfigError(f"deepspeed: must be a mapping of DeepSpeed keys (merged into {ds_path}), "
                               f"got {run['deepspeed']!r}")
+    clash = _container_clash(ds, run["deepspeed"] or {}, "deepspeed")
+    if clash:  # OmegaConf raises a bare TypeError ("Cannot merge incompatible container types")
+        raise HDETConfigError(f"{clash} (merging the overrides into {ds_path})")
     try:
         run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, run["deepspeed"] or {}), resolve=True)
     except OmegaConfBaseException as e:
@@ -117,6 +120,22 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     _validate(run)
     _hdet_logging(run, explicit_wandb)
     return run
+
+
+def _container_clash(base: Any, over: Any, key: str) -> str | None:
+    """The first key where ``over`` puts a list over an object of ``base`` or the reverse
+    (tester round 16: ``deepspeed.hdet.axes=[lr, dropout]`` was a traceback), as a message."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        for k, v in over.items():
+            found = _container_clash(base.get(k), v, f"{key}.{k}") if k in base else None
+            if found:
+                return found
+        return None
+    kinds = {dict: "an object", list: "a list"}
+    b, o = kinds.get(type(base)), kinds.get(type(over))
+    if b and o and b != o:
+        return f"{key}: expected {b} (as in the DeepSpeed config), got {o}: {over!r}"[:400]
+    return None
 
 
 def _check_bools(top: dict, where: str) -> None:
@@ -482,6 +501,11 @@ def _validate(run: dict) -> None:
     dropout = (hdet.get("axes") or {}).get("dropout") if isinstance(hdet.get("axes"), dict) else None
     if isinstance(dropout, dict) and dropout.get("value") is None:
         dropout["value"] = run["model"]["dropout"]  # the dropout axis spreads around model.dropout
+    elif isinstance(dropout, dict) and run["model"]["dropout"] not in (0, dropout["value"]):
+        # tester round 16: the axis' value silently won over model.dropout
+        raise HDETConfigError(f"deepspeed.hdet.axes.dropout.value={dropout['value']} and model.dropout="
+                              f"{run['model']['dropout']}: two base values for the dropout the replicas spread "
+                              "around; give one (model.dropout alone is the axis' value)")
     sched = hdet.setdefault("schedule", {})
     if not isinstance(sched, dict):
         return  # HDETConfig names it (loop.validate)

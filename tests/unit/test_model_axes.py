@@ -207,3 +207,58 @@ def test_hdet_train_checks_beta2_bounds_from_the_file_before_any_rank_starts():
             check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, ds, "deepspeed"))
     ok = HDETConfig.from_dict(block(beta2={"spread_ratio": 0.0005, "kind": "additive"}))
     check_additive_floors(ok, build_schedule(ok), axis_bases(ok, {"optimizer": {"type": "AdamW", "params": {}}}, "ddp"))
+
+
+@pytest.mark.parametrize("axes,needle", [
+    ({"lr": {"spread_ratio": 0.1, "bounds": [0.001, 0.01]}}, "hdet.axes.lr.bounds: the lr axis follows hdet.schedule"),
+    ({"dropout": {"spread_ratio": 0.05, "value": 0.0}}, "hdet.axes.dropout.kind: a multiplicative spread of a dropout of 0"),
+    ({"label_smoothing": {"spread_ratio": 0.05}}, "hdet.axes.label_smoothing.kind: a multiplicative spread"),
+])
+def test_round_16_axis_configs_are_refused_when_parsed(axes, needle):
+    """Tester round 16: bounds on the LR were checked against its peak only (the schedule
+    took the replicas outside); a multiplicative spread of a model-side 0 was refused only
+    inside the ranks, with the optimizer's wording."""
+    with pytest.raises(HDETConfigError) as e:
+        HDETConfig.from_dict(block(**axes))
+    assert needle in str(e.value)
+    assert str(e.value).count("\n") == 1  # one line under the header: no second verdict on the same value
+
+
+def test_a_modules_pattern_that_matches_nothing_is_refused_beside_one_that_matches():
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout.modules: '\*.self_atn' matches no module"):
+        Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
+                  block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.3,
+                                 "modules": ["*.self_attn", "*.self_atn"]}))
+
+
+def test_the_log_controller_holds_the_shift_at_the_bound_and_says_so():
+    """Dropout 0.8, additive spread 0.05, bounds [0, 0.9]: a strong push holds the shift at
+    +0.05 (base 0.85), logs ``ceiled`` and a multiplier (shift) of 0.05, not one that grows."""
+    cfg = HDETConfig.from_dict({**block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.8,
+                                                 "auto": True}),
+                                "auto": {"enabled": True, "step_size": 10.0, "temperature": 0.01,
+                                         "fitness": "train_loss"}})
+    ctl = Controller(cfg, build_schedule(cfg), [0.01], [("dropout", 0)])
+    for _ in range(3):
+        record: dict = {}
+        ctl.update([2.0, 1.0], {("dropout", 0): [0, 1]}, {("dropout", 0): [0.75, 0.85]}, lambda k: 0.8, record,
+                   raw=lambda k: 0.8)
+        assert record["hdet/dropout/group_0/ceiled"] == 1
+        assert record["hdet/dropout/group_0/multiplier"] == pytest.approx(0.05)
+    assert ctl.value(("dropout", 0), 0.8) == pytest.approx(0.85)
+
+
+def test_hdet_train_names_a_list_over_an_object_and_two_dropout_values():
+    """Tester round 16: a list where the DeepSpeed config has an object was OmegaConf's
+    TypeError traceback; model.dropout and axes.dropout.value disagreeing was silent."""
+    from hdet_scale.train.config import load_run_config
+
+    with pytest.raises(HDETConfigError, match=r"deepspeed.hdet.axes: expected an object .*got a list"):
+        load_run_config(None, ["deepspeed.hdet.axes=[lr, dropout]"])
+    with pytest.raises(HDETConfigError, match=r"deepspeed.optimizer.params.betas: expected a list"):
+        load_run_config(None, ["deepspeed.optimizer.params.betas={a: 1}"])
+    with pytest.raises(HDETConfigError, match=r"axes.dropout.value=0.2 and model.dropout=0.1: two base values"):
+        load_run_config(None, ["model.dropout=0.1",
+                               "deepspeed.hdet.axes={dropout: {spread_ratio: 0.05, kind: additive, value: 0.2}}"])
+    run = load_run_config(None, ["model.dropout=0.1", "deepspeed.hdet.axes={dropout: {spread_ratio: 0.05, kind: additive}}"])
+    assert run["deepspeed"]["hdet"]["axes"]["dropout"]["value"] == 0.1
