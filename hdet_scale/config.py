@@ -249,8 +249,13 @@ class HDETConfig:
         and the multiplier stays 1 for the whole run. ``None`` otherwise: also for spread
         0 with ``auto.enabled=false`` (the documented plain data parallelism) and for one
         replica (:attr:`single_replica_warning` says it)."""
-        if not self.enabled or not self.auto.enabled or self.replicas < 2 or self.auto_can_move:
+        if not self.enabled or not self.auto.enabled or self.replicas < 2:
             return None
+        if self.auto_can_move:  # some axis moves; one asked to move without a spread cannot
+            idle = sorted(n for n, a in self.axes.items() if a.auto and a.spread_ratio == 0)
+            return (f"hdet.axes.{idle[0]}: auto is true but spread_ratio is 0: its replicas all run one value, so "
+                    "auto-LR has no signal for it and its base never moves; set a spread_ratio > 0 or auto false"
+                    ) if idle else None
         controlled = sorted(n for n in self.axes if self.axis_auto(n))
         spreads = ", ".join(f"axes.{n}.spread_ratio={self.axes[n].spread_ratio:g}" for n in controlled)
         which = f"no axis it controls has a spread ({spreads})" if controlled else \

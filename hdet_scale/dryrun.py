@@ -193,6 +193,9 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     from hdet_scale.autolr import check_additive_floors
     from hdet_scale.train.engines import axis_bases
 
+    from hdet_scale.engine_config import check_optimizer_axes
+
+    check_optimizer_axes(cfg, config, prefix="hdet")
     check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, config, backend))  # hdet-train's check
     lines = [layout_report(world_size, cfg.replicas)]
     for warning in (cfg.single_replica_warning, cfg.auto_without_spread_warning):

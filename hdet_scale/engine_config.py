@@ -147,6 +147,30 @@ def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int]
     return bases
 
 
+# Optimizers (DeepSpeed's optimizer.type names and torch's, lower case) by whether their
+# parameter groups hold Adam's betas / an eps (the beta2 and eps axes write there).
+_BETAS = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "fusedadam", "fusedlamb", "cpuadam")
+_EPS = _BETAS + ("adagrad", "rmsprop")
+_KNOWN = _EPS + ("sgd",)
+
+
+def check_optimizer_axes(hcfg: HDETConfig, ds: dict, prefix: str = "deepspeed.hdet") -> None:
+    """Refuse a ``beta2`` or ``eps`` axis on an optimizer whose parameter groups lack the
+    key (SGD, Adagrad's betas), from the ``optimizer`` block, before any rank starts (the
+    engine's own check comes after the start-up). An unknown type is left to that check.
+
+    Raises:
+        HDETConfigError: naming the axis and the optimizer.
+    """
+    kind = (ds.get("optimizer") or {}).get("type") if isinstance(ds.get("optimizer"), dict) else None
+    if not isinstance(kind, str) or kind.lower() not in _KNOWN:
+        return
+    for axis, having, key in (("beta2", _BETAS, "betas"), ("eps", _EPS, "eps")):
+        if axis in hcfg.axes and kind.lower() not in having:
+            raise HDETConfigError(f"{prefix}.axes.{axis}: the optimizer {kind} has no {key} in its parameter "
+                                  f"groups, so there is nothing to spread; use Adam/AdamW, or drop the axis")
+
+
 def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str]:
     """What a non-DeepSpeed engine does differently from what the ``deepspeed`` section
     says, without being wrong: today a ``zero_optimization.stage`` that shards more or

@@ -501,11 +501,12 @@ def _validate(run: dict) -> None:
     dropout = (hdet.get("axes") or {}).get("dropout") if isinstance(hdet.get("axes"), dict) else None
     if isinstance(dropout, dict) and dropout.get("value") is None:
         dropout["value"] = run["model"]["dropout"]  # the dropout axis spreads around model.dropout
-    elif isinstance(dropout, dict) and run["model"]["dropout"] not in (0, dropout["value"]):
-        # tester round 16: the axis' value silently won over model.dropout
+    elif isinstance(dropout, dict) and dropout["value"] != run["model"]["dropout"]:
+        # tester rounds 16-17: the axis' value silently won over model.dropout (also over an
+        # explicit model.dropout=0.0, which cannot be told from the default)
         raise HDETConfigError(f"deepspeed.hdet.axes.dropout.value={dropout['value']} and model.dropout="
-                              f"{run['model']['dropout']}: two base values for the dropout the replicas spread "
-                              "around; give one (model.dropout alone is the axis' value)")
+                              f"{run['model']['dropout']}: in hdet-train the dropout axis spreads around "
+                              "model.dropout; set model.dropout and leave the axis' value out")
     sched = hdet.setdefault("schedule", {})
     if not isinstance(sched, dict):
         return  # HDETConfig names it (loop.validate)

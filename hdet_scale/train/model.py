@@ -26,10 +26,11 @@ __all__ = ["VOCAB_SIZE", "ModelConfig", "build_model", "init_model_weights", "ap
 _ATTN_IMPLEMENTATION = "sdpa"
 
 
-def check_buildable(cfg: ModelConfig) -> None:
+def check_buildable(cfg: ModelConfig) -> torch.nn.Module:
     """Build the model on the meta device (no memory, no init: well under a second
     for 1B parameters) so that a shape Hugging Face refuses is found before any rank
-    starts, and before ``train.overwrite`` removes an earlier run.
+    starts, and before ``train.overwrite`` removes an earlier run. Returns that model
+    (for checks that read its module tree).
 
     Raises:
         HDETConfigError: naming the ``model`` section and transformers' reason.
@@ -38,7 +39,7 @@ def check_buildable(cfg: ModelConfig) -> None:
 
     try:
         with torch.device("meta"):
-            LlamaForCausalLM(_llama_config(cfg))
+            return LlamaForCausalLM(_llama_config(cfg))
     except (ValueError, TypeError, RuntimeError, AssertionError) as e:
         reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise HDETConfigError(f"model: transformers cannot build a Llama of these model.* settings: {reason}") from None

@@ -257,8 +257,56 @@ def test_hdet_train_names_a_list_over_an_object_and_two_dropout_values():
         load_run_config(None, ["deepspeed.hdet.axes=[lr, dropout]"])
     with pytest.raises(HDETConfigError, match=r"deepspeed.optimizer.params.betas: expected a list"):
         load_run_config(None, ["deepspeed.optimizer.params.betas={a: 1}"])
-    with pytest.raises(HDETConfigError, match=r"axes.dropout.value=0.2 and model.dropout=0.1: two base values"):
-        load_run_config(None, ["model.dropout=0.1",
-                               "deepspeed.hdet.axes={dropout: {spread_ratio: 0.05, kind: additive, value: 0.2}}"])
+    for model_dropout in ("0.1", "0.0"):  # round 17: an explicit 0.0 (the default) was silently overridden
+        with pytest.raises(HDETConfigError, match=rf"axes.dropout.value=0.2 and model.dropout={model_dropout}: in "
+                                                  "hdet-train the dropout axis spreads around model.dropout"):
+            load_run_config(None, [f"model.dropout={model_dropout}",
+                                   "deepspeed.hdet.axes={dropout: {spread_ratio: 0.05, kind: additive, value: 0.2}}"])
     run = load_run_config(None, ["model.dropout=0.1", "deepspeed.hdet.axes={dropout: {spread_ratio: 0.05, kind: additive}}"])
     assert run["deepspeed"]["hdet"]["axes"]["dropout"]["value"] == 0.1
+
+
+def test_beta2_or_eps_on_an_optimizer_without_them_is_refused_from_the_file():
+    """Tester round 17: hdet-dryrun accepted a beta2 axis on SGD, and hdet-train refused it
+    only in the ranks (16-26 s); now both refuse it from the optimizer block."""
+    from hdet_scale.dryrun import describe
+    from hdet_scale.engine_config import check_optimizer_axes
+
+    cfg = HDETConfig.from_dict(block(beta2={"spread_ratio": 0.001}, eps={"spread_ratio": 0.5}))
+    with pytest.raises(HDETConfigError, match=r"deepspeed.hdet.axes.beta2: the optimizer SGD has no betas"):
+        check_optimizer_axes(cfg, {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    eps_only = HDETConfig.from_dict(block(eps={"spread_ratio": 0.5}))
+    check_optimizer_axes(eps_only, {"optimizer": {"type": "Adagrad"}})  # Adagrad has eps
+    check_optimizer_axes(cfg, {"optimizer": {"type": "AdamW"}})
+    check_optimizer_axes(cfg, {"optimizer": {"type": "SomethingNew"}})  # unknown: the engine checks it
+    config = {"optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+              "hdet": {**block(beta2={"spread_ratio": 0.001}), "schedule": {"total_steps": 100}}}
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.beta2: the optimizer SGD has no betas"):
+        describe(config, world_size=2, backend="ddp")
+
+
+def test_hdet_train_checks_modules_on_its_model_before_any_rank_starts():
+    """Tester round 17: a dropout / temperature ``modules`` pattern matching nothing was
+    refused after the ranks started (up to 29 s on DDP); validate checks it on the meta
+    model, with the library's message under the trainer's key."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run = load_run_config(None, ["backend=ddp", "wandb.enabled=false",
+                                 'deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, temperature: {spread_ratio: 0.1, '
+                                 'modules: ["nomatch.*"]}}'])
+    with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.axes.temperature: nothing to set in LlamaForCausalLM"):
+        validate(run, 4, build_model=False)
+    ok = load_run_config(None, ["backend=ddp", "wandb.enabled=false",
+                                'deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, temperature: {spread_ratio: 0.1, '
+                                'modules: ["model.layers.*.self_attn"]}}'])
+    validate(ok, 4, build_model=False)
+
+
+def test_an_axis_asked_to_move_without_a_spread_warns_while_others_move():
+    cfg = HDETConfig.from_dict({**block(temperature={"spread_ratio": 0.0, "auto": True}),
+                                "auto": {"enabled": True, "warmup_steps": 2, "fitness": "train_loss"}})
+    assert cfg.auto_without_spread_warning.startswith("hdet.axes.temperature: auto is true but spread_ratio is 0")
+    quiet = HDETConfig.from_dict({**block(temperature={"spread_ratio": 0.0}),
+                                  "auto": {"enabled": True, "warmup_steps": 2, "fitness": "train_loss"}})
+    assert quiet.auto_without_spread_warning is None  # not asked to move: a fixed value is a setting
