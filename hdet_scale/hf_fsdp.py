@@ -125,7 +125,7 @@ def attach(trainer: Any, cfg: HDETConfig, topology: Topology, probe: Callable[[A
     model; ``start(backend, topology)`` first gives every replica replica 0's shards.
     Collective (replica group, then warm init's shard group)."""
     model = trainer.model_wrapped
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # under AcceleratedOptimizer
+    optimizer = trainer._inner_optimizer()
     backend = FSDP2Backend(model, trainer.args.device)
     fsdp = {k: v for k, v in trainer.args.fsdp_config.items() if k != "hdet"}
     logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "fsdp": fsdp})

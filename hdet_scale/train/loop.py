@@ -107,9 +107,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                 setters(meta, hcfg)
             except HDETConfigError as e:
                 raise HDETConfigError(f"deepspeed.{e}") from None
-    if hcfg.enabled:
-        check_optimizer_axes(hcfg, run["deepspeed"])  # beta2 / eps on SGD: from the file
-    if hcfg.enabled:  # an additive spread taking the LR or weight decay below 0
+    if hcfg.enabled:  # beta2 / eps on SGD; an additive spread taking a value below 0; bounds
+        check_optimizer_axes(hcfg, run["deepspeed"])
         check_additive_floors(hcfg, build_schedule(hcfg), axis_bases(hcfg, run["deepspeed"], backend),
                               prefix="deepspeed.hdet")
     if not hcfg.enabled:

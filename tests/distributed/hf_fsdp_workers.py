@@ -74,18 +74,7 @@ def flat_params(model: Any) -> np.ndarray:
 
 
 def _recorder(trainer: Any, sync_interval: int | None) -> tuple[list, Any]:
-    from transformers import TrainerCallback
-
-    steps: list[dict] = []
-
-    class Record(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            row = {"step": state.global_step, "lr": trainer.lr_scheduler.get_last_lr()[0]}
-            if sync_interval and state.global_step % sync_interval == 0:
-                row["params"] = flat_params(trainer.model_wrapped)
-            steps.append(row)
-
-    return steps, Record()
+    return HW._recorder(trainer, sync_interval, flat_params)
 
 
 def _read_json(path: str) -> dict:

@@ -93,9 +93,10 @@ def flat_params(engine: Any) -> np.ndarray:
         return torch.cat([p.detach().float().flatten() for p in params]).numpy().copy()
 
 
-def _recorder(trainer: Any, sync_interval: int | None) -> tuple[list, Any]:
+def _recorder(trainer: Any, sync_interval: int | None, flat: Any = None) -> tuple[list, Any]:
     """A ``TrainerCallback`` recording, after every optimizer step, this replica's LR for
-    the next step and, at sync steps, the gathered parameters (just after converge)."""
+    the next step and, at sync steps, the gathered parameters (just after converge;
+    ``flat(model)``, default :func:`flat_params` of the DeepSpeed engine)."""
     from transformers import TrainerCallback
 
     steps: list[dict] = []
@@ -104,7 +105,7 @@ def _recorder(trainer: Any, sync_interval: int | None) -> tuple[list, Any]:
         def on_step_end(self, args, state, control, **kwargs):
             row = {"step": state.global_step, "lr": trainer.lr_scheduler.get_last_lr()[0]}
             if sync_interval and state.global_step % sync_interval == 0:
-                row["params"] = flat_params(trainer.model_wrapped)
+                row["params"] = (flat or flat_params)(trainer.model_wrapped)
             steps.append(row)
 
     return steps, Record()
