@@ -134,8 +134,9 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
             # group of biases and norms) is meant to stay there
             if base == 0 and all(v == 0 for (a, _), v in bases.items() if a == axis) and \
                     group == min(g for a, g in bases if a == axis):
-                errors.append(f"{prefix}.axes.{axis}: a multiplicative spread of a {axis} of 0 gives every "
-                              f"replica 0, so nothing is explored: set a {axis} > 0 in the optimizer "
+                an = "an" if axis[0] in "aeiou" else "a"  # "an eps" (tester round 18)
+                errors.append(f"{prefix}.axes.{axis}: a multiplicative spread of {an} {axis} of 0 gives every "
+                              f"replica 0, so nothing is explored: set {an} {axis} > 0 in the optimizer "
                               "(optimizer.params), or kind additive")
             continue
         if spec.kind != "additive":
@@ -261,6 +262,11 @@ class Controller:
                 if axis.kind == "multiplicative":  # log units, bounded by max_factor
                     self.log_m[key], self.velocity[key] = ctl.log_update(
                         self.log_m[key], self.velocity[key], delta, momentum, step, auto.max_factor)
+                    # held at max_factor: said like a bound (tester round 17 saw the
+                    # multiplier stop there without a word)
+                    if abs(self.log_m[key]) == math.log(auto.max_factor):
+                        side = "ceiled" if self.log_m[key] > 0 else "floored"
+                        record[f"hdet/{a}/group_{g}/{side}"] = 1
                 else:  # a shift, in units of the axis' spread
                     moved, self.velocity[key] = ctl.log_update(0.0, self.velocity[key], delta, momentum, step,
                                                                math.inf)

@@ -294,7 +294,9 @@ def _type_ok(value: Any, annotation: str) -> bool:
 
 def _parse(cls: type, data: Any, prefix: str, errors: list[str]) -> Any:
     if not isinstance(data, Mapping):
-        errors.append(f"{prefix}: expected an object, got {type(data).__name__}")
+        # JSON's words, not Python's ("got NoneType" for a null, tester round 17)
+        got = "null" if data is None else f"{type(data).__name__} {data!r}"[:200]
+        errors.append(f"{prefix}: expected an object, got {got}")
         return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -353,6 +355,18 @@ def _resolve_auto(data: Any, prefix: str, errors: list[str]) -> Any:
 
 #: The most optimizer steps a run may have: float64 holds every step count up to it exactly.
 MAX_STEPS = 2 ** 53
+
+
+def _phase_message(n: int, pc: float, three_phase: bool) -> str:
+    """Why ``pct_start`` gives OneCycle a phase without steps, and the values that work
+    for this run length (tester round 17: "phase ends [-0.6, 1]" for train.steps=2)."""
+    high = (n + 1) / (2 * n) if three_phase else 1.0  # from the phase ends' order
+    head = (f"{pc:g} x total_steps={n} gives OneCycle {pc * n:g} warm-up steps, a phase of zero or negative length "
+            f"(it needs 1 < pct_start * total_steps"
+            + (" and 2 * pct_start * total_steps - 1 < total_steps)" if three_phase else " < total_steps)"))
+    if 1 / n < high:
+        return f"{head}; with total_steps={n} pct_start must be in ({1 / n:.4g}, {high:.4g})"
+    return f"{head}; no pct_start works with total_steps={n}: run longer, or use schedule.name constant or cosine"
 
 
 def seed_ok(seed: object) -> bool:
@@ -421,9 +435,7 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
         n, pc = s.total_steps, s.pct_start
         ends = [0.0, float(pc * n) - 1] + ([float(2 * pc * n) - 2] if s.three_phase else []) + [n - 1]
         _check(errors, all(b > a for a, b in zip(ends, ends[1:])), f"{k}.pct_start",
-               f"gives a OneCycle phase of zero or negative length with total_steps={n} "
-               f"(phase ends {ends[1:]}); need 1 < pct_start * total_steps"
-               + (" and 2 * pct_start * total_steps - 1 < total_steps" if s.three_phase else " < total_steps"),
+               _phase_message(n, pc, s.three_phase),
                reads=(f"{k}.name", f"{k}.total_steps", f"{k}.three_phase"))
     _check(errors, s.anneal_strategy in ("cos", "linear"), f"{k}.anneal_strategy",
            f"must be 'cos' or 'linear', got {s.anneal_strategy!r}")

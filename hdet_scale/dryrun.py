@@ -44,6 +44,20 @@ _MISSING_TOTAL = ("hdet.schedule.total_steps: must be an integer >= 1; the file 
                   "length were not run)")
 
 
+def _layout_error(replicas: object, world_size: int) -> str | None:
+    """``topology.Layout``'s message for a ``replicas`` that does not divide the world,
+    or ``None`` (a valid count, or not an integer: the block's check names that)."""
+    from hdet_scale.topology import Layout
+
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        return None
+    try:
+        Layout(world_size, replicas)
+    except HDETConfigError as e:
+        return str(e)
+    return None
+
+
 def _with_first(first: str, error: str | None) -> str:
     """One message: ``first`` (a problem with total_steps), then the lines of ``error``
     (the other checks' message, its own heading dropped): every error at once."""
@@ -175,6 +189,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         # Reported below as a line of the report, not twice.
         warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
         warnings.filterwarnings("ignore", message="hdet.auto.enabled: auto-LR is on, but")
+        warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+: auto is true but spread_ratio is 0")  # round 18
         try:
             if backend == "deepspeed":
                 cfg, ds = prepare_config(config, world_size=world_size)
@@ -185,6 +200,11 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
                 cfg = resolve_config(config, world_size)
         except HDETConfigError as e:
+            # the layout is checked after the block's values: said with them, not after
+            # they are fixed (tester round 17)
+            layout = _layout_error(config["hdet"].get("replicas"), world_size)
+            if layout is not None and "hdet.replicas:" not in str(e):
+                first = layout if first is None else f"{first}\n  {layout}"
             if first is not None:
                 raise HDETConfigError(_with_first(first, str(e))) from None
             raise
@@ -218,6 +238,13 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             lines.append(f"axis {name}: multipliers {_per_replica(cfg.replicas, lambda o: 1.0 + axis.spread_ratio * o)}")
         else:
             lines.append(f"axis {name}: offsets {_per_replica(cfg.replicas, lambda o: axis.spread_ratio * o)}")
+        # what needs the model or the optimizer is the engine's to check (tester round 18)
+        if getattr(axis, "modules", None):
+            lines.append(f"  modules {list(axis.modules)}: matched against the model's module names when the engine "
+                         "binds the model (hdet-dryrun has no model)")
+        if getattr(axis, "groups", None):
+            lines.append(f"  groups {list(axis.groups)}: checked against the optimizer's parameter groups when the "
+                         "engine starts (hdet-dryrun has no optimizer)")
         if cfg.auto.enabled and cfg.axis_auto(name) and cfg.auto.controller == "paper":
             gamma = decay_for(cfg, schedule, name, 1.0)
             lines.append(f"  auto-LR decay gamma per sync: {gamma:.6g}")

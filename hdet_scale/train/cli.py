@@ -205,8 +205,20 @@ def _print_engine_notes(run: dict) -> None:
     than DeepSpeed would (``engines.engine_notes``), before any rank starts."""
     from hdet_scale.train.engines import engine_notes
 
-    for note in engine_notes(run["deepspeed"], run["backend"]) + _never_notes(run):
+    for note in engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run) + _never_notes(run):
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
+
+
+def _switch_notes(run: dict) -> list[str]:
+    """What a new ``optimizer.type`` left out of the DeepSpeed JSON's params
+    (``optimizer_switch``), read again from that file."""
+    from hdet_scale.train.config import _load_deepspeed_json, packaged
+    from hdet_scale.train.optimizer_switch import switch_note
+
+    path = run["deepspeed_config"] or packaged("deepspeed.json")
+    note = switch_note(_load_deepspeed_json(path), run["deepspeed"], path if run["deepspeed_config"] else
+                       "the packaged deepspeed.json")
+    return [note] if note else []
 
 
 def _never_notes(run: dict) -> list[str]:
@@ -244,12 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     # Under a launcher, the errors found before train() (command line, config, environment)
     # are the same on every rank: rank 0 alone prints them, the others exit 2 silently.
     # Errors inside train() may be one rank's own (a file it fails to load): each prints.
-    quiet = launched = False
+    quiet = launched = checking = False
     try:
         from hdet_scale.train.config import load_run_config
 
         launched = _started_by_launcher()
         quiet = launched and int(os.environ["RANK"]) != 0  # an integer: _started_by_launcher checked it
+        if launched:
+            from hdet_scale.train import refusals
+
+            # a torchrun restart of a job its first attempt refused: the same input, the
+            # same answer, without importing torch again (tester round 18: 53 s)
+            before = refusals.remembered(argv)
+            if before is not None:
+                if not quiet:
+                    refusals.forget_on_last_attempt(argv)
+                    print(f"hdet-train: error: {before}\nhdet-train: (torchrun restart "
+                          f"{os.environ[refusals.RESTART_VAR]}: the first attempt refused this input; not checked again)",
+                          file=sys.stderr, flush=True)
+                return _USER_ERROR
+            checking = True
         _check_empty_overrides(overrides)
         run = load_run_config(path, overrides)
         if launched:
@@ -265,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                       "ranks on this machine (torchrun --nproc-per-node sets them)", file=sys.stderr, flush=True)
             # the run's own checks read the same files on every rank: one message, rank 0's
             checked = _validate_once(validate, run, int(os.environ["WORLD_SIZE"]), announce=rank == 0)
+            checking = False  # what follows may depend on the moment (a run_dir in use): not remembered
             if rank == 0:
                 from hdet_scale.train.rundir import hold_run_dir
 
@@ -324,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hdet-train: error: {stale_lock_message(stale[0])}", file=sys.stderr)
                 return STALE_LOCK_EXIT
     except (HDETConfigError, HDETStateError) as e:
+        if checking:
+            refusals.remember(argv, str(e))
         if not quiet:
             print(f"hdet-train: error: {e}", file=sys.stderr)
         return _USER_ERROR

@@ -207,7 +207,23 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         return f"{uses}; what auto-LR learned up to the checkpoint (restored from it) stays in effect"
     if key == "seed":
         return f"{uses}: it draws the training and probe batches (dropout continues from the RNG state saved)"
+    axis = _model_axis(key, now)
+    if axis and saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved) \
+            and saved.get(f"deepspeed.hdet.axes.{axis}.auto"):  # tester round 18: "uses 0.2" hid the learned shift
+        if saved.get("deepspeed.hdet.auto.controller") == "paper":
+            return (f"the resumed run keeps the {axis} axis' meta-updated base saved in the checkpoint (the 'paper' "
+                    "controller continues from it); the new value is not used")
+        return f"{uses} as the {axis} axis' base, moved by what auto-LR learned up to the checkpoint (restored from it)"
     return uses
+
+
+def _model_axis(key: str, now: dict) -> str | None:
+    """The model-side axis whose base ``key`` is: ``deepspeed.hdet.axes.<axis>.value``, or
+    ``model.dropout`` in a run with a dropout axis (hdet-train fills the value from it)."""
+    parts = key.split(".")
+    if len(parts) == 5 and key.startswith("deepspeed.hdet.axes.") and parts[4] == "value":
+        return parts[3]
+    return "dropout" if key == "model.dropout" and "dropout" in _axis_keys(now) else None
 
 
 def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
@@ -225,6 +241,9 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
             continue
         if old == new or (key == "deepspeed.optimizer.type" and str(old).lower() == str(new).lower()):
             continue  # DeepSpeed reads optimizer names case-insensitively
+        if key == "deepspeed.hdet.axes.dropout.value" and (saved.get("model.dropout"), now.get("model.dropout")) \
+                == (old, new):
+            continue  # hdet-train fills it from model.dropout: that key's line says it
         line = f"{key}: {_fmt(old)} -> {_fmt(new)}"
         reason = _error_reason(key, saved, now)
         if reason is not None:

@@ -297,6 +297,8 @@ def test_max_factor_bounds_the_multiplier():
     for _ in range(40):
         sch.step([1.0, 1.0])
     assert sch.last_sync["hdet/lr/group_0/multiplier"] == pytest.approx(1.5, rel=1e-12)
+    # held at the bound: logged as "paper" logs its floor (tester round 17: no word)
+    assert sch.last_sync["hdet/lr/group_0/ceiled"] == 1 and "hdet/lr/group_0/floored" not in sch.last_sync
 
 
 # ---- groups: tied / independent ----------------------------------------------------------

@@ -240,7 +240,8 @@ def test_not_a_mapping():
 @pytest.mark.parametrize("patch,line", [
     ({"schedule.total_steps": 10.5}, "hdet.schedule.total_steps: expected int | None, got 10.5"),
     ({"schedule.total_steps": "abc"}, "hdet.schedule.total_steps: expected int | None, got 'abc'"),
-    ({"schedule": 5}, "hdet.schedule: expected an object, got int"),
+    ({"schedule": 5}, "hdet.schedule: expected an object, got int 5"),
+    ({"schedule": None}, "hdet.schedule: expected an object, got null"),  # was "got NoneType" (round 17)
     ({"auto.warmup_steps": 1.5}, "hdet.auto.warmup_steps: expected int, got 1.5"),
 ])
 def test_a_wrong_type_is_one_line_not_also_a_verdict_on_the_default(patch, line):

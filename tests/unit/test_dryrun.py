@@ -345,3 +345,27 @@ def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
     (tmp_path / "cut.json").write_text('{"hdet": ')
     assert main([str(tmp_path / "cut.json"), "--world-size", "4"]) == 2
     assert "YAML" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "ddp"])
+def test_a_layout_error_is_reported_with_the_blocks_other_errors(backend, recwarn):
+    """Tester round 17: 3 replicas on 4 ranks was reported only once the spread error
+    beside it was fixed. Round 18: an idle axis' warning came twice (a raw UserWarning
+    too); modules / groups are said to be the engine's to check."""
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              **({"zero_optimization": {"stage": 3}} if backend == "deepspeed" else {}),
+              "hdet": {"replicas": 3, "axes": {"lr": {"spread_ratio": 1.5}}, "schedule": {"total_steps": 100}}}
+    with pytest.raises(HDETConfigError) as err:
+        describe(json.loads(json.dumps(config)), world_size=4, backend=backend)
+    lines = str(err.value).splitlines()
+    assert lines[1].strip().startswith("hdet.replicas: 3 replicas do not divide the world of 4 ranks"), lines
+    assert any(line.strip().startswith("hdet.axes.lr.spread_ratio: must be in [0, 1)") for line in lines), lines
+    idle = {**config, "hdet": {"replicas": 2, "sync_interval": 5, "schedule": {"total_steps": 100},
+                               "auto": {"enabled": True, "warmup_steps": 10},
+                               "axes": {"lr": {"spread_ratio": 0.1, "groups": [0]},
+                                        "temperature": {"spread_ratio": 0.0, "auto": True, "modules": ["x.*"]}}}}
+    report = describe(idle, world_size=4, backend=backend)
+    assert report.count("auto is true but spread_ratio is 0") == 1, report
+    assert not [w for w in recwarn if "spread_ratio is 0" in str(w.message)], [str(w.message) for w in recwarn]
+    assert "  modules ['x.*']: matched against the model's module names when the engine binds" in report, report
+    assert "  groups [0]: checked against the optimizer's parameter groups when the engine starts" in report, report

@@ -278,7 +278,7 @@ def test_a_section_given_as_a_value_is_named(tmp_path, where, value, line):
 
 
 @pytest.mark.parametrize("override,line", [
-    ("deepspeed.hdet.schedule=5", "deepspeed.hdet.schedule: expected an object, got int"),  # was an AttributeError
+    ("deepspeed.hdet.schedule=5", "deepspeed.hdet.schedule: expected an object, got int 5"),  # was an AttributeError
     ("deepspeed.hdet.schedule.total_steps=abc", "deepspeed.hdet.schedule.total_steps: expected int | None, "
                                                 "got 'abc'"),  # was a TypeError ('<' between str and int)
 ])

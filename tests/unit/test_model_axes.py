@@ -310,3 +310,44 @@ def test_an_axis_asked_to_move_without_a_spread_warns_while_others_move():
     quiet = HDETConfig.from_dict({**block(temperature={"spread_ratio": 0.0}),
                                   "auto": {"enabled": True, "warmup_steps": 2, "fitness": "train_loss"}})
     assert quiet.auto_without_spread_warning is None  # not asked to move: a fixed value is a setting
+
+
+def test_hdet_train_names_model_dropout_the_value_type_and_switches_optimizer_type():
+    """Tester round 18: (1) a dropout spread leaving its bounds named
+    ``deepspeed.hdet.axes.dropout.value``, a key hdet-train fills from model.dropout;
+    (2) ``value: "0.1"`` (a string) drew "two base values" with equal-looking numbers;
+    (3) ``deepspeed.optimizer.type=SGD`` was refused for the packaged AdamW's betas / eps."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    spread = "deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, dropout: {spread_ratio: 0.1, kind: additive}}"
+    run = load_run_config(None, ["backend=ddp", "wandb.enabled=false", "model.dropout=0.05", spread])
+    with pytest.raises(HDETConfigError, match=r"model.dropout \(the base of deepspeed.hdet.axes.dropout in "
+                                              r"hdet-train\): 0.05 with spread_ratio 0.1 \(additive\)"):
+        validate(run, 4, build_model=False)
+    typed = load_run_config(None, ["backend=ddp", "wandb.enabled=false", "model.dropout=0.05",
+                                   'deepspeed.hdet.axes={dropout: {spread_ratio: 0.01, kind: additive, value: "0.05"}}'])
+    with pytest.raises(HDETConfigError, match=r"deepspeed.hdet.axes.dropout.value: expected float \| None, got '0.05'"):
+        validate(typed, 4, build_model=False)
+    sgd = load_run_config(None, ["deepspeed.optimizer.type=SGD", "deepspeed.optimizer.params.momentum=0.9"])
+    assert sgd["deepspeed"]["optimizer"]["params"] == {"lr": 0.003, "weight_decay": 0.1, "momentum": 0.9}
+    adam = load_run_config(None, ["deepspeed.optimizer.type=adamw"])  # the same type in other letters: nothing dropped
+    assert set(adam["deepspeed"]["optimizer"]["params"]) == {"lr", "betas", "eps", "weight_decay"}
+    given = load_run_config(None, ["deepspeed.optimizer.type=SGD", "deepspeed.optimizer.params.eps=1e-8"])
+    with pytest.raises(HDETConfigError, match=r"deepspeed.optimizer.params.eps: not an argument of torch.SGD"):
+        validate(given, 4, build_model=False)  # a key the user set next to the type is theirs: still refused
+    from hdet_scale.train.cli import _switch_notes
+
+    assert _switch_notes(sgd) == ["deepspeed.optimizer.type=SGD replaces the packaged deepspeed.json's AdamW: its "
+                                  "optimizer.params betas, eps are not SGD's and are left out (lr, weight_decay kept)"]
+    assert _switch_notes(adam) == []
+
+
+def test_an_eps_of_0_spread_multiplicatively_is_refused_in_english():
+    """Tester round 18: "a eps"."""
+    from hdet_scale.autolr import build_schedule, check_additive_floors
+
+    cfg = HDETConfig.from_dict(block(eps={"spread_ratio": 0.5}))
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.eps: a multiplicative spread of an eps of 0 gives every "
+                                              r"replica 0, so nothing is explored: set an eps > 0"):
+        check_additive_floors(cfg, build_schedule(cfg), {("lr", 0): 0.01, ("eps", 0): 0.0})

@@ -178,3 +178,26 @@ def test_the_lr_the_warning_names_is_the_lr_a_loaded_scheduler_sets(tmp_path, co
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 30, old_run)
     assert claim in resume_config.notice(new_run, str(ckpt))
+
+
+def test_a_changed_model_axis_base_says_the_learned_shift_stays(tmp_path):
+    """Tester round 18: after auto-LR moved the dropout axis, a resume with a new
+    model.dropout said "the resumed run uses 0.2", hiding that the shift learned up to the
+    checkpoint is restored on top (the "log" controller: ``Controller.value`` = new base +
+    saved shift); "paper" keeps its saved meta-updated base and ignores the new one.
+    Before the first meta-update nothing was learned: the plain line stays."""
+    axis = ("deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, dropout: {spread_ratio: 0.02, kind: additive, "
+            "auto: true}}")
+    common = ["deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5", axis]
+    for controller, step, expected in (
+            ("log", 10, "the resumed run uses 0.2 as the dropout axis' base, moved by what auto-LR learned up to the "
+                        "checkpoint (restored from it)"),
+            ("paper", 10, "the resumed run keeps the dropout axis' meta-updated base saved in the checkpoint"),
+            ("log", 3, "model.dropout: 0.1 -> 0.2: the resumed run uses 0.2\n")):
+        ckpt = tmp_path / f"{controller}{step}" / "checkpoint"
+        save(ckpt, step, run_config(ckpt.parent, "model.dropout=0.1", f"deepspeed.hdet.auto.controller={controller}",
+                                    *common))
+        changed = run_config(ckpt.parent, "model.dropout=0.2", f"deepspeed.hdet.auto.controller={controller}", *common)
+        text = resume_config.notice(changed, str(ckpt)) + "\n"
+        assert expected in text, text
+        assert "axes.dropout.value" not in text, text  # filled from model.dropout: one line, that key's

@@ -1,0 +1,65 @@
+"""``deepspeed.optimizer.type=SGD`` over a DeepSpeed JSON written for another optimizer.
+
+Overrides merge into the DeepSpeed JSON (the packaged one, or ``deepspeed_config``), so a
+new ``optimizer.type`` kept the file's ``optimizer.params``: the packaged AdamW's
+``betas`` and ``eps`` went to SGD, which was refused, and ``null`` cannot remove a key
+(tester round 18). A type change from the command line or the YAML is a new optimizer:
+the file's params that the new type does not take are dropped, the ones it takes (``lr``,
+``weight_decay``) are kept, and params the user set next to the type are kept as given
+(a wrong one is still refused, naming it). One note says what was dropped and from where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def _type(ds: Any) -> str | None:
+    opt = ds.get("optimizer") if isinstance(ds, Mapping) else None
+    kind = opt.get("type") if isinstance(opt, Mapping) else None
+    return kind if isinstance(kind, str) else None
+
+
+def drop_foreign_params(file_ds: Mapping, given: Mapping, merged: dict) -> None:
+    """Remove from ``merged["optimizer"]["params"]`` (in place) the params that came from
+    the file ``file_ds`` only, when ``given`` (the user's ``deepspeed`` section) changes
+    ``optimizer.type``, and the new type's optimizer does not accept them
+    (``ds_values.optimizer_accepts``: imports torch, so only on a type change). An
+    unknown type, or one whose constructor takes ``**kwargs``, drops nothing (the checks
+    name what is wrong). Never raises."""
+    old, new = _type(file_ds), _type(given)
+    if old is None or new is None or old.lower() == new.lower():
+        return
+    params = merged["optimizer"].get("params")
+    file_params = file_ds["optimizer"].get("params")
+    if not isinstance(params, dict) or not isinstance(file_params, Mapping):
+        return
+    own = given["optimizer"].get("params")
+    own = set(own) if isinstance(own, Mapping) else set()
+    from hdet_scale.ds_values import optimizer_accepts
+
+    found = optimizer_accepts(merged)
+    if found is None:
+        return
+    for key in [k for k in file_params if k not in own and k not in found[1]]:
+        params.pop(key, None)
+
+
+def switch_note(file_ds: Mapping, merged: Mapping, ds_path: str) -> str | None:
+    """The note for :func:`drop_foreign_params`' work: which params of ``ds_path`` the new
+    type left out, or ``None`` when it dropped nothing."""
+    old, new = _type(file_ds), _type(merged)
+    if old is None or new is None or old.lower() == new.lower():
+        return None
+    file_params = file_ds["optimizer"].get("params")
+    params = merged["optimizer"].get("params")
+    if not isinstance(file_params, Mapping) or not isinstance(params, Mapping):
+        return None
+    dropped = [k for k in file_params if k not in params]
+    if not dropped:
+        return None
+    kept = [k for k in file_params if k in params]
+    return (f"deepspeed.optimizer.type={new} replaces {ds_path}'s {old}: its optimizer.params "
+            f"{', '.join(dropped)} are not {new}'s and are left out"
+            + (f" ({', '.join(kept)} kept)" if kept else ""))

@@ -1,0 +1,90 @@
+"""A refusal remembered across ``torchrun``'s restarts of one job.
+
+``torchrun --max-restarts N`` restarts every rank when one exits non-zero, whatever the
+exit code. A bad input found by the ranks' own checks (a ``modules`` pattern matching
+nothing, ``axes.lr.groups: [3]``) is refused again by every attempt, each paying the
+import of torch, DeepSpeed and transformers: 53 s for 4 DeepSpeed ranks with 3 restarts
+(tester round 18). The first attempt's ranks leave the message in a marker; a restarted
+attempt reads it before importing anything and exits at once with the same message.
+
+The marker is keyed by the elastic agent's process id (the ranks' parent, the same for
+every restart of one ``torchrun`` and different for the next ``torchrun``), the command
+line and the working directory, so a new ``torchrun`` (a fixed config) checks afresh.
+It holds only refusals of the checks that read config and files before anything starts
+(deterministic: each restart would find the same); failures during training (a crash, a
+rank that cannot load its own file) are left to the restart, as ``torchrun`` means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+#: torchrun's restart count of this attempt (0: the first); absent outside torchrun.
+RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _marker(argv: list[str]) -> str | None:
+    """The marker's path for this job and command, or ``None`` outside torchrun."""
+    if RESTART_VAR not in os.environ:
+        return None
+    key = "\0".join([os.environ.get("TORCHELASTIC_RUN_ID", ""), os.getcwd(), *argv])
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+    folder = os.path.join(tempfile.gettempdir(), f"hdet-train-refusals-{os.getuid()}")
+    return os.path.join(folder, f"{os.getppid()}-{digest}")
+
+
+def _attempt() -> int:
+    try:
+        return int(os.environ.get(RESTART_VAR, "0"))
+    except ValueError:
+        return 0
+
+
+def remembered(argv: list[str]) -> str | None:
+    """The message an earlier attempt of this ``torchrun`` job refused ``argv`` with, on a
+    restarted attempt (``TORCHELASTIC_RESTART_COUNT`` > 0); ``None`` on the first attempt,
+    outside torchrun, or when no attempt refused. Never raises."""
+    path = _marker(argv)
+    if path is None or _attempt() < 1:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def remember(argv: list[str], message: str) -> None:
+    """Leave ``message`` (a refusal of the pre-start checks) for this job's restarts. Each
+    rank writes it (whole, by rename: a reader sees one rank's complete text or none);
+    a failure to write only costs the restarts their time. Never raises."""
+    path = _marker(argv)
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(message)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def forget_on_last_attempt(argv: list[str]) -> None:
+    """Remove the marker on torchrun's last attempt (``TORCHELASTIC_MAX_RESTARTS``), so
+    the temporary folder does not keep it. Called by rank 0 after it read the marker; a
+    rank that reads later finds none and runs the checks itself (the agent ends it when
+    rank 0 exits). Never raises."""
+    path = _marker(argv)
+    try:
+        last = _attempt() >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "-1"))
+    except ValueError:
+        last = False
+    if path is not None and last:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
