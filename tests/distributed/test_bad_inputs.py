@@ -2,7 +2,13 @@
 code (2: bad input, 3: a stale DeepSpeed op lock) within seconds, with one message naming
 the offending key or file and no traceback, and leaves no process behind.
 
-Every case is a real CLI subprocess. None starts DeepSpeed: the trainer's launcher
+Each case runs the CLI's own ``main`` with the case's arguments: the cases in
+``SUBPROCESS`` (one or more of each kind, every case with an environment, every FIFO and
+every case whose refusal comes from started ranks) as a real CLI subprocess, the others
+in this process, captured (``main`` returns the exit code; a Python exception escaping it
+is the traceback a user would see, and fails the case). In this process they cost no
+torch import each (a subprocess spends 1.5-4 s importing torch): 164 subprocesses took
+172 s of a 24-minute suite. None starts DeepSpeed: the trainer's launcher
 validates config, data, run_dir, checkpoint and the op locks before it starts any rank
 (the launcher-side half of the standard; ``test_train.py`` checks the same on every rank
 under a launcher). Checkpoints here are written with ``torch.save`` in the layout the
@@ -16,16 +22,19 @@ environment, which its children inherit).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from cli_processes import run_cli
+from cli_processes import left_behind, run_cli, with_marker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -445,15 +454,61 @@ CASES = [
      ["deepspeed.hdet.schedule.max_lr: 3 values for 1 parameter groups"], None),
     ("sync_interval_float", ["deepspeed.hdet.sync_interval=5.0"], {}, 2,
      ["deepspeed.hdet.sync_interval: expected int, got 5.0"], None),
+    # round 18: a string value drew "two base values" that looked equal; {} kept the packaged
+    # spread without a word; the bounds message named the axis' value, not model.dropout
+    ("dropout_value_a_string", ["model.dropout=0.1",
+                                'deepspeed.hdet.axes={{dropout: {{spread_ratio: 0.05, kind: additive, value: "0.1"}}}}'],
+     {}, 2, ["deepspeed.hdet.axes.dropout.value: expected float | None, got '0.1'"], None),
+    ("empty_object_over_the_packaged_axes", ["deepspeed.hdet.axes={{}}"], {}, 2,
+     ["override 'deepspeed.hdet.axes={{}}': overrides merge into", "changes nothing there (it keeps lr)"], None),
+    ("dropout_bounds_name_model_dropout", ["model.dropout=0.05",
+                                           "deepspeed.hdet.axes={{dropout: {{spread_ratio: 0.1, kind: additive}}}}"], {}, 2,
+     ["model.dropout (the base of deepspeed.hdet.axes.dropout in hdet-train): 0.05 with spread_ratio 0.1"], None),
 ]
 
 
-# Each case is its own process; they run WORKERS at a time (a process spends most of its
-# 1.5-4 s importing torch), each test then checks its own outcome.
+# The subprocess cases run WORKERS at a time (a process spends most of its 1.5-4 s
+# importing torch), the others meanwhile in this process; each test then checks its own
+# outcome.
 WORKERS = 3
 
+# Real CLI subprocesses besides every case with an environment: a FIFO (a regression
+# would block in open() forever: a subprocess is killed by its timeout, this process
+# would not be), refusals that come from started ranks, and one or more of each kind.
+SUBPROCESS = {
+    "no_equals", "yaml_syntax", "ds_json_cut", "ds_json_fifo", "yaml_fifo", "data_fifo", "override_twice",
+    "lr_nan", "unknown_key", "data_missing", "replicas_not_dividing", "hdet_key_misspelled", "ds_scheduler",
+    "fsdp2_optimizer", "run_dir_unwritable", "run_dir_holds_a_run", "resume_no_latest", "resume_model_states_cut",
+    "resume_model_file_replaced", "model_odd_head_size", "bool_yaml11_spelling", "lr_groups_beyond_the_optimizer",
+    "dropout_value_a_string", "empty_object_over_the_packaged_axes",
+    "dryrun_empty", "dryrun_cut", "dryrun_fifo", "dryrun_hf_config_fifo", "dryrun_lamb_ddp",
+    "dryrun_hf_config_unknown_type", "dryrun_option_twice", "dryrun_total_steps_mismatch_and_more",
+}
 
-def _run_train_case(case, inputs, run):
+
+def _in_process(main, argv: list[str]):
+    """``main(argv)`` here, as :func:`cli_processes.run_cli` runs a command: ``(exit
+    code, stderr, seconds, processes left behind)``. An exception escaping ``main`` is
+    returned as its traceback (exit code -1), what the user would have seen."""
+    err = io.StringIO()
+    _, tag = with_marker({})
+    os.environ["HDET_TEST_MARKER"] = tag  # inherited by any process main() would start
+    t0 = time.monotonic()
+    try:
+        with contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else 2
+            except Exception:  # noqa: BLE001 - the user's traceback, reported by the test
+                rc = -1
+                err.write(traceback.format_exc())
+    finally:
+        del os.environ["HDET_TEST_MARKER"]
+    return rc, err.getvalue(), time.monotonic() - t0, left_behind(tag)
+
+
+def _train_argv(case, inputs, run):
     _, argv, env, _, needles, setup = case
     if setup is not None:
         setup(run)
@@ -463,12 +518,24 @@ def _run_train_case(case, inputs, run):
         argv.append(f"run_dir={run}")
     env = {k: v.format(**fill) for k, v in env.items()}
     quiet = [] if any(a.startswith("wandb.") for a in argv) else ["wandb.enabled=false"]  # W&B cases set their own
-    return run_cli([*TRAIN, *argv, *quiet], env), [n.format(**fill) for n in needles]
+    return [*argv, *quiet], env, [n.format(**fill) for n in needles]
+
+
+def _run_train_case(case, inputs, run):
+    argv, env, needles = _train_argv(case, inputs, run)
+    return run_cli([*TRAIN, *argv], env), needles
 
 
 def _run_dryrun_case(case, inputs):
     _, argv, needles = case
     return run_cli([*DRYRUN, *[a.format(d=inputs) for a in argv], "--world-size", "4"]), needles
+
+
+def _not_launched(run):
+    """In place of ``launch_local`` for the in-process cases: a bad input that passed every
+    check must not start ranks inside pytest; its case then fails on the exit code."""
+    print("hdet-train: (test) the checks passed and ranks would start", file=sys.stderr)
+    return 99
 
 
 DRYRUN_CASES = [
@@ -527,11 +594,25 @@ def outcomes(request, tmp_path_factory):
                 if item.path == request.path and hasattr(item, "callspec")}
     inputs = tmp_path_factory.mktemp("inputs")
     setup_cases(inputs)
-    with ThreadPoolExecutor(WORKERS) as pool:
+    from hdet_scale import dryrun
+    from hdet_scale.train import cli, launcher
+
+    here = {}
+    with ThreadPoolExecutor(WORKERS) as pool, pytest.MonkeyPatch.context() as mp:
         futures = {c[0]: pool.submit(_run_train_case, c, inputs, tmp_path_factory.mktemp(c[0]) / "run")
-                   for c in CASES if c[0] in selected}
-        futures.update({c[0]: pool.submit(_run_dryrun_case, c, inputs) for c in DRYRUN_CASES if c[0] in selected})
-        return {k: f.result() for k, f in futures.items()}
+                   for c in CASES if c[0] in selected and (c[0] in SUBPROCESS or c[2])}
+        futures.update({c[0]: pool.submit(_run_dryrun_case, c, inputs) for c in DRYRUN_CASES
+                        if c[0] in selected and c[0] in SUBPROCESS})
+        mp.setattr(launcher, "launch_local", _not_launched)
+        for c in CASES:
+            if c[0] in selected and c[0] not in futures:
+                argv, _, needles = _train_argv(c, inputs, tmp_path_factory.mktemp(c[0]) / "run")
+                here[c[0]] = (_in_process(cli.main, argv), needles)
+        for c in DRYRUN_CASES:
+            if c[0] in selected and c[0] not in futures:
+                here[c[0]] = (_in_process(dryrun.main, [*[a.format(d=inputs) for a in c[1]], "--world-size", "4"]),
+                              c[2])
+        return {**here, **{k: f.result() for k, f in futures.items()}}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

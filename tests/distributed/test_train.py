@@ -157,6 +157,29 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
     assert time.monotonic() - t0 < 90
 
 
+def test_torchrun_restarts_repeat_a_refusal_without_checking_again(tmp_path):
+    """Under ``torchrun --max-restarts=3`` a bad input the ranks' own checks find (a
+    parameter group the optimizer lacks: found after torch and the engine code are
+    imported) is refused by the first attempt; each of the 3 restarts repeats rank 0's
+    message from the marker the first attempt left (``train/refusals.py``) instead of
+    importing and checking again (tester round 18: 53 s for 4 DeepSpeed ranks). Every
+    attempt's message is the first one's, word for word; the job ends within the 30 s
+    bad-input bar."""
+    argv = [f"run_dir={tmp_path / 'run'}", "backend=ddp", "wandb.enabled=false", "deepspeed.hdet.axes.lr.groups=[3]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts=3",
+           "-m", "hdet_scale.train.cli", *argv]
+    message = "hdet-train: error: deepspeed.hdet.axes.lr.groups: group 3 does not exist"
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    seconds = time.monotonic() - t0
+    errors = [line for line in done.stderr.splitlines() if line.startswith(message)]
+    repeated = [line for line in done.stderr.splitlines() if "the first attempt refused this input" in line]
+    assert done.returncode != 0 and len(errors) == 4, done.stderr[-3000:]
+    assert len(set(errors)) == 1, errors  # word for word
+    assert [line.split("restart ")[1][0] for line in repeated] == ["1", "2", "3"], done.stderr[-3000:]
+    assert seconds < 30, seconds
+
+
 def test_a_new_run_never_replaces_what_run_dir_holds(tmp_path):
     """A run_dir with an earlier run's metrics is refused before any rank starts, and the
     file is left as it was; train.overwrite=true lets validation through (checked here
