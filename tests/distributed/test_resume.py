@@ -1,22 +1,25 @@
 """Checkpoints during an ``hdet-train`` run, one rank killed with SIGKILL, and the resume,
 compared with an uninterrupted run of the same config (4 CPU ranks = 2 replicas x 2 shards).
 
-The run: 12 optimizer steps, a sync every 5 (at 5 and 10, auto-LR scoring both; the final
-converge at 12), a checkpoint every 5 (at 5 and 10: on sync steps, saved right after
-converge; the final one at 12), the newest 2 kept, attention dropout 0.1 (so the per-rank
-RNG must be restored). Rank 3 kills itself right after step 11 (``HDET_FAULT_KILL``, the
-trainer's fault-injection hook): mid-interval, after the step-10 checkpoint. The resumed
-run continues from step 10, a sync step.
+The run: 8 optimizer steps, a sync every 3 (at 3 and 6, auto-LR scoring both; the final
+converge at 8), a checkpoint every 3 (at 3 and 6: on sync steps, saved right after
+converge; the final one at 8), the newest 2 kept, attention dropout 0.1 (so the per-rank
+RNG must be restored). Rank 3 kills itself right after step 7 (``HDET_FAULT_KILL``, the
+trainer's fault-injection hook): mid-interval, after the step-6 checkpoint. The resumed
+run continues from step 6, a sync step. (Earlier the same shape at 12 steps, syncs and
+checkpoints every 5, the kill after step 11; shortened for the suite's time, every state
+the resume must restore is exercised as before.)
 
 What "as if uninterrupted" is held to: the LR trace (every ``hdet/lr/*`` value of every
 step and sync record), the losses of every step, the interval losses and probe fitness of
 both syncs, and the final validation loss, all bit-equal: the same float operations in the
 same order (data keyed by the step; optimizer, HDET and RNG state restored), measured bit-
 equal on DeepSpeed and FSDP2. No slack: the state a checkpoint can miss shows in the last
-bits first. Measured: DeepSpeed's CPU Adam kept beta**t outside the checkpoint
-(``backends/ds_adam.py``); without that fix the resume from step 10 differs from step 11 on
-by ~1e-7 relative, which a 1e-6 bound let pass. Without the RNG restore the losses part by
-up to 8.5e-5 (relative) and val_loss by 1.1e-5 (measured with checkpoints at 4 and 8).
+bits first. Measured (12-step version): DeepSpeed's CPU Adam kept beta**t outside the
+checkpoint (``backends/ds_adam.py``); without that fix the resume from step 10 differs from
+step 11 on by ~1e-7 relative, which a 1e-6 bound let pass. Without the RNG restore the
+losses part by up to 8.5e-5 (relative) and val_loss by 1.1e-5 (measured with checkpoints
+at 4 and 8).
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ import pytest
 pytestmark = pytest.mark.timeout(600)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"}
-SHORT = ["train.steps=12", "train.checkpoint_every=5", "train.keep_checkpoints=2", "deepspeed.hdet.sync_interval=5",
-         "deepspeed.hdet.auto.warmup_steps=5", "train.eval_batches=4", "model.dropout=0.1", "wandb.enabled=false",
+SHORT = ["train.steps=8", "train.checkpoint_every=3", "train.keep_checkpoints=2", "deepspeed.hdet.sync_interval=3",
+         "deepspeed.hdet.auto.warmup_steps=3", "train.eval_batches=4", "model.dropout=0.1", "wandb.enabled=false",
          "train.progress=false", "train.plots=false"]
-KILL = {"HDET_FAULT_KILL": "3:11"}  # global rank 3, right after optimizer step 11
+KILL = {"HDET_FAULT_KILL": "3:7"}  # global rank 3, right after optimizer step 7
 LOSSES = ("hdet/loss", "hdet/loss/replica_0", "hdet/loss/replica_1", "hdet/fitness/replica_0", "hdet/fitness/replica_1")
 
 
@@ -80,26 +83,26 @@ def assert_same_run(run_dir, reference) -> None:
             assert (g["hdet/step"], g["hdet/sync"]) == (w["hdet/step"], w["hdet/sync"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["val_loss"] == want_summary["val_loss"]
-    assert summary["steps"] == 12 and summary["resumed_from_step"] == 10
+    assert summary["steps"] == 8 and summary["resumed_from_step"] == 6
 
 
 def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninterrupted):
     """DeepSpeed ZeRO-3 under hdet-train's own launcher: the killed rank makes the launcher
-    stop the others and exit 1 with ``latest`` at the step-10 checkpoint; a crash while
-    saving (simulated: a partial step-12 folder, a torn metrics line) poisons nothing;
+    stop the others and exit 1 with ``latest`` at the step-6 checkpoint; a crash while
+    saving (simulated: a partial step-8 folder, a torn metrics line) poisons nothing;
     ``train.resume=true`` finishes the run; the newest 2 checkpoints are kept."""
     run_dir = tmp_path / "run"
     proc = hdet_train([f"run_dir={run_dir}", *SHORT], env=KILL)
     assert proc.returncode == 1 and "rank(s) [3] killed by SIGKILL (signal 9)" in proc.stderr, proc.stderr[-3000:]
     ckpt = run_dir / "checkpoint"
-    assert (ckpt / "latest").read_text() == "global_step10"
-    assert json.loads((ckpt / "hdet_layout.json").read_text())["checkpoints"] == {"global_step5": 5, "global_step10": 10}
-    assert 11 in [r["step"] for r in records(run_dir)]  # the dead run went on past its checkpoint
-    stale = ckpt / "replica_1" / "global_step12" / "stale.bin"  # what a crash during the step-12 save leaves
+    assert (ckpt / "latest").read_text() == "global_step6"
+    assert json.loads((ckpt / "hdet_layout.json").read_text())["checkpoints"] == {"global_step3": 3, "global_step6": 6}
+    assert 7 in [r["step"] for r in records(run_dir)]  # the dead run went on past its checkpoint
+    stale = ckpt / "replica_1" / "global_step8" / "stale.bin"  # what a crash during the step-8 save leaves
     stale.parent.mkdir()
     stale.write_bytes(b"partial")
     with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write('{"step": 12, "hdet/lo')
+        f.write('{"step": 8, "hdet/lo')
 
     # A resume with another model shape: refused by the launcher from the settings the real
     # saves recorded, in seconds, before any rank starts; the stopped run is left as it was.
@@ -127,13 +130,13 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
         assert words in warning, (words, warning)
     assert not stale.exists()
     for r in range(2):
-        assert sorted(p.name for p in (ckpt / f"replica_{r}").iterdir() if p.is_dir()) == ["global_step10", "global_step12"]
+        assert sorted(p.name for p in (ckpt / f"replica_{r}").iterdir() if p.is_dir()) == ["global_step6", "global_step8"]
 
 
 def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrupted):
     """FSDP2 under ``torchrun --max-restarts=1`` (as launchers/ start it): the kill fails
     the first attempt, torchrun restarts every rank (``TORCHELASTIC_RESTART_COUNT=1``,
-    where the fault hook stays quiet), and the trainer resumes from the step-10 checkpoint
+    where the fault hook stays quiet), and the trainer resumes from the step-6 checkpoint
     without ``train.resume``: the job exits 0 with the uninterrupted run's result.
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as in the launchers: with torch's shared
     rendezvous store a restarted gloo world reads the dead attempt's addresses (pytorch
