@@ -134,9 +134,14 @@ def validate(name: str, axis: Any, key: str, errors: list[str], check: Callable[
         check(errors, False, f"{key}.value", f"required: the {name} probability the replicas spread around "
               "(e.g. 0.1)")
         return
+    if not math.isfinite(value):  # tester round 19: said "puts replicas in [inf, inf]"
+        check(errors, False, f"{key}.value", f"must be a finite number, got {value}")
+        return
     if axis.kind == "multiplicative" and value == 0 and axis.spread_ratio > 0:
+        # additive around 0 is no way out where the lower bound is above 0 (temperature)
+        additive = "use kind additive, or " if bounds(name, axis)[0] <= 0 else "use "
         check(errors, False, f"{key}.kind", f"a multiplicative spread of a {name} of 0 gives every replica 0, so "
-              f"nothing is explored: use kind additive, or a {name} > 0 ({key}.value"
+              f"nothing is explored: {additive}a {name} > 0 ({key}.value"
               f"{', or model.dropout in hdet-train' if name == 'dropout' else ''})")
         return
     lo, hi = bounds(name, axis)

@@ -260,9 +260,15 @@ class HDETConfig:
         spreads = ", ".join(f"axes.{n}.spread_ratio={self.axes[n].spread_ratio:g}" for n in controlled)
         which = f"no axis it controls has a spread ({spreads})" if controlled else \
             "it controls no axis (every axis has auto: false)"
-        return (f"hdet.auto.enabled: auto-LR is on, but {which}: the replicas train with the same values, so "
-                "auto-LR has no signal and cannot move anything (hypergradient 0, multiplier 1). For plain data "
-                "parallelism set hdet.auto.enabled=false; to explore, set a spread_ratio > 0 on an axis it "
+        # tester round 19: "the replicas train with the same values" while another axis,
+        # one auto-LR does not move, still spread them
+        others = sorted(n for n, a in self.axes.items() if not self.axis_auto(n) and a.spread_ratio > 0)
+        same = (f"the replicas differ only in {', '.join(others)}, which auto-LR does not move" if others else
+                "the replicas train with the same values")
+        plain = ("To keep exploring only those, set hdet.auto.enabled=false" if others else
+                 "For plain data parallelism set hdet.auto.enabled=false")
+        return (f"hdet.auto.enabled: auto-LR is on, but {which}: {same}, so auto-LR has no signal and cannot move "
+                f"anything (hypergradient 0, multiplier 1). {plain}; to explore, set a spread_ratio > 0 on an axis it "
                 "controls (e.g. hdet.axes.lr.spread_ratio=0.2)")
 
     @property
@@ -468,6 +474,13 @@ def _validate(cfg: HDETConfig, p: str, errors: list[str]) -> None:
            f"must be finite and >= 0, got {a.step_size}")
     _check(errors, a.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0 (optimizer steps), got {a.warmup_steps}")
     _check(errors, 1 <= a.max_factor < math.inf, f"{k}.max_factor", f"must be finite and >= 1, got {a.max_factor}")
+    for name in ("dropout", "label_smoothing"):  # tester round 19: a bias, not a measure
+        if a.enabled and a.fitness == "train_loss" and name in cfg.axes and cfg.axes[name].auto is True:
+            _check(errors, False, f"{p}.axes.{name}.auto",
+                   f"auto-LR cannot move {name} on fitness 'train_loss': each replica's training loss is measured "
+                   f"with its own {name}, so the replica with less always scores better and the base would only "
+                   f"fall; use auto.fitness 'probe' (measured with dropout off and no smoothing) or auto false",
+                   reads=(f"{k}.fitness",))
     if isinstance(a.decay, str):
         _check(errors, a.decay == "auto", f"{k}.decay", f"must be a float in [0, 1) or 'auto', got {a.decay!r}")
     else:

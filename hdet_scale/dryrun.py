@@ -58,13 +58,18 @@ def _layout_error(replicas: object, world_size: int) -> str | None:
     return None
 
 
-def _with_first(first: str, error: str | None) -> str:
-    """One message: ``first`` (a problem with total_steps), then the lines of ``error``
-    (the other checks' message, its own heading dropped): every error at once."""
+def _body(error: str | None) -> list[str]:
+    """The lines of a checks' message, its own heading (``invalid hdet config:``) dropped."""
     lines = error.splitlines() if error else []
     if len(lines) > 1 and lines[0].endswith(":"):
         lines = lines[1:]
-    return "invalid config:\n  " + "\n  ".join([first] + [line.strip() for line in lines])
+    return [line.strip() for line in lines]
+
+
+def _with_first(first: str, error: str | None) -> str:
+    """One message: ``first`` (a problem with total_steps), then the lines of ``error``
+    (the other checks' message, its own heading dropped): every error at once."""
+    return "invalid config:\n  " + "\n  ".join([first] + _body(error))
 
 
 def _yaml_hint(path: object, error: Exception) -> str:
@@ -200,16 +205,25 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
                 cfg = resolve_config(config, world_size)
         except HDETConfigError as e:
-            # the layout is checked after the block's values: said with them, not after
-            # they are fixed (tester round 17)
+            # the layout and the optimizer-side axes are checked after the block's values:
+            # said with them, not once they are fixed (tester rounds 17, 19)
+            from hdet_scale.engine_config import optimizer_axis_errors
+
+            lines = _body(str(e))
+            pre = [first] if first is not None else []
             layout = _layout_error(config["hdet"].get("replicas"), world_size)
             if layout is not None and "hdet.replicas:" not in str(e):
-                first = layout if first is None else f"{first}\n  {layout}"
-            if first is not None:
-                raise HDETConfigError(_with_first(first, str(e))) from None
-            raise
-    if first is not None:
-        raise HDETConfigError(_with_first(first, None))
+                pre.append(layout)
+            extra = [line for line in optimizer_axis_errors(config["hdet"], config, backend, prefix="hdet")
+                     if line not in lines]
+            if not pre and not extra:
+                raise
+            raise HDETConfigError("invalid config:\n  " + "\n  ".join(pre + lines + extra)) from None
+    if first is not None:  # with the checks that come after the block's (round 19)
+        from hdet_scale.engine_config import optimizer_axis_errors
+
+        extra = optimizer_axis_errors(config["hdet"], config, backend, prefix="hdet")
+        raise HDETConfigError("\n  ".join([_with_first(first, None), *extra]))
     from hdet_scale.autolr import check_additive_floors
     from hdet_scale.train.engines import axis_bases
 
@@ -238,6 +252,8 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             lines.append(f"axis {name}: multipliers {_per_replica(cfg.replicas, lambda o: 1.0 + axis.spread_ratio * o)}")
         else:
             lines.append(f"axis {name}: offsets {_per_replica(cfg.replicas, lambda o: axis.spread_ratio * o)}")
+        if axis.spread_ratio == 0:  # tester round 19: listed as multipliers [1.0, 1.0] without a word
+            lines[-1] += " (spread_ratio 0: not explored, every replica runs one value)"
         # what needs the model or the optimizer is the engine's to check (tester round 18)
         if getattr(axis, "modules", None):
             lines.append(f"  modules {list(axis.modules)}: matched against the model's module names when the engine "

@@ -185,3 +185,45 @@ def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str
             0: "keeps the whole model, its gradients and optimizer state on every rank (as ZeRO stage 0)"}
     return [f"{prefix}zero_optimization.stage={stage} is DeepSpeed's and is not read by the {backend} backend, "
             f"which {held[ZERO_EQUIVALENT[backend]]}"]
+
+
+#: The axes whose checks read the optimizer block (the LR's base is the schedule's peak).
+_OPTIMIZER_SIDE = ("weight_decay", "beta2", "eps")
+#: A block around one axis that passes the other checks (a run long enough for any).
+_STAND_IN = {"schedule": {"total_steps": 10**6}, "auto": {"enabled": False}}
+
+
+def optimizer_axis_errors(hdet: Any, ds: dict, backend: str, prefix: str = "deepspeed.hdet") -> list[str]:
+    """The checks of :func:`check_optimizer_axes` and ``autolr.check_additive_floors`` for
+    the optimizer-side axes of a raw ``hdet`` block that failed its own validation
+    elsewhere (a warm-up too long, a replica count), so that they are reported with those
+    errors rather than once the others are fixed (tester round 19). Each axis is read
+    alone; an axis whose own fields are wrong is left out (the block's message names it).
+    Returns the message lines; never raises."""
+    from hdet_scale.autolr import build_schedule, check_additive_floors
+
+    axes = hdet.get("axes") if isinstance(hdet, dict) else None
+    if not isinstance(axes, dict):
+        return []
+    replicas = hdet.get("replicas")
+    replicas = replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 2 else 2
+    good = {}
+    for name in _OPTIMIZER_SIDE:
+        if name in axes:
+            try:
+                HDETConfig.from_dict({**_STAND_IN, "replicas": replicas, "axes": {name: axes[name]}})
+            except HDETConfigError:
+                continue
+            good[name] = axes[name]
+    if not good:
+        return []
+    cfg = HDETConfig.from_dict({**_STAND_IN, "replicas": replicas, "axes": good})
+    errors = []
+    for check in (lambda: check_optimizer_axes(cfg, ds, prefix=prefix),
+                  lambda: check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, ds, backend), prefix=prefix)):
+        try:
+            check()
+        except HDETConfigError as e:
+            lines = str(e).splitlines()
+            errors += [line.strip() for line in (lines[1:] if len(lines) > 1 and lines[0].endswith(":") else lines)]
+    return errors

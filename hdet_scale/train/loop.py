@@ -33,7 +33,7 @@ from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.autolr import build_schedule, check_additive_floors
-from hdet_scale.engine_config import check_optimizer_axes
+from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, build_engine, check_engine_config
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, check_buildable, loss_fn
@@ -97,6 +97,14 @@ def validate(run: dict, world_size: int, build_model: bool = True):
         if hcfg.enabled:  # the library's words, before anything starts (it finds them in every rank, after W&B)
             check_group_count(hcfg, PARAM_GROUPS)
     except HDETConfigError as e:
+        # the optimizer-side axes' checks below, said with this error rather than once it
+        # is fixed (tester round 19)
+        extra = [line for line in optimizer_axis_errors(run["deepspeed"].get("hdet"), run["deepspeed"], backend,
+                                                        prefix="deepspeed.hdet") if line not in str(e)]
+        if extra:
+            lines = str(e).splitlines()
+            head = lines if len(lines) > 1 and lines[0].endswith(":") else ["invalid config:", *lines]
+            e = HDETConfigError("\n  ".join([head[0], *[line.strip() for line in head[1:]], *extra]))
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":
         check_engine_config(run["deepspeed"], backend, world_size)

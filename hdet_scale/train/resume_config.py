@@ -195,6 +195,13 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         name = key.split(".")[3]
         if name in _axis_keys(now):
             return f"{uses}: HDET sets it every step (deepspeed.hdet.axes.{name})"
+        if name == "betas" and "beta2" in _axis_keys(now) and isinstance(new, list) and len(new) == 2:
+            # tester round 19: "keeps the checkpoint's value" while the new beta2 was used
+            old = saved.get(key)
+            beta1 = ("" if isinstance(old, list) and old[:1] == new[:1] else
+                     "; beta1 keeps the checkpoint's (the optimizer's parameter groups are restored with its state)")
+            return (f"the resumed run uses beta2 {_fmt(new[1])}: HDET sets it every step "
+                    f"(deepspeed.hdet.axes.beta2){beta1}")
         if name == "betas" and now.get("deepspeed.hdet.schedule.cycle_momentum"):
             return (f"{kept} for beta2; beta1 follows the momentum cycle of deepspeed.hdet.schedule: the optimizer's "
                     "parameter groups are restored with its state")

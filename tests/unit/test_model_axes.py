@@ -7,6 +7,7 @@ test_agreement, test_train_axes).
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -87,9 +88,16 @@ def test_modules_patterns_narrow_what_dropout_sets():
     for r, m in enumerate(sim.models):
         assert m.head_drop.p == 0.1
         assert [a.attention_dropout for a in attentions(m)] == [sim.scheduler.model_value("dropout", r)] * 2
-    with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout: nothing to set .*matching \['\*.nothing'\]"):
+    # round 19: a pattern no module name matches says so (and that names carry no "module.")
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout.modules: \['module.\*.nothing'\] match no module "
+                                              r"name of WithDropout \(names carry no 'module.' prefix\); its names "
+                                              r"look like llama, llama.model"):
         Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
-                  block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.3, "modules": ["*.nothing"]}))
+                  block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.3,
+                                 "modules": ["module.*.nothing"]}))
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout: nothing to set .*matching \['\*.embed_tokens'\]"):
+        Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
+                  block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.3, "modules": ["*.embed_tokens"]}))
 
 
 def test_temperature_divides_the_attention_logits():
@@ -152,7 +160,7 @@ def test_bounds_hold_the_base_where_every_replica_stays_inside():
     paper = HDETConfig.from_dict({**block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.8,
                                                    "auto": True}),
                                   "auto": {"enabled": True, "controller": "paper", "decay": 0.0, "step_size": 100.0,
-                                           "temperature": 0.01, "fitness": "train_loss"}})
+                                           "temperature": 0.01, "fitness": "probe"}})
     ctl = Controller(paper, build_schedule(paper), [0.01], [("dropout", 0)])
     record: dict = {}
     ctl.update([1.0, 2.0], {("dropout", 0): [1, 0]}, {("dropout", 0): [0.85, 0.75]}, lambda k: 0.8, record)
@@ -213,6 +221,10 @@ def test_hdet_train_checks_beta2_bounds_from_the_file_before_any_rank_starts():
     ({"lr": {"spread_ratio": 0.1, "bounds": [0.001, 0.01]}}, "hdet.axes.lr.bounds: the lr axis follows hdet.schedule"),
     ({"dropout": {"spread_ratio": 0.05, "value": 0.0}}, "hdet.axes.dropout.kind: a multiplicative spread of a dropout of 0"),
     ({"label_smoothing": {"spread_ratio": 0.05}}, "hdet.axes.label_smoothing.kind: a multiplicative spread"),
+    # round 19: additive around 0 is no way out for temperature (bounds from 0.01); inf is not "outside bounds"
+    ({"temperature": {"spread_ratio": 0.1, "value": 0}}, "nothing is explored: use a temperature > 0"),
+    ({"temperature": {"spread_ratio": 0.1, "value": math.inf, "bounds": [0.01, math.inf]}},
+     "hdet.axes.temperature.value: must be a finite number, got inf"),
 ])
 def test_round_16_axis_configs_are_refused_when_parsed(axes, needle):
     """Tester round 16: bounds on the LR were checked against its peak only (the schedule
@@ -237,7 +249,7 @@ def test_the_log_controller_holds_the_shift_at_the_bound_and_says_so():
     cfg = HDETConfig.from_dict({**block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.8,
                                                  "auto": True}),
                                 "auto": {"enabled": True, "step_size": 10.0, "temperature": 0.01,
-                                         "fitness": "train_loss"}})
+                                         "fitness": "probe"}})
     ctl = Controller(cfg, build_schedule(cfg), [0.01], [("dropout", 0)])
     for _ in range(3):
         record: dict = {}
@@ -295,7 +307,8 @@ def test_hdet_train_checks_modules_on_its_model_before_any_rank_starts():
     run = load_run_config(None, ["backend=ddp", "wandb.enabled=false",
                                  'deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, temperature: {spread_ratio: 0.1, '
                                  'modules: ["nomatch.*"]}}'])
-    with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.axes.temperature: nothing to set in LlamaForCausalLM"):
+    with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.axes.temperature.modules: \['nomatch.\*'\] match no "
+                                              r"module name of LlamaForCausalLM"):
         validate(run, 4, build_model=False)
     ok = load_run_config(None, ["backend=ddp", "wandb.enabled=false",
                                 'deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, temperature: {spread_ratio: 0.1, '
@@ -351,3 +364,60 @@ def test_an_eps_of_0_spread_multiplicatively_is_refused_in_english():
     with pytest.raises(HDETConfigError, match=r"hdet.axes.eps: a multiplicative spread of an eps of 0 gives every "
                                               r"replica 0, so nothing is explored: set an eps > 0"):
         check_additive_floors(cfg, build_schedule(cfg), {("lr", 0): 0.01, ("eps", 0): 0.0})
+
+
+def test_auto_without_a_signal_names_the_axes_that_still_spread():
+    """Tester round 19: with lr and temperature at spread 0 (auto on) beside a dropout
+    spread, the warning said "the replicas train with the same values"."""
+    cfg = HDETConfig.from_dict({**block(lr={"spread_ratio": 0.0}, temperature={"spread_ratio": 0.0, "auto": True},
+                                        dropout={"spread_ratio": 0.1, "kind": "additive", "value": 0.2}),
+                                "auto": {"enabled": True, "warmup_steps": 2}})
+    text = cfg.auto_without_spread_warning
+    assert "the replicas differ only in dropout, which auto-LR does not move" in text, text
+    assert "To keep exploring only those, set hdet.auto.enabled=false" in text, text
+    alone = HDETConfig.from_dict({**block(lr={"spread_ratio": 0.0}), "auto": {"enabled": True, "warmup_steps": 2}})
+    assert "the replicas train with the same values" in alone.auto_without_spread_warning
+
+
+@pytest.mark.parametrize("axis", ["dropout", "label_smoothing"])
+def test_auto_on_a_regulariser_axis_needs_the_probe(axis):
+    """Tester round 19: an auto ``label_smoothing`` axis on fitness ``train_loss`` fell at
+    every sync (hypergradient -0.76 each time): the training loss carries each replica's
+    own smoothing (dropout: is measured with dropout on), so less always scores better.
+    Refused; the probe (dropout off, no smoothing) and auto false are accepted."""
+    spec = {"spread_ratio": 0.05, "kind": "additive", "value": 0.1, "auto": True}
+    with pytest.raises(HDETConfigError, match=rf"hdet.axes.{axis}.auto: auto-LR cannot move {axis} on fitness "
+                                              "'train_loss'"):
+        HDETConfig.from_dict({**block(**{axis: spec}), "auto": {"enabled": True, "fitness": "train_loss"}})
+    HDETConfig.from_dict({**block(**{axis: spec}), "auto": {"enabled": True, "fitness": "probe"}})
+    HDETConfig.from_dict({**block(**{axis: {**spec, "auto": False}}), "auto": {"enabled": True, "fitness": "train_loss"}})
+
+
+def test_optimizer_axis_errors_come_with_the_blocks_other_errors():
+    """Tester round 19: the beta2 bounds / additive eps below 0 / SGD without eps were
+    reported only once every other error (a warm-up too long, 3 replicas on 4 ranks) was
+    fixed, in hdet-train and hdet-dryrun."""
+    from hdet_scale.dryrun import describe
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run = load_run_config(None, ["backend=ddp", "wandb.enabled=false", "train.steps=20",
+                                 "deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, beta2: {spread_ratio: 0.5}}"])
+    with pytest.raises(HDETConfigError) as e:
+        validate(run, 4, build_model=False)
+    lines = str(e.value).splitlines()
+    assert lines[1].strip().startswith("deepspeed.hdet.auto.warmup_steps: must be shorter than the run"), lines
+    assert lines[2].strip().startswith("deepspeed.hdet.axes.beta2: the optimizer's beta2 0.95 (parameter group 0) "
+                                       "with spread_ratio 0.5"), lines
+    sgd = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+           "hdet": {"replicas": 3, "axes": {"lr": {"spread_ratio": 0.1}, "eps": {"spread_ratio": 0.1}},
+                    "schedule": {"total_steps": 100}}}
+    with pytest.raises(HDETConfigError) as e:
+        describe(sgd, world_size=4, backend="ddp")
+    assert "hdet.replicas: 3 replicas do not divide the world of 4 ranks" in str(e.value), str(e.value)
+    assert "hdet.axes.eps: the optimizer SGD has no eps" in str(e.value), str(e.value)
+    with pytest.raises(HDETConfigError) as e:  # beside a --total-steps mismatch too
+        describe(sgd | {"hdet": {**sgd["hdet"], "replicas": 2}}, world_size=4, total_steps=10, backend="ddp")
+    assert str(e.value).splitlines()[1:] == ["  --total-steps 10 differs from hdet.schedule.total_steps=100 in the file",
+                                             "  hdet.axes.eps: the optimizer SGD has no eps in its parameter groups, so "
+                                             "there is nothing to spread; use Adam/AdamW, or drop the axis"], str(e.value)

@@ -201,3 +201,20 @@ def test_a_changed_model_axis_base_says_the_learned_shift_stays(tmp_path):
         text = resume_config.notice(changed, str(ckpt)) + "\n"
         assert expected in text, text
         assert "axes.dropout.value" not in text, text  # filled from model.dropout: one line, that key's
+
+
+def test_changed_betas_with_a_beta2_axis_says_the_new_beta2_is_used(tmp_path):
+    """Tester round 19: with ``beta2`` explored, a resume with new ``betas`` said the run
+    "keeps the checkpoint's value" while the logged replica beta2 were the new 0.98 +- 1%
+    (HDET writes beta2 into the parameter groups every step); only beta1 is restored."""
+    axes = "deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, beta2: {spread_ratio: 0.01}}"
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 10, run_config(tmp_path, axes))
+    for betas, expected in (
+            ("[0.9,0.98]", "deepspeed.optimizer.params.betas: [0.9, 0.95] -> [0.9, 0.98]: the resumed run uses beta2 "
+                           "0.98: HDET sets it every step (deepspeed.hdet.axes.beta2)\n"),
+            ("[0.8,0.98]", "uses beta2 0.98: HDET sets it every step (deepspeed.hdet.axes.beta2); beta1 keeps the "
+                           "checkpoint's")):
+        text = resume_config.notice(run_config(tmp_path, axes, f"deepspeed.optimizer.params.betas={betas}"),
+                                    str(ckpt)) + "\n"
+        assert expected in text, text
