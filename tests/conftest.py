@@ -21,6 +21,15 @@ def deepspeed_ops_built(request):
     accel = get_accelerator()
     if accel.device_name() != "cpu":
         return
+    import os
+
+    from hdet_scale.backends.ds_cpuinfo import remember, share
+
+    # py-cpuinfo asked once for the whole session, as hdet-train's launcher asks once for
+    # its ranks: every rank and CLI process the tests start inherits the answer
+    # (backends/ds_cpuinfo.py; 2.2 s of each DeepSpeed rank's start-up otherwise)
+    os.environ.update(share())
+    remember()
     for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
         builder = accel.create_op_builder(name)
         if builder is not None and builder.is_compatible():

@@ -272,6 +272,9 @@ def _init_distributed(dist_backend: str | None) -> str:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from hdet_scale.backends.ds_cpuinfo import remember
+
+    remember()  # before any op loads: py-cpuinfo's 2 x 1.1 s per rank (ds_cpuinfo)
     accel = get_accelerator()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=dist_backend or ("gloo" if accel.device_name() == "cpu" else None))

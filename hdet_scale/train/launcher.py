@@ -106,6 +106,10 @@ def launch_local(run: dict) -> int:
     started = time.time()  # a summary.json from before this launch is an earlier attempt's
     n = run["nproc"]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    if run["backend"] == "deepspeed":  # asked once here, not twice in every rank (backends/ds_cpuinfo.py)
+        from hdet_scale.backends.ds_cpuinfo import share
+
+        os.environ.update(share())
     ctx = get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
