@@ -221,6 +221,9 @@ class HDETTrainer(Trainer):
         """While open, ``deepspeed.initialize`` builds an HDET engine (module comment)."""
         import deepspeed
 
+        from hdet_scale.backends.ds_cpuinfo import remember
+
+        remember()  # before the engine loads its ops (backends/ds_cpuinfo.py)
         real = deepspeed.initialize
         # Accelerate fills "auto" values it knows and refuses others ("hdet.schedule.total_steps"):
         # the block stays out of its config while it prepares, and _initialize adds it back.
