@@ -161,8 +161,25 @@ def stale_trainer_locks(root: str | None = None) -> list[str]:
     """The stale locks (:func:`is_stale`) in the op folders the trainer loads
     (:data:`TRAINER_OPS`) under ``root`` (default :func:`extensions_dir`)."""
     root = extensions_dir() if root is None else root
-    locks = [os.path.join(root, op, "lock") for op in TRAINER_OPS]
+    # an op DeepSpeed was installed with (DS_BUILD_<OP>=1) is imported, never JIT-loaded:
+    # its folder's lock cannot block the start (README: prebuilt ops never need the lock)
+    prebuilt = prebuilt_ops()
+    locks = [os.path.join(root, op, "lock") for op in TRAINER_OPS if op not in prebuilt]
     return [p for p in locks if is_stale(p)]
+
+
+def prebuilt_ops() -> set[str]:
+    """The ops this DeepSpeed install holds compiled for this accelerator
+    (``deepspeed.git_version_info.installed_ops``, as ``OpBuilder.load`` reads it); empty
+    without DeepSpeed. Imports DeepSpeed."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import accelerator_name, installed_ops
+    except ImportError:
+        return set()
+    if accelerator_name != get_accelerator()._name:
+        return set()
+    return {name for name, built in installed_ops.items() if built}
 
 
 def _removal(path: str) -> tuple[str, str]:

@@ -48,6 +48,23 @@ def test_a_lock_nobody_holds_is_stale_only_once_old_enough(tmp_path):
     assert startup.stale_trainer_locks(str(tmp_path)) == [str(lock)]
     message = startup.stale_lock_message(str(lock))
     assert f"rm {lock}" in message and "prebuilt" in message
+
+
+def test_a_prebuilt_op_is_never_blocked_by_its_folders_lock(tmp_path, monkeypatch):
+    """An op DeepSpeed was installed with is imported, not JIT-loaded (``OpBuilder.load``
+    reads ``installed_ops``): the launcher refused such a start for a stale lock (exit 3)
+    that the README says it never needs. DeepSpeed's own table stands in for a prebuilt
+    install (building one takes 150 s more than the suite's install)."""
+    from deepspeed import git_version_info
+
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    backdate(lock, startup.STALE_AFTER_S + 1)
+    assert startup.stale_trainer_locks(str(tmp_path)) == [str(lock)]  # JIT-loaded here: it blocks
+    monkeypatch.setitem(git_version_info.installed_ops, "fused_adam", True)
+    assert "fused_adam" in startup.prebuilt_ops()
+    assert startup.stale_trainer_locks(str(tmp_path)) == []
     assert lock.exists()  # named, never removed
 
 
