@@ -30,7 +30,27 @@ def deepspeed_ops_built(request):
     # (backends/ds_cpuinfo.py; 2.2 s of each DeepSpeed rank's start-up otherwise)
     os.environ.update(share())
     remember()
-    for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    names = ("ShareMemCommBuilder", "FusedAdamBuilder")
+    # A fresh machine compiles both ops, one compiler process each (~45 s apiece on 2
+    # cores): built side by side, one process per op (each op has its own folder and
+    # lock), then loaded here from what they built. Never killed mid-build (a stale lock).
+    import subprocess
+    import sys
+
+    builds = [subprocess.Popen([sys.executable, "-c", _BUILD.format(name=name)]) for name in names]
+    for proc in builds:
+        proc.wait()
+    for name in names:
         builder = accel.create_op_builder(name)
         if builder is not None and builder.is_compatible():
             builder.load()
+
+
+_BUILD = """
+from deepspeed.accelerator import get_accelerator
+from hdet_scale.backends.ds_cpuinfo import remember
+remember()
+builder = get_accelerator().create_op_builder("{name}")
+if builder is not None and builder.is_compatible():
+    builder.load()
+"""
