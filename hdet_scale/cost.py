@@ -58,6 +58,8 @@ bucketed all-reduces of the same total payload.
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 import os
 import re
@@ -121,10 +123,18 @@ def size_of_module(module) -> ModelSize:
 
 
 def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
-    """The model a Hugging Face config builds (``AutoModelForCausalLM.from_config`` on
-    the meta device: no weights allocated, nothing downloaded). ``config``: a
-    ``config.json`` path, a folder holding one, or its dict (with ``model_type``).
-    Raises HDETConfigError naming ``--hf-config``."""
+    """The size of the model a Hugging Face config builds (:func:`hf_model`). Raises
+    HDETConfigError naming ``--hf-config``."""
+    model, model_type, source = hf_model(config)
+    size = size_of_module(model)
+    return ModelSize(size.params, size.shapes, size.buffer_numel, f"{model_type}, {source}")
+
+
+def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
+    """``(model, model_type, source)``: the model a Hugging Face config builds
+    (``AutoModelForCausalLM.from_config`` on the meta device: no weights allocated,
+    nothing downloaded). ``config``: a ``config.json`` path, a folder holding one, or its
+    dict (with ``model_type``). Raises HDETConfigError naming ``--hf-config``."""
     source = "config dict"
     try:
         if not isinstance(config, dict):
@@ -133,6 +143,9 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
             require_regular(path, "--hf-config:")  # a FIFO's open would wait forever
             with open(path, encoding="utf-8") as f:
                 config = loads_json(f.read())  # a key twice is refused, not the last one kept
+        if not isinstance(config, dict):  # tester round 20: "cannot convert dictionary update sequence"
+            raise HDETConfigError(f"--hf-config: {source!r} must hold a JSON object (a Hugging Face config.json), "
+                                  f"got a {type(config).__name__}")
         config = dict(config)
         model_type = config.pop("model_type")
     except HDETConfigError:
@@ -156,8 +169,7 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
         reason = reason if len(reason) <= 300 else reason[:300] + " ..."
         raise HDETConfigError(f"--hf-config: {source!r} does not build a causal LM: {type(e).__name__}: "
                               f"{reason}") from None
-    size = size_of_module(model)
-    return ModelSize(size.params, size.shapes, size.buffer_numel, f"{model_type}, {source}")
+    return model, model_type, source
 
 
 def local_share(size: ModelSize, backend: str, shards: int) -> int:

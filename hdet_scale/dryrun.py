@@ -6,8 +6,8 @@ that engine reads of the file as ``hdet-train`` does (``engines.check_engine_con
 torch optimizer and its arguments, no ``scheduler`` block, no fp16, bf16 with fsdp2 only)
 and ignore the rest. Every backend also gets the checks ``hdet-train`` runs on the JSON:
 unknown keys, blocks given as a value, and the optimizer values
-(``ds_values.check_deepspeed_values``), all errors in one message (a missing
-``total_steps`` too). The plan lists a few groups and counts the rest: the same time and
+(``ds_values.check_deepspeed_values``), each stage's errors in one message (a missing
+``total_steps`` with the hdet block's; the stages: docs/config.md). The plan lists a few groups and counts the rest: the same time and
 memory for any world size. ``--params`` / ``--hf-config`` add the cost model (memory and
 bytes per rank, ``hdet_scale.cost``), ``--build-groups`` the real process groups on torch's
 fake backend. Exit 0 when valid, 2 with the errors if not."""
@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 from hdet_scale.backends import BACKENDS
 from hdet_scale.errors import HDETConfigError
@@ -42,6 +42,19 @@ _STAND_IN_TOTAL = 10**12
 _MISSING_TOTAL = ("hdet.schedule.total_steps: must be an integer >= 1; the file leaves it to the trainer "
                   "(hdet-train sets it from train.steps): pass --total-steps N (the checks that depend on the run "
                   "length were not run)")
+
+
+def _set_on_hf_model(cfg: Any, cost: dict | None) -> bool:
+    """With ``--hf-config``, find what the dropout / temperature axes set in that model
+    (meta device), as the engine will (tester round 20: hdet-dryrun said 0 for patterns
+    hdet-train refuses). True when checked. Raises HDETConfigError as the engine would."""
+    if not cost or cost.get("hf_config") is None or not any(a in cfg.axes for a in ("dropout", "temperature")):
+        return False
+    from hdet_scale.cost import hf_model
+    from hdet_scale.model_axes import setters
+
+    setters(hf_model(cost["hf_config"])[0], cfg)
+    return True
 
 
 def _layout_error(replicas: object, world_size: int) -> str | None:
@@ -247,6 +260,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         lines.append(f"DeepSpeed train_batch_size per replica: "
                      f"{ds.get('train_batch_size', 'from micro x accumulation')}")
     schedule = build_schedule(cfg)
+    on_model = _set_on_hf_model(cfg, cost)
     for name, axis in sorted(cfg.axes.items()):
         if axis.kind == "multiplicative":
             lines.append(f"axis {name}: multipliers {_per_replica(cfg.replicas, lambda o: 1.0 + axis.spread_ratio * o)}")
@@ -255,9 +269,11 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         if axis.spread_ratio == 0:  # tester round 19: listed as multipliers [1.0, 1.0] without a word
             lines[-1] += " (spread_ratio 0: not explored, every replica runs one value)"
         # what needs the model or the optimizer is the engine's to check (tester round 18)
-        if getattr(axis, "modules", None):
+        if getattr(axis, "modules", None) and on_model:
+            lines.append(f"  modules {list(axis.modules)}: each matches modules the axis sets in --hf-config's model")
+        elif getattr(axis, "modules", None):
             lines.append(f"  modules {list(axis.modules)}: matched against the model's module names when the engine "
-                         "binds the model (hdet-dryrun has no model)")
+                         "binds the model (hdet-dryrun has no model: --hf-config checks them)")
         if getattr(axis, "groups", None):
             lines.append(f"  groups {list(axis.groups)}: checked against the optimizer's parameter groups when the "
                          "engine starts (hdet-dryrun has no optimizer)")

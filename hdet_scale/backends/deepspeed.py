@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.ds_machine import check_accelerator
+from hdet_scale.backends.ds_zero import zero3_errors
 from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
                                         make_logger, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import world_size as common_world_size
@@ -231,22 +232,7 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
                                                       and getattr(torch.optim, opt_type, None) is None)):
                 errors.append(f"optimizer.type: {opt_type!r} is neither a DeepSpeed optimizer "
                               f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
-        params = (ds.get("optimizer") or {}).get("params") or {}
-        if isinstance(opt_type, str) and opt_type.lower() in ("adam", "adamw") and params.get("amsgrad"):
-            # tester round 14: FusedAdam / DeepSpeedCPUAdam raise on it in every rank
-            errors.append("optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad "
-                          "variant; remove it, or use a torch.optim class as optimizer.type")
-        stage = ds.get("zero_optimization", {}).get("stage", 0)
-        if stage != 3:
-            errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3 (the integer), "
-                          f"got {stage!r}")
-        offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        if offload not in (None, "none"):
-            errors.append(f"zero_optimization.offload_optimizer.device: optimizer offload ({offload}) is not "
-                          "supported with hdet yet; use 'none'")
-        if ds.get("fp16", {}).get("enabled", False) and cfg.gradient_sharing == "replica":
-            errors.append("fp16.enabled: fp16 loss scaling skips steps per replica, which would desynchronise "
-                          "the sync steps under hdet.gradient_sharing='replica'; use bf16 or 'global'")
+        errors += zero3_errors(ds, cfg)  # what ZeRO-3 under HDET cannot run (backends/ds_zero.py)
         # The batch keys are integers >= 1 here (check_deepspeed_values above); their product
         # over the whole world is the shared check's (ds_values.batch_errors), with the
         # default accumulation of 1 filled in as DeepSpeed does.

@@ -34,5 +34,13 @@ def check_accelerator(ds: dict) -> None:
         if type(accel.create_op_builder(op)).__name__ == "NotImplementedBuilder":
             errors.append(f"optimizer.type: {kind!r} needs DeepSpeed's {op[:-7]} op, which this machine's "
                           f"accelerator ({accel.device_name()}) does not have; use Adam, AdamW or a torch.optim class")
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    quantized = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                             "zero_quantized_gradients") if zero.get(k)]
+    if quantized and type(accel.create_op_builder("QuantizerBuilder")).__name__ == "NotImplementedBuilder":
+        # tester round 20: "This op had not been implemented on CPU backend" in every rank
+        errors += [f"zero_optimization.{k}: ZeRO++'s quantization needs DeepSpeed's quantizer op, which this "
+                   f"machine's accelerator ({accel.device_name()}) does not have; remove it, or run on a GPU"
+                   for k in quantized]
     if errors:
         raise HDETConfigError("invalid DeepSpeed config for this machine:\n  " + "\n  ".join(errors))

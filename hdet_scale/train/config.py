@@ -24,6 +24,9 @@ from typing import Any
 from hdet_scale.config import MAX_STEPS, WandbConfig, seed_ok
 from hdet_scale.ds_keys import RepeatedKeyError, loads_json
 from hdet_scale.ds_values import check_deepspeed_values
+from hdet_scale.train.config_merge import container_clash as _container_clash
+from hdet_scale.train.config_merge import empty_over_full as _empty_over_full
+from hdet_scale.train.config_merge import refuse_empty_over_full as _refuse_empty_over_full
 from hdet_scale.train.optimizer_switch import drop_foreign_params
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
@@ -116,6 +119,11 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         raise HDETConfigError(f"{clash} (merging the overrides into {ds_path})")
     _refuse_empty_over_full(overrides, ds, ds_path)
     given = run["deepspeed"] or {}
+    empty = next(filter(None, (_empty_over_full(v, ds.get(k), f"deepspeed.{k}") for k, v in given.items())), None)
+    if empty:  # the same {} from the run YAML (tester round 20: silent there)
+        raise HDETConfigError(f"{empty[0]}: {{}} in the run config merges into {ds_path}, so it changes nothing "
+                              f"there (it keeps {', '.join(map(str, empty[1]))}); set the keys inside it instead, or "
+                              "give your own deepspeed_config file")
     try:
         run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, given), resolve=True)
     except OmegaConfBaseException as e:
@@ -124,40 +132,6 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     _validate(run)
     _hdet_logging(run, explicit_wandb)
     return run
-
-
-def _refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None:
-    """``deepspeed.<key>={}`` where the DeepSpeed JSON has a non-empty object: overrides
-    merge, so ``{}`` changes nothing (tester round 18: ``deepspeed.hdet.axes={}`` kept the
-    packaged lr spread without a word)."""
-    for o in overrides:
-        key, value = (part.strip() for part in o.split("=", 1))
-        if not key.startswith("deepspeed.") or value.replace(" ", "") != "{}":
-            continue
-        node: Any = ds
-        for part in key.split(".")[1:]:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node:
-            inner = next(iter(node))
-            raise HDETConfigError(f"override {o!r}: overrides merge into {ds_path}, so {{}} changes nothing there (it "
-                                  f"keeps {', '.join(map(str, node))}); set the keys inside it instead (e.g. "
-                                  f"{key}.{inner}=...), or give your own deepspeed_config file")
-
-
-def _container_clash(base: Any, over: Any, key: str) -> str | None:
-    """The first key where ``over`` puts a list over an object of ``base`` or the reverse
-    (tester round 16: ``deepspeed.hdet.axes=[lr, dropout]`` was a traceback), as a message."""
-    if isinstance(base, dict) and isinstance(over, dict):
-        for k, v in over.items():
-            found = _container_clash(base.get(k), v, f"{key}.{k}") if k in base else None
-            if found:
-                return found
-        return None
-    kinds = {dict: "an object", list: "a list"}
-    b, o = kinds.get(type(base)), kinds.get(type(over))
-    if b and o and b != o:
-        return f"{key}: expected {b} (as in the DeepSpeed config), got {o}: {over!r}"[:400]
-    return None
 
 
 def _check_bools(top: dict, where: str) -> None:

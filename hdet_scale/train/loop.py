@@ -49,7 +49,7 @@ PARAM_GROUPS = 1
 
 def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     # The hdet block and DeepSpeed keys live under "deepspeed." in the trainer config.
-    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:|optimizer\.type:|optimizer\.params\.)",
+    text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:|optimizer\.type:|optimizer\.params\.|gradient_predivide_factor:)",
                   r"deepspeed.\1", str(e))
     # hdet-train fills the dropout axis' value from model.dropout (train/config.py), which
     # is the key to change (tester round 18: the message named the axis' value)
@@ -88,8 +88,18 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     check_deepspeed_keys(run["deepspeed"], strict=True, prefix="deepspeed.", optimizer_params=backend == "deepspeed")
     try:
         if backend == "deepspeed":
-            hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
-            check_accelerator(run["deepspeed"])
+            try:  # this machine's limits, said with the config's errors (Lamb: both at once)
+                check_accelerator(run["deepspeed"])
+                machine = ""
+            except HDETConfigError as e:
+                machine = str(e)
+            try:
+                hcfg, _ = prepare_config(run["deepspeed"], world_size=world_size)
+            except HDETConfigError as e:
+                raise HDETConfigError("\n  ".join([str(e), *(line.strip() for line in machine.splitlines()[1:])])
+                                      ) if machine else e from None
+            if machine:
+                raise HDETConfigError(machine)
         else:
             hcfg = HDETConfig.from_dict(run["deepspeed"].get("hdet") or {})
             if hcfg.enabled:

@@ -166,6 +166,12 @@ def _fold_lone_axes(rec: dict, other: dict) -> dict:
 
 
 def _error_reason(key: str, saved: dict, now: dict) -> str | None:
+    backend = now.get("backend", "deepspeed")
+    if key == "deepspeed.zero_optimization.stage" and backend != "deepspeed":
+        return None  # tester round 20: the other engines never read it (their note says so)
+    if key in ("deepspeed.bf16.enabled", "deepspeed.fp16.enabled") and backend != "deepspeed":
+        return ("the precision the saved weights and optimizer state were written in; converge first and start "
+                "a new run to change it")
     if key in _ERRORS:
         return _ERRORS[key]
     if key.startswith("deepspeed.hdet.axes."):
@@ -214,6 +220,8 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         return f"{uses}; what auto-LR learned up to the checkpoint (restored from it) stays in effect"
     if key == "seed":
         return f"{uses}: it draws the training and probe batches (dropout continues from the RNG state saved)"
+    if key == "deepspeed.zero_optimization.stage":
+        return f"no effect: the {now.get('backend')} backend does not read it"
     axis = _model_axis(key, now)
     if axis and saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved) \
             and saved.get(f"deepspeed.hdet.axes.{axis}.auto"):  # tester round 18: "uses 0.2" hid the learned shift

@@ -101,6 +101,7 @@ def setup_cases(d) -> None:
     (d / "a_file").write_text("not a folder\n")
     (d / "folder.json").mkdir()
     (d / "tiny.txt").write_text("print('hi')\n" * 3)
+    (d / "empty_axes.yaml").write_text("deepspeed:\n  hdet:\n    axes: {}\n")
     (d / "empty.txt").write_text("")
     (d / "hdet_null.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": null}')
     (d / "lr_nan.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}')
@@ -461,6 +462,21 @@ CASES = [
      {}, 2, ["deepspeed.hdet.axes.dropout.value: expected float | None, got '0.1'"], None),
     ("empty_object_over_the_packaged_axes", ["deepspeed.hdet.axes={{}}"], {}, 2,
      ["override 'deepspeed.hdet.axes={{}}': overrides merge into", "changes nothing there (it keeps lr)"], None),
+    # round 20: DeepSpeed's assertions in every rank (an untested ZeRO optimizer, a predivide
+    # factor, ZeRO++ quantization on CPU); hpZ trained with a wrong loss; {} in the run YAML
+    ("zero_untested_optimizer", ["deepspeed.optimizer.type=SGD"], {}, 2,
+     ["deepspeed.optimizer.type: DeepSpeed's ZeRO refuses 'SGD'", "unless zero_allow_untested_optimizer is true"],
+     None),
+    ("zero3_predivide_factor", ["deepspeed.gradient_predivide_factor=2.0"], {}, 2,
+     ["deepspeed.gradient_predivide_factor: DeepSpeed's ZeRO-3 supports only 1.0"], None),
+    ("zero_hpz_partition_size", ["deepspeed.zero_optimization.zero_hpz_partition_size=2"], {}, 2,
+     ["deepspeed.zero_optimization.zero_hpz_partition_size: ZeRO++'s hierarchical partitioning (2) is not supported"],
+     None),
+    ("zero_quantized_weights_on_cpu", ["deepspeed.zero_optimization.zero_quantized_weights=true"], {}, 2,
+     ["deepspeed.zero_optimization.zero_quantized_weights: ZeRO++'s quantization needs DeepSpeed's quantizer op",
+      "(cpu)"], None),
+    ("yaml_empty_object_over_the_packaged_axes", ["{d}/empty_axes.yaml"], {}, 2,
+     ["deepspeed.hdet.axes: {{}} in the run config merges into", "(it keeps lr)"], None),
     ("dropout_bounds_name_model_dropout", ["model.dropout=0.05",
                                            "deepspeed.hdet.axes={{dropout: {{spread_ratio: 0.1, kind: additive}}}}"], {}, 2,
      ["model.dropout (the base of deepspeed.hdet.axes.dropout in hdet-train): 0.05 with spread_ratio 0.1"], None),

@@ -286,7 +286,8 @@ def test_a_huge_world_is_described_in_bounded_time_and_lines(replicas):
 
 
 @pytest.mark.parametrize("edit,backend,deepspeed_ok", [
-    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "ddp", True),
+    # Lion, not Lamb: DeepSpeed's ZeRO refuses Lamb without zero_allow_untested_optimizer (round 20)
+    ({"optimizer": {"type": "Lion", "params": {"lr": 1e-3}}}, "ddp", True),
     ({"optimizer": None, "fp16": {"enabled": True}}, "fsdp2", True),
     ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}}, "ddp", False),
     ({"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {}}}, "fairscale", False),
@@ -312,7 +313,7 @@ def test_engine_checks_are_hdet_trains(edit, backend, deepspeed_ok, tmp_path, ca
         validate(run, 8)
     lines = [line.strip().removeprefix("deepspeed.") for line in str(train.value).splitlines()[1:]]
     assert lines and [line.strip() for line in dry[1:]] == lines, (dry, lines)
-    # the same file passes for the engine that supports it (DeepSpeed: Lamb, fp16, a scheduler)
+    # the same file passes for the engine that supports it (DeepSpeed: Lion, fp16, a scheduler)
     if deepspeed_ok:
         assert main([str(path), "--world-size", "8", "--backend", "deepspeed"]) == 0
 
@@ -369,3 +370,25 @@ def test_a_layout_error_is_reported_with_the_blocks_other_errors(backend, recwar
     assert not [w for w in recwarn if "spread_ratio is 0" in str(w.message)], [str(w.message) for w in recwarn]
     assert "  modules ['x.*']: matched against the model's module names when the engine binds" in report, report
     assert "  groups [0]: checked against the optimizer's parameter groups when the engine starts" in report, report
+
+
+def test_hf_config_checks_the_modules_patterns_on_its_model(tmp_path):
+    """Tester round 20: with --hf-config the dry run builds the model, yet said "hdet-dryrun
+    has no model" and exited 0 on ``modules`` patterns hdet-train refuses; a config.json
+    holding a list was Python's "dictionary update sequence" message."""
+    hf = tmp_path / "hf.json"
+    hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256}))
+    config = {**ZERO3, "hdet": {**BLOCK, "axes": {"lr": {"spread_ratio": 0.1},
+                                                  "temperature": {"spread_ratio": 0.1, "modules": ["zzz"]}}}}
+    options = {"params": None, "hf_config": str(hf), "precision": None, "bandwidth_gbps": None, "step_seconds": None}
+    with pytest.raises(HDETConfigError, match=r"hdet.axes.temperature.modules: \['zzz'\] match no module name of "
+                                              "LlamaForCausalLM"):
+        describe(json.loads(json.dumps(config)), world_size=8, cost=options)
+    config["hdet"]["axes"]["temperature"]["modules"] = ["model.layers.*.self_attn"]
+    text = describe(json.loads(json.dumps(config)), world_size=8, cost=options)
+    assert "modules ['model.layers.*.self_attn']: each matches modules the axis sets in --hf-config's model" in text
+    assert "(hdet-dryrun has no model: --hf-config checks them)" in describe(json.loads(json.dumps(config)), 8)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(HDETConfigError, match=r"--hf-config: .*list.json' must hold a JSON object .*got a list"):
+        describe(json.loads(json.dumps(config)), world_size=8, cost={**options, "hf_config": str(tmp_path / "list.json")})

@@ -218,3 +218,26 @@ def test_changed_betas_with_a_beta2_axis_says_the_new_beta2_is_used(tmp_path):
         text = resume_config.notice(run_config(tmp_path, axes, f"deepspeed.optimizer.params.betas={betas}"),
                                     str(ckpt)) + "\n"
         assert expected in text, text
+
+
+def test_zero_stage_is_no_change_for_engines_that_do_not_read_it(tmp_path):
+    """Tester round 20: a ddp / fairscale resume with a new zero_optimization.stage (set to
+    silence the note that these engines do not read it) was refused as "the ZeRO stage
+    the saved partitions were written by"; the fsdp2 precision refusal named DeepSpeed's
+    file names. DeepSpeed itself still refuses the stage change."""
+    for backend in ("ddp", "fairscale"):
+        ckpt = tmp_path / backend / "checkpoint"
+        save(ckpt, 10, run_config(ckpt.parent, f"backend={backend}"))
+        changed = run_config(ckpt.parent, f"backend={backend}", "deepspeed.zero_optimization.stage=0")
+        assert resume_config.check(changed, str(ckpt))  # a change, not an error
+        assert f"deepspeed.zero_optimization.stage: 3 -> 0: no effect: the {backend} backend does not read it" in \
+            resume_config.notice(changed, str(ckpt))
+    ckpt = tmp_path / "ds" / "checkpoint"
+    save(ckpt, 10, run_config(ckpt.parent))
+    with pytest.raises(HDETStateError, match="the ZeRO stage the saved partitions were written by"):
+        resume_config.check(run_config(ckpt.parent, "deepspeed.zero_optimization.stage=2"), str(ckpt))
+    ckpt = tmp_path / "fsdp2" / "checkpoint"
+    save(ckpt, 10, run_config(ckpt.parent, "backend=fsdp2"))
+    with pytest.raises(HDETStateError) as e:
+        resume_config.check(run_config(ckpt.parent, "backend=fsdp2", "deepspeed.bf16.enabled=true"), str(ckpt))
+    assert "the precision the saved weights" in str(e.value) and "DeepSpeed names" not in str(e.value)

@@ -1,0 +1,59 @@
+"""How the ``deepspeed`` section of the run config (run YAML and overrides) merges into
+the DeepSpeed JSON, and the merges that cannot mean what they say: a list over an object
+or the reverse (OmegaConf's bare TypeError), ``{}`` over a non-empty object (a merge that
+changes nothing). Pure; used by ``train/config.py``'s ``load_run_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hdet_scale.errors import HDETConfigError
+
+
+def refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None:
+    """``deepspeed.<key>={}`` where the DeepSpeed JSON has a non-empty object: overrides
+    merge, so ``{}`` changes nothing (tester round 18: ``deepspeed.hdet.axes={}`` kept the
+    packaged lr spread without a word)."""
+    for o in overrides:
+        key, value = (part.strip() for part in o.split("=", 1))
+        if not key.startswith("deepspeed.") or value.replace(" ", "") != "{}":
+            continue
+        node: Any = ds
+        for part in key.split(".")[1:]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node:
+            inner = next(iter(node))
+            raise HDETConfigError(f"override {o!r}: overrides merge into {ds_path}, so {{}} changes nothing there (it "
+                                  f"keeps {', '.join(map(str, node))}); set the keys inside it instead (e.g. "
+                                  f"{key}.{inner}=...), or give your own deepspeed_config file")
+
+
+def empty_over_full(given: Any, base: Any, key: str) -> tuple[str, list] | None:
+    """The first ``(dotted key, kept keys)`` where ``given`` holds ``{}`` over a non-empty
+    object of ``base``, or ``None``."""
+    if not isinstance(given, dict) or not isinstance(base, dict):
+        return None
+    if not given and base:
+        return key, list(base)
+    for k, v in given.items():
+        found = empty_over_full(v, base.get(k), f"{key}.{k}")
+        if found:
+            return found
+    return None
+
+
+def container_clash(base: Any, over: Any, key: str) -> str | None:
+    """The first key where ``over`` puts a list over an object of ``base`` or the reverse
+    (tester round 16: ``deepspeed.hdet.axes=[lr, dropout]`` was a traceback), as a message."""
+    if isinstance(base, dict) and isinstance(over, dict):
+        for k, v in over.items():
+            found = container_clash(base.get(k), v, f"{key}.{k}") if k in base else None
+            if found:
+                return found
+        return None
+    kinds = {dict: "an object", list: "a list"}
+    b, o = kinds.get(type(base)), kinds.get(type(over))
+    if b and o and b != o:
+        return f"{key}: expected {b} (as in the DeepSpeed config), got {o}: {over!r}"[:400]
+    return None
