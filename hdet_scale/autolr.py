@@ -106,6 +106,8 @@ def check_config(cfg: HDETConfig) -> None:
         warnings.warn(msg, UserWarning, stacklevel=2)
     if cfg.auto_without_spread_warning:
         _warn_once(cfg.auto_without_spread_warning)
+    if cfg.auto_off_warning:
+        _warn_once(cfg.auto_off_warning)
     schedule = build_schedule(cfg)
     for axis in cfg.axes:
         decay_for(cfg, schedule, axis, 1.0)
@@ -146,8 +148,10 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
             where = f"its {axis}"
             errors.append(f"{prefix}.axes.{axis}.spread_ratio: an additive spread of {spec.spread_ratio:g} takes "
                           f"parameter group {group} from {where} {lowest:g} to {lowest - spec.spread_ratio:g} for one "
-                          f"replica, and {axis} must stay >= 0: use spread_ratio <= {lowest:g}, kind "
-                          "multiplicative, or a larger base value")
+                          f"replica, and {axis} must stay >= 0: "
+                          + (f"use spread_ratio <= {lowest:g}, kind multiplicative, or a larger base value"
+                             if lowest > 0 else  # tester round 20: two of the three ways out were dead ends at 0
+                             f"set {axis} >= {spec.spread_ratio:g} in the optimizer (optimizer.params)"))
     errors += specs.check_group_bounds(cfg, bases, prefix)  # beta2 near 1, a user's bounds
     if errors:
         raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))

@@ -243,6 +243,18 @@ class HDETConfig:
                 "parallelism. Set hdet.replicas >= 2 (it must divide the world size)")
 
     @property
+    def auto_off_warning(self) -> str | None:
+        """A message when an axis asks auto-LR to move it (``auto: true``) while
+        ``auto.enabled`` is false: nothing moves it (tester round 20: said nothing)."""
+        if not self.enabled or self.auto.enabled:
+            return None
+        asked = sorted(n for n, a in self.axes.items() if a.auto)
+        if not asked:
+            return None
+        return (f"hdet.axes.{asked[0]}.auto: true has no effect while hdet.auto.enabled is false (auto-LR is off, "
+                f"nothing moves {', '.join(asked)}); set hdet.auto.enabled=true, or leave the axis' auto out")
+
+    @property
     def auto_without_spread_warning(self) -> str | None:
         """A message when auto-LR is on over two or more replicas but no axis it controls
         has a spread: every replica trains with the same values, so the hypergradient is 0
@@ -267,9 +279,12 @@ class HDETConfig:
                 "the replicas train with the same values")
         plain = ("To keep exploring only those, set hdet.auto.enabled=false" if others else
                  "For plain data parallelism set hdet.auto.enabled=false")
+        explore = ("to explore, set a spread_ratio > 0 on an axis it controls (e.g. hdet.axes.lr.spread_ratio=0.2)"
+                   if controlled else  # tester round 20: advised a spread the lr axis already had
+                   f"to let it move one, set auto: true on a spread axis (e.g. hdet.axes.{(others or ['lr'])[0]}.auto"
+                   "=true)")
         return (f"hdet.auto.enabled: auto-LR is on, but {which}: {same}, so auto-LR has no signal and cannot move "
-                f"anything (hypergradient 0, multiplier 1). {plain}; to explore, set a spread_ratio > 0 on an axis it "
-                "controls (e.g. hdet.axes.lr.spread_ratio=0.2)")
+                f"anything (hypergradient 0, multiplier 1). {plain}; {explore}")
 
     @property
     def uses_probe(self) -> bool:

@@ -413,6 +413,9 @@ def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options:
     JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error."""
     in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled", False) else "fp32"
     precision = options["precision"] or in_file
+    if precision == "bf16" and backend in ("ddp", "fairscale"):  # tester round 20: advised a refused bf16
+        raise HDETConfigError(f"--precision bf16: the {backend} backend trains in float32; bf16 is available with "
+                              "backend deepspeed or fsdp2")
     if precision != in_file:
         raise HDETConfigError(f"--precision {precision} differs from the file (bf16.enabled="
                               f"{str(in_file == 'bf16').lower()}): set bf16.enabled to match")

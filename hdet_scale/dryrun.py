@@ -208,6 +208,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
         warnings.filterwarnings("ignore", message="hdet.auto.enabled: auto-LR is on, but")
         warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+: auto is true but spread_ratio is 0")  # round 18
+        warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+\.auto: true has no effect")
         try:
             if backend == "deepspeed":
                 cfg, ds = prepare_config(config, world_size=world_size)
@@ -245,7 +246,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     check_optimizer_axes(cfg, config, prefix="hdet")
     check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, config, backend))  # hdet-train's check
     lines = [layout_report(world_size, cfg.replicas)]
-    for warning in (cfg.single_replica_warning, cfg.auto_without_spread_warning):
+    for warning in (cfg.single_replica_warning, cfg.auto_without_spread_warning, cfg.auto_off_warning):
         if warning:
             lines.append(f"warning: {warning}")
     total = cfg.schedule.total_steps

@@ -39,6 +39,16 @@ if [[ -z "${GPUS:-}" ]]; then
   GPUS=$(awk '!/^[[:space:]]*(#|$)/ { for (i = 2; i <= NF; i++) if ($i ~ /^slots=/) { sub(/^slots=/, "", $i); print $i; exit } }' "${HOSTFILE}")
 fi
 MASTER_PORT="${MASTER_PORT:-29500}"
+# Checked here, not inside the deepspeed launcher (tester round 20: a host line without
+# slots= gave "--num_gpus: invalid int value: ''"): exit 2 naming the variable.
+need_int() {  # NAME VALUE MIN WHERE
+  [[ "$2" =~ ^[0-9]+$ && "$2" -ge "$3" ]] || {
+    echo "$(basename "$0"): $1=${2:-<empty>}: expected an integer >= $3${4:+ ($4)}" >&2; exit 2; }
+}
+need_int GPUS "${GPUS}" 1 "set GPUS, or give the first host of ${HOSTFILE} slots=<gpus>"
+need_int NNODES "${NNODES}" 1 "hosts in ${HOSTFILE}"
+need_int MASTER_PORT "${MASTER_PORT}" 1
+need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
 
 args=(--hostfile="${HOSTFILE}" --num_nodes "${NNODES}" --num_gpus "${GPUS}"
       --master_port "${MASTER_PORT}")

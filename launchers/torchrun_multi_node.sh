@@ -36,6 +36,15 @@ if [[ -z "${GPUS:-}" ]]; then
   GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
 fi
+# Checked here, not inside torchrun (tester round 20: GPUS=abc, GPUS=0 or MAX_RESTARTS=-1
+# were torchrun's tracebacks): exit 2 naming the variable, as hdet-train's own errors.
+need_int() {  # NAME VALUE MIN
+  [[ "$2" =~ ^[0-9]+$ && "$2" -ge "$3" ]] || { echo "$(basename "$0"): $1=$2: expected an integer >= $3" >&2; exit 2; }
+}
+need_int NNODES "${NNODES}" 1
+need_int NODE_RANK "${NODE_RANK}" 0
+need_int GPUS "${GPUS}" 1
+need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # torch's shared rendezvous store breaks restarts (a restarted rank reads the dead
 # attempt's addresses: pytorch issue 135712).

@@ -150,6 +150,24 @@ def _check_bools(top: dict, where: str) -> None:
                 raise HDETConfigError(f"{where}{name}.{f.name}: must be true or false, got {given[f.name]!r}")
 
 
+def _check_yaml_keys(tree: Any, where: str, key: str = "") -> None:
+    """Keys of the run YAML that cannot name a setting (tester round 20): one that is not
+    a string (``1: 2``, ``null: 3``: OmegaConf's "Incompatible key type" named no file),
+    and a dotted key (``train.steps: 5``: YAML does not nest it, and "unknown key" did
+    not say so)."""
+    if not isinstance(tree, dict):
+        return
+    for k, v in tree.items():
+        if not isinstance(k, str):
+            raise HDETConfigError(f"{where}the key {k!r} ({'null' if k is None else type(k).__name__}) "
+                                  f"{'in ' + key + ' ' if key else ''}is not a name: keys are names, e.g. steps")
+        if "." in k:
+            head, _, rest = k.partition(".")
+            raise HDETConfigError(f"{where}{key + '.' if key else ''}{k}: a dotted key is not nested in YAML; write "
+                                  f"{head}: {{{rest}: ...}} (or the override {key + '.' if key else ''}{k}=...)")
+        _check_yaml_keys(v, where, f"{key}.{k}" if key else k)
+
+
 def _check_sections(top: dict, where: str, yaml_form: bool) -> None:
     """A section of keys (``train``, ``model``...) given as a single value or a list, in
     the YAML file or as an override (``train=[1,2]``, ``model=5``): one message naming it
@@ -315,6 +333,7 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
     if ds_keys and not set(top) & {f.name for f in dataclasses.fields(RunConfig)}:
         raise HDETConfigError(f"config file {path!r} looks like a DeepSpeed JSON (keys {', '.join(ds_keys)}): pass "
                               f"it as deepspeed_config={path}; the first argument is the trainer's YAML")
+    _check_yaml_keys(top or {}, f"config file {path!r}: ")  # before OmegaConf reads them
     # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not.
     return OmegaConf.create(text), top or {}
 

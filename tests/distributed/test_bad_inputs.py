@@ -648,3 +648,25 @@ def test_bad_file_to_hdet_dryrun(outcomes, case):
     assert rc == 2, (rc, err[-3000:])
     assert all(n in err for n in needles) and "Traceback" not in err, err
     assert seconds < EXIT_S and not leftovers, (seconds, leftovers)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("script,env,needle", [
+    ("torchrun_single_node.sh", {"GPUS": "abc"}, "torchrun_single_node.sh: GPUS=abc: expected an integer >= 1"),
+    ("torchrun_single_node.sh", {"GPUS": "1", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: expected an integer >= 0"),
+    ("torchrun_multi_node.sh", {"NNODES": "1", "NODE_RANK": "x", "MASTER_ADDR": "a"},
+     "torchrun_multi_node.sh: NODE_RANK=x: expected an integer >= 0"),
+    ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_without_slots"},
+     "GPUS=<empty>: expected an integer >= 1 (set GPUS, or give the first host of {d}/hostfile_without_slots slots"),
+])
+def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_path):
+    """Tester round 20: the launchers passed GPUS=abc, MAX_RESTARTS=-1 or a hostfile line
+    without slots= to torchrun / deepspeed, whose tracebacks named no variable. Each now
+    exits 2 before starting anything, naming the variable and what it expects."""
+    (tmp_path / "hostfile_without_slots").write_text("localhost\n")
+    env = {k: v.format(d=tmp_path) for k, v in env.items()}
+    rc, err, seconds, leftovers = run_cli(["bash", os.path.join(ROOT, "launchers", script), "train.steps=2"], env)
+    assert rc == 2 and needle.format(d=tmp_path) in err and "Traceback" not in err, (rc, err)
+    assert seconds < EXIT_S and not leftovers

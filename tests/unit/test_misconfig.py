@@ -717,3 +717,37 @@ def test_an_interpolation_that_cannot_be_resolved_names_key_and_interpolation(tm
     resolved = load_run_config(None, ["run_dir=${oc.env:HDET_TEST_NOPE_NOT_SET}/x", "wandb.enabled=false"])
     literal = load_run_config(None, [f"run_dir={tmp_path / 'r'}/x", "wandb.enabled=false"])
     assert resolved == literal
+
+
+def test_round_20_messages(tmp_path):
+    """Tester round 20: a dotted key in the run YAML ("unknown key"), a key that is not a
+    name (OmegaConf's "Incompatible key type", no file), an additive spread of a decay of
+    0 advising two dead ends, auto-LR advice for a spread the lr axis already had, an
+    axis' auto: true with auto-LR off (silent), --precision bf16 on ddp (advised a bf16 the
+    engine refuses)."""
+    from hdet_scale.autolr import check_additive_floors
+    from hdet_scale.cost import check_options, dryrun_section
+
+    dotted, keys = tmp_path / "dot.yaml", tmp_path / "keys.yaml"
+    dotted.write_text("train.steps: 5\n")
+    keys.write_text("1: 2\n")
+    assert "train.steps: a dotted key is not nested in YAML; write train: {steps: ...}" in _run_config_error(dotted)
+    assert "the key 1 (int) is not a name" in _run_config_error(keys) and "keys.yaml" in _run_config_error(keys)
+    wd = HDETConfig.from_dict({"replicas": 2, "axes": {"weight_decay": {"spread_ratio": 0.1, "kind": "additive"}},
+                               "schedule": {"total_steps": 100}})
+    with pytest.raises(HDETConfigError, match=r"weight_decay must stay >= 0: set weight_decay >= 0.1 in the "
+                                              r"optimizer \(optimizer.params\)$"):
+        check_additive_floors(wd, build_schedule(wd), {("weight_decay", 0): 0.0})
+    frozen = HDETConfig.from_dict({"replicas": 2, "sync_interval": 5,
+                                   "axes": {"lr": {"spread_ratio": 0.2, "auto": False}},
+                                   "schedule": {"total_steps": 100}, "auto": {"enabled": True, "warmup_steps": 10}})
+    text = frozen.auto_without_spread_warning
+    assert "to let it move one, set auto: true on a spread axis (e.g. hdet.axes.lr.auto=true)" in text, text
+    off = HDETConfig.from_dict({"replicas": 2, "axes": {"temperature": {"spread_ratio": 0.1, "auto": True}},
+                                "schedule": {"total_steps": 100}, "auto": {"enabled": False}})
+    assert off.auto_off_warning.startswith("hdet.axes.temperature.auto: true has no effect while hdet.auto.enabled")
+    with pytest.warns(UserWarning, match="true has no effect while hdet.auto.enabled is false"):
+        check_config(off)
+    options = check_options(params="7B", precision="bf16")
+    with pytest.raises(HDETConfigError, match="--precision bf16: the ddp backend trains in float32"):
+        dryrun_section(off, {}, "ddp", 4, options)
