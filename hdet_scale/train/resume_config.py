@@ -222,6 +222,10 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         return f"{uses}: it draws the training and probe batches (dropout continues from the RNG state saved)"
     if key == "deepspeed.zero_optimization.stage":
         return f"no effect: the {now.get('backend')} backend does not read it"
+    if key.startswith("deepspeed.hdet.axes.") and key.endswith(".auto") and new is False and \
+            saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved):
+        # tester round 20: "uses false" hid that the learned multiplier stays, frozen
+        return f"{uses}: what auto-LR learned for it up to the checkpoint (restored from it) stays, no longer moved"
     axis = _model_axis(key, now)
     if axis and saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved) \
             and saved.get(f"deepspeed.hdet.axes.{axis}.auto"):  # tester round 18: "uses 0.2" hid the learned shift

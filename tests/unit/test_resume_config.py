@@ -241,3 +241,14 @@ def test_zero_stage_is_no_change_for_engines_that_do_not_read_it(tmp_path):
     with pytest.raises(HDETStateError) as e:
         resume_config.check(run_config(ckpt.parent, "backend=fsdp2", "deepspeed.bf16.enabled=true"), str(ckpt))
     assert "the precision the saved weights" in str(e.value) and "DeepSpeed names" not in str(e.value)
+
+
+def test_an_axis_auto_turned_off_says_the_learned_value_stays(tmp_path):
+    """Tester round 20: resuming with ``lr.auto=false`` said "uses false"; the LR then
+    followed the schedule times the multiplier learned before (measured x1.2687)."""
+    common = ["deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5"]
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 10, run_config(tmp_path, *common))
+    text = resume_config.notice(run_config(tmp_path, *common, "deepspeed.hdet.axes.lr.auto=false"), str(ckpt))
+    assert ("deepspeed.hdet.axes.lr.auto: null -> false: the resumed run uses false: what auto-LR learned for it up "
+            "to the checkpoint (restored from it) stays, no longer moved") in text, text
