@@ -212,11 +212,12 @@ def _print_engine_notes(run: dict) -> None:
 def _switch_notes(run: dict) -> list[str]:
     """What a new ``optimizer.type`` left out of the DeepSpeed JSON's params
     (``optimizer_switch``), read again from that file."""
-    from hdet_scale.train.config import _load_deepspeed_json, packaged
+    from hdet_scale.train.config import packaged
+    from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.optimizer_switch import switch_note
 
     path = run["deepspeed_config"] or packaged("deepspeed.json")
-    note = switch_note(_load_deepspeed_json(path), run["deepspeed"], path if run["deepspeed_config"] else
+    note = switch_note(load_deepspeed_json(path), run["deepspeed"], path if run["deepspeed_config"] else
                        "the packaged deepspeed.json")
     return [note] if note else []
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import os
 import sys
 from dataclasses import dataclass, field
@@ -21,17 +20,18 @@ import yaml
 from importlib import resources
 from typing import Any
 
-from hdet_scale.config import MAX_STEPS, WandbConfig, seed_ok
-from hdet_scale.ds_keys import RepeatedKeyError, loads_json
+from hdet_scale.config import WandbConfig
+from hdet_scale.config_checks import MAX_STEPS, seed_ok
 from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.train.config_merge import container_clash as _container_clash
 from hdet_scale.train.config_merge import empty_over_full as _empty_over_full
 from hdet_scale.train.config_merge import refuse_empty_over_full as _refuse_empty_over_full
 from hdet_scale.train.optimizer_switch import drop_foreign_params
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.paths import require_regular
 from hdet_scale.backends import BACKENDS
 from hdet_scale.train.model_config import ModelConfig
+from hdet_scale.train.config_files import (OCTAL, YAML11_BOOLS, ambiguous, load_deepspeed_json, read_text,
+                                           repeated_key, yaml11_scalar)
 
 
 
@@ -110,7 +110,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     except OmegaConfBaseException as e:
         raise HDETConfigError(_describe(e, cfg, overrides, path)) from None
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
-    ds = _load_deepspeed_json(ds_path)
+    ds = load_deepspeed_json(ds_path)
     if not isinstance(run["deepspeed"] or {}, dict):
         raise HDETConfigError(f"deepspeed: must be a mapping of DeepSpeed keys (merged into {ds_path}), "
                               f"got {run['deepspeed']!r}")
@@ -211,14 +211,14 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
             raise HDETConfigError(f"override {o!r}: the value {value!r} of {key} is not a valid YAML value ({why}); "
                                   "quote it for a string, e.g. 'run_dir=\"a,b\"'") from None
         tree = OmegaConf.to_container(node, resolve=False)
-        if value.strip().lower() in _YAML11_BOOLS and isinstance(OmegaConf.select(node, key.strip()), bool):
+        if value.strip().lower() in YAML11_BOOLS and isinstance(OmegaConf.select(node, key.strip()), bool):
             # tester round 13: train.overwrite=yes replaced a run; the docs promise true/false only
             raise HDETConfigError(f"override {o!r}: write true or false ({value.strip()!r} is YAML 1.1's spelling "
                                   f"of a boolean, which hdet-train does not take), or quote a string: "
                                   f"'{key.strip()}=\"{value.strip()}\"'")
-        if _OCTAL.fullmatch(value.strip()) and isinstance(OmegaConf.select(node, key.strip()), int):
+        if OCTAL.fullmatch(value.strip()) and isinstance(OmegaConf.select(node, key.strip()), int):
             # tester round 14: train.steps=010 trained 8 steps (YAML 1.1 octal)
-            raise HDETConfigError(f"override {o!r}: {_ambiguous(value)}; write the number without the leading 0")
+            raise HDETConfigError(f"override {o!r}: {ambiguous(value)}; write the number without the leading 0")
         _check_sections(tree, "", yaml_form=False)
         for leaf in _leaves(tree):
             if leaf in setters:
@@ -237,7 +237,6 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
     return merged, OmegaConf.to_container(merged, resolve=False)
 
 
-_YAML11_BOOLS = ("yes", "no", "on", "off", "y", "n")
 
 
 def _leaves(tree: Any, path: str = "") -> list[str]:
@@ -272,31 +271,6 @@ def _hdet_logging(run: dict, explicit: set) -> None:
               "choose the folder with run_dir=...", file=sys.stderr, flush=True)
 
 
-def relative_note(path: str) -> str:
-    """For a path that names nothing: where a relative one was looked for. A path inside a
-    YAML file is read from the working directory, as on the command line (and as
-    Accelerate reads ``deepspeed_config_file``), not from the YAML file's folder."""
-    if os.path.isabs(os.path.expanduser(path)):
-        return ""
-    return f" (a relative path is read from the working directory {os.getcwd()}, not from a config file's folder)"
-
-
-def _read_text(path: str, what: str) -> str:
-    """The text of ``path``; HDETConfigError naming ``what`` and the file otherwise."""
-    if not os.path.exists(path):
-        raise HDETConfigError(f"{what} {path!r} does not exist{relative_note(path)}")
-    if os.path.isdir(path):
-        raise HDETConfigError(f"{what} {path!r} is a folder, not a file")
-    require_regular(path, what)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise HDETConfigError(f"{what} {path!r} is not UTF-8 text (byte {e.start}): is it the right file?") from None
-    except OSError as e:
-        raise HDETConfigError(f"{what} {path!r} cannot be read: {e.strerror}") from None
-
-
 def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
     """The user's run config file, a YAML mapping of trainer keys: ``(OmegaConf node,
     the same as a plain dict)``."""
@@ -307,19 +281,19 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
         hint = f" (did you mean {path}={overrides[0]}?)" if overrides and "=" not in overrides[0] else ""
         raise HDETConfigError(f"{path!r} is neither key=value nor an existing config file{hint}: hdet-train takes "
                               "an optional CONFIG.yaml first, then key=value overrides, e.g. train.steps=10")
-    text = _read_text(path, "config file")
+    text = read_text(path, "config file")
     try:
         top = yaml.safe_load(text)
     except yaml.YAMLError as e:
         where = " ".join(str(e).replace('"<unicode string>"', repr(path)).split())
         raise HDETConfigError(f"config file {path!r} is not valid YAML: {where}") from None
-    ambiguous = _yaml11_scalar(text)
+    ambiguous = yaml11_scalar(text)
     if ambiguous is not None:
         key, line, value, what = ambiguous
         raise HDETConfigError(f"config file {path!r} line {line}: {key}: {value} is {what}; write "
                               + ("true or false, or quote a string" if "boolean" in what else "the number without "
                                  "the leading 0"))
-    twice = _repeated_key(text)
+    twice = repeated_key(text)
     if twice is not None:
         key, first, again = twice
         raise HDETConfigError(f"config file {path!r} sets {key} twice (lines {first} and {again}): keep one "
@@ -336,71 +310,6 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
     _check_yaml_keys(top or {}, f"config file {path!r}: ")  # before OmegaConf reads them
     # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not.
     return OmegaConf.create(text), top or {}
-
-
-_OCTAL = re.compile(r"[+-]?0[0-9_]+")
-
-
-def _ambiguous(value: str) -> str | None:
-    """Why a plain YAML scalar does not mean what it looks like (tester round 14:
-    ``steps: 010`` trained 8 steps, ``project: no`` named a W&B project "False"), or None."""
-    if value.strip().lower() in _YAML11_BOOLS:
-        return "YAML 1.1's spelling of a boolean, which hdet-train does not take"
-    if _OCTAL.fullmatch(value.strip()):
-        return f"an octal number in YAML 1.1 ({value.strip()} = {int(value.strip().replace('_', ''), 8)})" \
-            if all(c in "01234567_+-" for c in value.strip()) else "a number with a leading 0"
-    return None
-
-
-def _yaml11_scalar(text: str) -> tuple[str, int, str, str] | None:
-    """``(dotted key, line, value, why)`` of the first unquoted value of the YAML ``text``
-    that :func:`_ambiguous` names, or ``None``."""
-    todo = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
-    while todo:
-        path, node = todo.pop()
-        if isinstance(node, yaml.MappingNode):
-            todo.extend((f"{path}{k.value}." if isinstance(k, yaml.ScalarNode) else path, v) for k, v in node.value)
-        elif isinstance(node, yaml.SequenceNode):
-            todo.extend((f"{path}{i}.", v) for i, v in enumerate(node.value))
-        elif isinstance(node, yaml.ScalarNode) and node.style is None and (why := _ambiguous(node.value)):
-            return path.rstrip("."), node.start_mark.line + 1, node.value, why
-    return None
-
-
-def _repeated_key(text: str) -> tuple[str, int, int] | None:
-    """``(dotted key, first line, second line)`` of the first key given twice in one
-    mapping of the YAML ``text`` (PyYAML keeps the last silently), or ``None``."""
-    todo = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
-    while todo:
-        path, node = todo.pop()
-        if isinstance(node, yaml.MappingNode):
-            lines: dict[Any, int] = {}
-            for k, v in node.value:
-                name = k.value if isinstance(k, yaml.ScalarNode) else None
-                if name is not None and name in lines:
-                    return f"{path}{name}", lines[name], k.start_mark.line + 1
-                lines[name] = k.start_mark.line + 1
-                todo.append((f"{path}{name}.", v))
-        elif isinstance(node, yaml.SequenceNode):
-            todo.extend((f"{path}{i}.", v) for i, v in enumerate(node.value))
-    return None
-
-
-def _load_deepspeed_json(path: str) -> dict:
-    """The DeepSpeed JSON of ``deepspeed_config``: one JSON object."""
-    text = _read_text(path, "deepspeed_config: file")
-    if not text.strip():
-        raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
-    try:
-        ds = loads_json(text)
-    except RepeatedKeyError as e:
-        raise HDETConfigError(f"deepspeed_config: file {path!r} {e}") from None
-    except ValueError as e:
-        raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
-    if not isinstance(ds, dict):
-        raise HDETConfigError(f"deepspeed_config: file {path!r} must hold a JSON object ({{\"hdet\": {{...}}, "
-                              f"...}}), got a JSON {type(ds).__name__}")
-    return ds
 
 
 def _describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str | None = None) -> str:

@@ -18,7 +18,7 @@ import sysconfig
 
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import file_kind
-from hdet_scale.train.config import relative_note
+from hdet_scale.train.config_files import relative_note
 
 #: Directory names never descended into when collecting the default corpus.
 STDLIB_EXCLUDED_DIRS = frozenset(
