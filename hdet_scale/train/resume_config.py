@@ -49,9 +49,9 @@ _EMPTY_RECORD = '{"runs": {}}'
 RECORD_VERSION = 1
 _UNSET = object()  # a key one side does not have
 
-_NOT_COMPARED = {"run_dir", "nproc", "deepspeed_config", "backend", "train.steps", "train.eval_batches",
+_NOT_COMPARED = {"run_dir", "nproc", "deepspeed_config", "backend", "train.steps",
                  "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints", "train.resume",
-                 "train.overwrite", "train.progress", "train.plots", "model.init_seed", "model.activation_checkpointing",
+                 "train.overwrite", "train.progress", "train.plots", "model.activation_checkpointing",
                  "model.sharded_init", "deepspeed.hdet.enabled", "deepspeed.hdet.replicas", "deepspeed.hdet.bucket_mb",
                  "deepspeed.steps_per_print", "deepspeed.wall_clock_breakdown"}
 _NOT_COMPARED_PREFIXES = ("wandb.", "deepspeed.hdet.logging.")
@@ -216,6 +216,11 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         return f"{kept}: the replica permutations continue from the generator state saved in the checkpoint"
     if key.startswith("deepspeed.hdet.warm_init."):
         return "no effect on a resumed run: warm initialisation runs only at step 0"
+    if key == "model.init_seed":  # announced, not silent: the weights come from the checkpoint
+        return "no effect on a resumed run: it seeds the initial weights, which the checkpoint replaces"
+    if key == "train.eval_batches":
+        return (f"{uses}: the validation loss from here on is measured on {_fmt(new)} batches, the earlier "
+                f"records' on {_fmt(saved.get(key, _UNSET))}: compare them with care")
     if key == "deepspeed.hdet.auto.enabled":
         return f"{uses}; what auto-LR learned up to the checkpoint (restored from it) stays in effect"
     if key == "seed":

@@ -252,3 +252,17 @@ def test_an_axis_auto_turned_off_says_the_learned_value_stays(tmp_path):
     text = resume_config.notice(run_config(tmp_path, *common, "deepspeed.hdet.axes.lr.auto=false"), str(ckpt))
     assert ("deepspeed.hdet.axes.lr.auto: null -> false: the resumed run uses false: what auto-LR learned for it up "
             "to the checkpoint (restored from it) stays, no longer moved") in text, text
+
+
+def test_init_seed_and_eval_batches_changes_are_announced(tmp_path):
+    """A changed ``model.init_seed`` or ``train.eval_batches`` on resume was not compared,
+    so the run said nothing: the first has no effect (the checkpoint replaces the initial
+    weights), the second changes what the validation loss measures from here on."""
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 10, run_config(tmp_path))
+    text = resume_config.notice(run_config(tmp_path, "model.init_seed=7", "train.eval_batches=3"), str(ckpt))
+    assert ("model.init_seed: 0 -> 7: no effect on a resumed run: it seeds the initial weights, which the checkpoint "
+            "replaces") in text, text
+    assert "train.eval_batches: 16 -> 3: the resumed run uses 3: the validation loss from here on is measured on 3 " \
+           "batches, the earlier records' on 16" in text, text
+    assert resume_config.notice(run_config(tmp_path), str(ckpt)) is None
