@@ -12,11 +12,13 @@ import socket
 import sys
 import time
 from multiprocessing import get_context
+from typing import Any
 
 from hdet_scale.errors import HDETConfigError, HDETStateError
 
 USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
 _REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
+REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
 
 
 def _die_with_launcher(launcher: int) -> None:
@@ -64,6 +66,29 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class StopSignals:
+    """The stop signals (SIGINT, SIGTERM, SIGHUP) the local launcher received, in order.
+
+    A second signal means "stop waiting, kill the ranks" only when it comes
+    :data:`REPEAT_S` seconds or more after the first: GNU ``timeout`` and batch
+    schedulers signal the launcher and then its whole process group at once (tester
+    round 22: that copy SIGKILLed a rank building a DeepSpeed op, and the op's lock it
+    held then refused every later start). ``clock``: seconds, monotonic."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self.received: list[int] = []
+        self._clock = clock
+        self._first: float | None = None
+
+    def add(self, signum: int) -> bool:
+        """Record ``signum``; ``True`` when the ranks are to be killed at once."""
+        now = self._clock()
+        if self._first is None:
+            self._first = now
+        self.received.append(signum)
+        return len(self.received) > 1 and now - self._first >= REPEAT_S
 
 
 def _free_port() -> int:
@@ -116,14 +141,14 @@ def launch_local(run: dict) -> int:
     progress = ctx.Value("q", -1, lock=False)  # rank 0's last optimizer step (stopping.note_step)
     procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors, os.getpid(), progress))
              for r in range(n)]
-    received: list[int] = []
+    stops = StopSignals()
+    received = stops.received
 
     def on_signal(signum, frame):
-        if received:  # a second Ctrl-C: no more waiting
+        if stops.add(signum):  # a person's second Ctrl-C: no more waiting
             for p in procs:
                 if p.is_alive():
                     p.kill()
-        received.append(signum)
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     # The ranks start with SIGINT and SIGHUP ignored (kept through exec; Python then
@@ -179,7 +204,10 @@ def launch_local(run: dict) -> int:
         return 1
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # After a stop the process ends with 128 + signal: a repeat arriving now (the
+            # group's copy of timeout's SIGTERM, a late second Ctrl-C) must not turn that
+            # into death by the signal or a KeyboardInterrupt traceback.
+            signal.signal(s, signal.SIG_IGN if received else handler)
 
 
 def describe_failures(failed: dict[int, int]) -> str:

@@ -356,3 +356,21 @@ def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys, tmp_
         assert len(lines) == (1 if announce else 0), err
         assert not announce or lines[0].startswith("hdet-train: warning: hdet.replicas: 1 replica with")
         assert [str(w.message) for w in outer] == ["a library's own warning"]
+
+
+def test_a_signal_repeated_at_once_is_one_stop_a_later_one_kills():
+    """Tester round 22: ``timeout`` sends SIGTERM to the launcher and then to its process
+    group, so the launcher saw two; it took the copy for a person's second Ctrl-C and
+    SIGKILLed a rank that held a DeepSpeed op lock, which then refused every later start.
+    A repeat within ``REPEAT_S`` is the same stop; one a second or more later kills."""
+    from hdet_scale.train.launcher import REPEAT_S, StopSignals
+
+    now = [100.0]
+    stops = StopSignals(clock=lambda: now[0])
+    assert not stops.add(signal.SIGTERM)
+    now[0] += 0.3  # timeout's copy, the launcher's handler having run in between
+    assert not stops.add(signal.SIGTERM)
+    now[0] += REPEAT_S
+    assert stops.add(signal.SIGINT)  # a person's second Ctrl-C
+    assert stops.received == [signal.SIGTERM, signal.SIGTERM, signal.SIGINT]
+    assert 0.5 <= REPEAT_S <= 2  # shorter than a person's two key presses, longer than a loaded machine's gap
