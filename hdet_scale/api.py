@@ -104,7 +104,7 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     if backend == "fsdp2":
         from hdet_scale.backends import fsdp2
 
-        if "mp_policy" not in kw and ds.get("bf16", {}).get("enabled", False):
+        if "mp_policy" not in kw and (ds.get("bf16") or {}).get("enabled") is True:
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

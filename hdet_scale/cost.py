@@ -411,7 +411,7 @@ def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options:
     """The cost lines of ``hdet-dryrun`` for a checked ``cfg`` (HDETConfig) and its
     DeepSpeed JSON; ``options`` from :func:`check_options`. The precision defaults to the
     JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error."""
-    in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled", False) else "fp32"
+    in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled") is True else "fp32"
     precision = options["precision"] or in_file
     if precision == "bf16" and backend in ("ddp", "fairscale"):  # tester round 20: advised a refused bf16
         raise HDETConfigError(f"--precision bf16: the {backend} backend trains in float32; bf16 is available with "

@@ -124,13 +124,36 @@ def batch_errors(ds: Mapping, prefix: str = "", world_size: int | None = None) -
     return errors
 
 
+#: DeepSpeed switches hdet_scale reads itself (the engine checks, the precision, the cost
+#: model, resume): a JSON boolean only. DeepSpeed's pydantic models read "false", "no" and
+#: "0" as false, Python's truth reads every non-empty string as true (tester round 22:
+#: ``"enabled": "false"`` trained FSDP2 in bf16), so a string means two things at once.
+FLAGS = (("bf16", "enabled"), ("fp16", "enabled"), ("torch_autocast", "enabled"),
+         ("zero_optimization", "zero_quantized_weights"), ("zero_optimization", "zero_quantized_gradients"),
+         ("zero_optimization", "zero_quantized_nontrainable_weights"))
+
+
+def flag_errors(ds: Mapping, prefix: str = "") -> list[str]:
+    """One line for each key of :data:`FLAGS` present in ``ds`` whose value is not a JSON
+    boolean (``"auto"``: the Hugging Face Trainer's, filled only under ``HDETTrainer``)."""
+    errors = []
+    for block, key in FLAGS:
+        b = ds.get(block)
+        if isinstance(b, Mapping) and key in b and not isinstance(b[key], bool):
+            why = ("; \"auto\" is filled by the Hugging Face Trainer (hdet_scale.hf.HDETTrainer), not here"
+                   if b[key] == "auto" else "")
+            errors.append(f"{prefix}{block}.{key}: must be true or false (a JSON boolean), got {b[key]!r}{why}")
+    return errors
+
+
 def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid DeepSpeed config",
                            world_size: int | None = None) -> None:
     """Check the values of ``ds`` (a DeepSpeed config as a dict) that every backend reads:
     ``hdet`` and ``optimizer`` are objects, ``optimizer.params`` ``lr`` (> 0), ``betas``
     (two numbers in [0, 1)), ``eps`` and ``weight_decay`` (>= 0) finite numbers,
-    ``gradient_clipping`` a number >= 0 (default 1.0), and the batch keys
-    (:func:`batch_errors`; their consistency only with ``world_size``). Keys that are
+    ``gradient_clipping`` a number >= 0 (default 1.0), the batch keys
+    (:func:`batch_errors`; their consistency only with ``world_size``) and the switches of
+    :data:`FLAGS` (JSON booleans, :func:`flag_errors`). Keys that are
     absent are not checked.
 
     ``prefix`` goes before every key (the trainer's ``deepspeed.``), ``title`` heads the message.
@@ -170,5 +193,6 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
         errors.append(f"{p}steps_per_print: must be an integer >= 1 (optimizer steps between DeepSpeed's "
                       f"progress lines) or inf (never), got {spp!r}")
     errors += batch_errors(ds, p, world_size)
+    errors += flag_errors(ds, p)
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))

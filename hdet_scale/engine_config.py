@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hdet_scale.config import HDETConfig
+from hdet_scale.ds_values import flag_errors
 from hdet_scale.errors import HDETConfigError
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
@@ -73,10 +74,11 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
     if tbs is not None and _positive_int(micro) and _positive_int(gas) and tbs != micro * gas * world_size:
         errors.append(f"{prefix}train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
                       f"gradient_accumulation_steps ({gas}) x world size ({world_size})")
-    if ds.get("bf16", {}).get("enabled", False) and backend != "fsdp2":
+    errors += flag_errors(ds, prefix)
+    if (ds.get("bf16") or {}).get("enabled") is True and backend != "fsdp2":
         errors.append(f"{prefix}bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
                       "is available with backend deepspeed or fsdp2")
-    if ds.get("fp16", {}).get("enabled", False):
+    if (ds.get("fp16") or {}).get("enabled") is True:
         errors.append(f"{prefix}fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
                       "support it (use bf16 with fsdp2, or backend deepspeed)")
     errors += _deepspeed_only(ds, backend, prefix)
@@ -105,11 +107,11 @@ def _deepspeed_only(ds: dict, backend: str, prefix: str) -> list[str]:
                           "backend keeps parameters and optimizer state where the model is and cannot offload: "
                           "remove the block (or set its device to \"none\"), or use backend deepspeed")
     for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
-        if zero.get(key):
+        if zero.get(key) is True:
             errors.append(f"{prefix}zero_optimization.{key}: DeepSpeed's quantized communication (ZeRO++); the "
                           f"{backend} backend communicates at full precision: remove it, or use backend deepspeed")
     autocast = ds.get("torch_autocast")
-    if isinstance(autocast, dict) and autocast.get("enabled"):
+    if isinstance(autocast, dict) and autocast.get("enabled") is True:
         errors.append(f"{prefix}torch_autocast.enabled: DeepSpeed's autocast mixed precision; the {backend} "
                       "backend does not read it (use bf16.enabled with fsdp2, or backend deepspeed)")
     for key in ("communication_data_type", "data_types"):

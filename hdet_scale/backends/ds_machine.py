@@ -24,7 +24,7 @@ def check_accelerator(ds: dict) -> None:
 
     accel = get_accelerator()
     errors = []
-    if (ds.get("fp16") or {}).get("enabled", False) and not accel.is_fp16_supported():
+    if (ds.get("fp16") or {}).get("enabled") is True and not accel.is_fp16_supported():
         errors.append(f"fp16.enabled: this machine's DeepSpeed accelerator ({accel.device_name()}) has no fp16; "
                       "use bf16.enabled, or run on a GPU")
     kind = (ds.get("optimizer") or {}).get("type")
@@ -36,7 +36,7 @@ def check_accelerator(ds: dict) -> None:
                           f"accelerator ({accel.device_name()}) does not have; use Adam, AdamW or a torch.optim class")
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
     quantized = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
-                             "zero_quantized_gradients") if zero.get(k)]
+                             "zero_quantized_gradients") if zero.get(k) is True]
     if quantized and type(accel.create_op_builder("QuantizerBuilder")).__name__ == "NotImplementedBuilder":
         # tester round 20: "This op had not been implemented on CPU backend" in every rank
         errors += [f"zero_optimization.{k}: ZeRO++'s quantization needs DeepSpeed's quantizer op, which this "

@@ -46,7 +46,7 @@ def zero3_errors(ds: dict, cfg: Any) -> list[str]:
         errors.append(f"zero_optimization.zero_hpz_partition_size: ZeRO++'s hierarchical partitioning ({hpz}) "
                       "is not supported with hdet (its secondary groups span the replicas; measured: a wrong "
                       "loss); remove it or set 1")
-    if (ds.get("fp16") or {}).get("enabled", False) and cfg.gradient_sharing == "replica":
+    if (ds.get("fp16") or {}).get("enabled") is True and cfg.gradient_sharing == "replica":
         errors.append("fp16.enabled: fp16 loss scaling skips steps per replica, which would desynchronise "
                       "the sync steps under hdet.gradient_sharing='replica'; use bf16 or 'global'")
     factor = ds.get("gradient_predivide_factor", 1.0)

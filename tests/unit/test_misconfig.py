@@ -277,6 +277,33 @@ def test_a_section_given_as_a_value_is_named(tmp_path, where, value, line):
         assert _run_config_error(overrides=[f"train={value}"]) == line
 
 
+@pytest.mark.parametrize("value", ['"false"', '"auto"', "0", "null"])
+def test_a_precision_switch_that_is_not_a_boolean_is_refused(value):
+    """Tester round 22: ``bf16.enabled: "false"`` trained FSDP2 in bf16 (Python's truth),
+    DeepSpeed would have trained in fp32 (pydantic's), ddp refused it as bf16 and a resume
+    called it a precision change. Every code path that reads the switch now gets a JSON
+    boolean: hdet-train and hdet-dryrun (``check_deepspeed_values``) and the library's
+    engine check, whose message no longer calls the string bf16."""
+    from hdet_scale.ds_values import check_deepspeed_values
+    from hdet_scale.engine_config import check_engine_config
+
+    msg = _run_config_error(overrides=[f"deepspeed.bf16.enabled={value}", "backend=fsdp2"])
+    assert "deepspeed.bf16.enabled: must be true or false (a JSON boolean), got" in msg, msg
+    assert ("filled by the Hugging Face Trainer" in msg) == (value == '"auto"'), msg
+    ds = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": json.loads(value)},
+          "zero_optimization": {"zero_quantized_weights": "no"}}
+    with pytest.raises(HDETConfigError) as e:
+        check_deepspeed_values(ds)
+    assert "zero_optimization.zero_quantized_weights: must be true or false (a JSON boolean), got 'no'" in str(e.value)
+    with pytest.raises(HDETConfigError) as e:
+        check_engine_config(ds, "ddp", 2)
+    assert "bf16.enabled: must be true or false" in str(e.value) and "trains in float32" not in str(e.value)
+    assert "quantized communication" not in str(e.value)
+    for ok in (True, False):  # the booleans pass both checks (ddp in fp32)
+        check_deepspeed_values({"bf16": {"enabled": ok}})
+    check_engine_config({"optimizer": {"type": "AdamW"}, "bf16": {"enabled": False}}, "ddp", 2)
+
+
 @pytest.mark.parametrize("override,line", [
     ("deepspeed.hdet.schedule=5", "deepspeed.hdet.schedule: expected an object, got int 5"),  # was an AttributeError
     ("deepspeed.hdet.schedule.total_steps=abc", "deepspeed.hdet.schedule.total_steps: expected int | None, "
