@@ -108,6 +108,8 @@ def check_config(cfg: HDETConfig) -> None:
         _warn_once(cfg.auto_without_spread_warning)
     if cfg.auto_off_warning:
         _warn_once(cfg.auto_off_warning)
+    if cfg.schedule_unused_warning:
+        _warn_once(cfg.schedule_unused_warning)
     schedule = build_schedule(cfg)
     for axis in cfg.axes:
         decay_for(cfg, schedule, axis, 1.0)

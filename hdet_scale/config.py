@@ -67,6 +67,17 @@ class ScheduleConfig:
     min_ratio: float = 0.1
 
 
+#: The schedule keys each ``schedule.name`` reads beyond ``name``, ``total_steps`` and ``max_lr``.
+SCHEDULE_READS = {"onecycle": frozenset({"pct_start", "anneal_strategy", "div_factor", "final_div_factor",
+                                         "three_phase", "cycle_momentum"}),
+                  "cosine": frozenset({"warmup_steps", "min_ratio"}),
+                  "constant": frozenset({"warmup_steps"})}
+#: Each schedule-specific key and whose it is (the momentum pair: only with cycle_momentum).
+_SCHEDULE_ONLY = {**{k: "onecycle" for k in SCHEDULE_READS["onecycle"] - {"cycle_momentum"}},
+                  "base_momentum": "onecycle with cycle_momentum true", "max_momentum": "onecycle with cycle_momentum true",
+                  "warmup_steps": "cosine, constant", "min_ratio": "cosine"}
+
+
 @dataclass
 class AutoConfig:
     """The auto-LR controller (zero-order hypergradient; paper Sec. 3.3, Alg. 1).
@@ -280,6 +291,26 @@ class HDETConfig:
                    "=true)")
         return (f"hdet.auto.enabled: auto-LR is on, but {which}: {same}, so auto-LR has no signal and cannot move "
                 f"anything (hypergradient 0, multiplier 1). {plain}; {explore}")
+
+    @property
+    def schedule_unused_warning(self) -> str | None:
+        """A message naming the ``schedule`` keys set to a value other than their default
+        that ``schedule.name`` does not read (tester round 22: ``name: cosine`` over a OneCycle block dropped its
+        ``pct_start`` warm-up without a word), or ``None``."""
+        s = self.schedule
+        if not self.enabled or s.name not in SCHEDULE_READS:
+            return None
+        reads = SCHEDULE_READS[s.name] | ({"base_momentum", "max_momentum"} if s.cycle_momentum else set())
+        # cycle_momentum itself: true off onecycle is an error, false is off everywhere
+        # a value other than the default: set on purpose (a to_dict() round trip lists them all)
+        default = ScheduleConfig()
+        unused = sorted(k for k in _SCHEDULE_ONLY if k not in reads and getattr(s, k) != getattr(default, k))
+        if not unused:
+            return None
+        unread = ", ".join(f"{k}={getattr(s, k)!r} ({_SCHEDULE_ONLY[k]})" for k in unused)
+        read = ", ".join(f"{k}={getattr(s, k)!r}" for k in sorted(SCHEDULE_READS[s.name]))
+        return (f"hdet.schedule: schedule.name '{s.name}' does not read {unread}; it reads {read}. Remove them, or "
+                "set the schedule they belong to")
 
     @property
     def uses_probe(self) -> bool:

@@ -246,7 +246,8 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     check_optimizer_axes(cfg, config, prefix="hdet")
     check_additive_floors(cfg, build_schedule(cfg), axis_bases(cfg, config, backend))  # hdet-train's check
     lines = [layout_report(world_size, cfg.replicas)]
-    for warning in (cfg.single_replica_warning, cfg.auto_without_spread_warning, cfg.auto_off_warning):
+    for warning in (cfg.single_replica_warning, cfg.auto_without_spread_warning, cfg.auto_off_warning,
+                    cfg.schedule_unused_warning):
         if warning:
             lines.append(f"warning: {warning}")
     total = cfg.schedule.total_steps

@@ -778,3 +778,30 @@ def test_round_20_messages(tmp_path):
     options = check_options(params="7B", precision="bf16")
     with pytest.raises(HDETConfigError, match="--precision bf16: the ddp backend trains in float32"):
         dryrun_section(off, {}, "ddp", 4, options)
+
+
+def test_schedule_keys_another_schedule_reads_are_named(capsys):
+    """Tester round 22: ``schedule.name=cosine`` over the packaged OneCycle block trained
+    without its ``pct_start`` warm-up, and ``hdet-dryrun`` said nothing of the dropped keys.
+    A key set to a value other than its default that the chosen schedule does not read is
+    now a warning (check_config, so the library and hdet-train; a line of the dry run);
+    defaults, as every ``to_dict()`` round trip lists them, are not."""
+    from hdet_scale.dryrun import describe
+
+    ds = packaged()
+    ds["hdet"]["schedule"]["name"] = "cosine"
+    cfg = HDETConfig.from_dict(ds["hdet"])
+    want = ("hdet.schedule: schedule.name 'cosine' does not read final_div_factor=10.0 (onecycle), pct_start=0.2 "
+            "(onecycle); it reads min_ratio=0.1, warmup_steps=0")
+    assert cfg.schedule_unused_warning.startswith(want), cfg.schedule_unused_warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_config(cfg)
+    assert [str(w.message) for w in caught if "does not read" in str(w.message)] == [cfg.schedule_unused_warning]
+    assert f"warning: {want}" in describe(ds, world_size=4)
+    ds["hdet"]["schedule"] = {"name": "onecycle", "total_steps": 100, "warmup_steps": 5, "base_momentum": 0.9}
+    msg = HDETConfig.from_dict(ds["hdet"]).schedule_unused_warning
+    assert "base_momentum=0.9 (onecycle with cycle_momentum true)" in msg and "warmup_steps=5 (cosine, constant)" in msg
+    for name in ("onecycle", "cosine", "constant"):  # a round trip of the defaults: nothing to say
+        assert HDETConfig.from_dict(HDETConfig.from_dict(
+            {"schedule": {"name": name, "total_steps": 100}}).to_dict()).schedule_unused_warning is None
