@@ -330,6 +330,9 @@ class _Once(argparse.Action):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hdet-dryrun", description=__doc__)
+    from hdet_scale import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s (hdet_scale) {__version__}")
     p.add_argument("config", help="DeepSpeed JSON with an 'hdet' block")
     p.add_argument("--backend", default="deepspeed", choices=BACKENDS, action=_Once,
                    help="training engine (default: deepspeed)")

@@ -365,6 +365,9 @@ def plot_after_run(run_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hdet-plot", description="PNG plots of an hdet-train run (its metrics.jsonl).")
+    from hdet_scale import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s (hdet_scale) {__version__}")
     p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
     args = p.parse_args(argv)

@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    if argv == ["--version"]:
+        from hdet_scale import __version__
+
+        print(f"hdet-train (hdet_scale) {__version__}")
+        return 0
     path, overrides = _split_args(argv)
     # Under a launcher, the errors found before train() (command line, config, environment)
     # are the same on every rank: rank 0 alone prints them, the others exit 2 silently.

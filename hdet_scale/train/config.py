@@ -77,6 +77,32 @@ _SECTIONS = {"model": ("hidden_size", 256), "data": ("path", "/my/corpus"), "tra
              "wandb": ("enabled", False)}
 
 
+def _leaf_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the run config's schema (``deepspeed.*`` not included)."""
+    out = []
+    for f in dataclasses.fields(node):
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            out += _leaf_keys(type(sub), f"{prefix}{f.name}.")
+        elif f.name != "deepspeed":
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+def option_message(arg: str, value: str | None = None) -> str:
+    """What to write for a command-line option (``--steps``, ``--steps=10``), which
+    hdet-train does not take: the ``key=value`` override of that name (tester round 22:
+    "did you mean --steps=10?", which was refused in turn)."""
+    name, _, given = arg.lstrip("-").partition("=")
+    value = given or value or "..."
+    name = name.replace("-", "_")
+    matches = [k for k in _leaf_keys() if k == name or k.endswith("." + name)]
+    hint = (f"; did you mean {matches[0]}={value}?" if len(matches) == 1 else
+            f"; did you mean one of {', '.join(f'{k}={value}' for k in matches)}?" if matches else "")
+    return (f"{arg!r}: hdet-train takes no --options but an optional CONFIG.yaml, then key=value overrides "
+            f"(e.g. train.steps=10){hint}")
+
+
 def packaged(name: str) -> str:
     return str(resources.files("hdet_scale.train") / "configs" / name)
 
@@ -193,6 +219,9 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
 
     if any(o in ("-h", "--help") for o in overrides):
         raise HDETConfigError("--help goes first (hdet-train --help); overrides are key=value, e.g. train.steps=10")
+    dashed = [o for o in overrides if o.startswith("-")]
+    if dashed:
+        raise HDETConfigError(option_message(dashed[0]))
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
@@ -278,7 +307,10 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
 
     if not os.path.exists(path) and not path.endswith((".yaml", ".yml", ".json")):
         # "hdet-train train.steps 10": a key without "=" read as the config file's name
-        hint = f" (did you mean {path}={overrides[0]}?)" if overrides and "=" not in overrides[0] else ""
+        value = overrides[0] if overrides and "=" not in overrides[0] else None
+        if path.startswith("-"):  # "--steps 10": an option, which hdet-train does not take
+            raise HDETConfigError(option_message(path, value))
+        hint = f" (did you mean {path}={value}?)" if value is not None else ""
         raise HDETConfigError(f"{path!r} is neither key=value nor an existing config file{hint}: hdet-train takes "
                               "an optional CONFIG.yaml first, then key=value overrides, e.g. train.steps=10")
     text = read_text(path, "config file")

@@ -805,3 +805,26 @@ def test_schedule_keys_another_schedule_reads_are_named(capsys):
     for name in ("onecycle", "cosine", "constant"):  # a round trip of the defaults: nothing to say
         assert HDETConfig.from_dict(HDETConfig.from_dict(
             {"schedule": {"name": name, "total_steps": 100}}).to_dict()).schedule_unused_warning is None
+
+
+@pytest.mark.parametrize("path,overrides,want", [
+    ("--steps", ["10"], "did you mean train.steps=10?"),        # was "did you mean --steps=10?", refused in turn
+    (None, ["--steps=10"], "did you mean train.steps=10?"),     # was "--steps: unknown key"
+    (None, ["train.steps=5", "--run-dir=x"], "did you mean run_dir=x?"),
+    (None, ["--enabled=false"], "did you mean wandb.enabled=false?"),
+    (None, ["--nothing=1"], "(e.g. train.steps=10)"),
+])
+def test_a_dashed_option_names_the_override_of_that_name(path, overrides, want):
+    """Tester round 22: ``hdet-train --steps 10`` suggested ``--steps=10``, which then
+    failed as an unknown key. An option-like argument is named with the key=value
+    override of that name (a trainer key whose last part it is)."""
+    msg = _run_config_error(path, overrides)
+    assert "hdet-train takes no --options" in msg and msg.endswith(want), msg
+
+
+def test_version_of_each_command(capsys):
+    from hdet_scale import __version__
+    from hdet_scale.train import cli
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"hdet-train (hdet_scale) {__version__}\n"
