@@ -60,4 +60,5 @@ def remember() -> None:
         return dict(known)
 
     get_cpu_info.hdet_remembered = True  # type: ignore[attr-defined]
+    get_cpu_info.hdet_asked = asked  # type: ignore[attr-defined]  # py-cpuinfo's own, for tests
     cpuinfo.get_cpu_info = get_cpu_info
