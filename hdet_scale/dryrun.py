@@ -191,11 +191,14 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         raise HDETConfigError(f"hdet.schedule: expected an object, got {sched!r}")
     first = None  # a total_steps problem, reported first with every other error
     if total_steps is not None:
-        if sched.get("total_steps") not in (None, total_steps):
-            first = (f"--total-steps {total_steps} differs from hdet.schedule.total_steps={sched['total_steps']} "
-                     "in the file")
-        else:
+        in_file = sched.get("total_steps")
+        if in_file in (None, "auto"):  # left to the trainer, as --total-steps stands for
             sched["total_steps"] = total_steps
+        elif isinstance(in_file, int) and not isinstance(in_file, bool) and in_file != total_steps:
+            first = (f"--total-steps {total_steps} differs from hdet.schedule.total_steps={in_file} "
+                     "in the file")
+        # else the same number, or a value of the wrong type ("100"), which the block's own
+        # check names (tester round 22: "--total-steps 100 differs from ...=100")
     from hdet_scale.autolr import build_schedule, decay_for, drowning_warning
 
     # A file that leaves total_steps to the trainer is checked with a stand-in run length
@@ -209,6 +212,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         warnings.filterwarnings("ignore", message="hdet.auto.enabled: auto-LR is on, but")
         warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+: auto is true but spread_ratio is 0")  # round 18
         warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+\.auto: true has no effect")
+        warnings.filterwarnings("ignore", message=r"hdet\.schedule: schedule\.name '")
         try:
             if backend == "deepspeed":
                 cfg, ds = prepare_config(config, world_size=world_size)

@@ -239,6 +239,23 @@ def test_without_total_steps_every_other_error_is_reported_too(capsys, tmp_path)
                        "run length were not run)"] + given[1:]
 
 
+@pytest.mark.parametrize("value,rc,line", [
+    ('"1000"', 2, "  hdet.schedule.total_steps: expected int | None, got '1000'"),  # was "1000 differs from 1000" too
+    ('"auto"', 0, None),  # the trainer's to fill: --total-steps stands for it
+    ("1000", 0, None),
+    ("5000", 2, "  --total-steps 1000 differs from hdet.schedule.total_steps=5000 in the file"),
+])
+def test_total_steps_of_another_type_is_named_once(capsys, tmp_path, value, rc, line):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**ZERO3, "hdet": {**BLOCK, "schedule": {"name": "onecycle"}}}).replace(
+        '"schedule": {"name": "onecycle"}', f'"schedule": {{"name": "onecycle", "total_steps": {value}}}'))
+    assert main([str(path), "--world-size", "8", "--total-steps", "1000"]) == rc
+    err = capsys.readouterr().err.strip().splitlines()
+    if line is not None:
+        assert err == ["hdet-dryrun: error: invalid config:" if "differs" in line else
+                       "hdet-dryrun: error: invalid hdet config:", line], err
+
+
 @pytest.mark.parametrize("world", range(1, 41))
 def test_the_plan_is_the_layouts_for_small_worlds(world):
     """The bounded plan (dryrun.layout_report) is Layout.describe's text wherever every
