@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.paths import require_regular
 
 _VALUE = re.compile(r"^hdet/([^/]+)/replica_(\d+)/group_(\d+)$")  # one replica's axis value
 _SYNC = re.compile(r"^hdet/(loss|fitness|weight)/replica_(\d+)$")  # per replica, at a sync
@@ -98,6 +99,7 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
         HDETConfigError: the file is missing, unreadable, has no record, or a line is not
             a JSON object (the message names the file and line).
     """
+    require_regular(path, "metrics file")  # a FIFO would block open() forever (tester round 22)
     try:
         # Bytes that are not UTF-8 become U+FFFD, so such a line is named as no JSON
         # record below, not a UnicodeDecodeError traceback (tester round 12).
@@ -333,8 +335,11 @@ def write_plots(run_dir: str, out_dir: str | None = None,
 def _summary_val(run_dir: str) -> dict:
     """The trainer's one evaluation, at the end: ``summary.json``'s ``val_loss`` at its
     ``steps`` (nothing when the run has no summary yet or a diverged one, ``null``)."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.isfile(path):  # absent, or a FIFO / device that open() would wait on
+        return {"steps": [], "loss": []}
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
+        with open(path) as f:
             summary = json.load(f)
         val, step = summary["val_loss"], summary["steps"]
     except (OSError, ValueError, KeyError, TypeError):

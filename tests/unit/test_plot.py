@@ -192,3 +192,29 @@ def test_values_that_are_not_numbers_are_skipped_with_one_note_per_key(tmp_path,
     s = series(read_records(str(path)))
     assert s["train"]["steps"] == [3, 4, 5, 6, 10]  # steps 1, 2, 9: no loss left; the text step: no record
     assert s["fanout"][("lr", 0)]["replicas"][0][2] != s["fanout"][("lr", 0)]["replicas"][0][2]  # step 3's: NaN
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
+    """Tester round 22: ``hdet-plot`` on a run_dir whose ``metrics.jsonl`` is a FIFO
+    printed nothing and blocked in open() until killed (hdet-train refuses FIFOs). Now
+    exit 2 naming the file; a FIFO ``summary.json`` is skipped like a missing one. Run in
+    a thread so that a regression fails here instead of hanging the suite."""
+    import threading
+
+    def run(argv, out):
+        t = threading.Thread(target=lambda: out.append(main(argv)), daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), f"hdet-plot {argv} still blocked after 30 s"
+        return out[0]
+
+    fifo_run = tmp_path / "fifo"
+    fifo_run.mkdir()
+    os.mkfifo(fifo_run / "metrics.jsonl")
+    assert run([str(fifo_run)], []) == 2
+    assert "metrics.jsonl' is not a regular file but a FIFO" in capsys.readouterr().err
+    good = tmp_path / "good"
+    _write(good, _records())
+    os.mkfifo(good / "summary.json")
+    assert run([str(good), "--out", str(tmp_path / "out")], []) == 0
+    assert "loss.png" in os.listdir(tmp_path / "out")
