@@ -130,6 +130,10 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
     return ModelSize(size.params, size.shapes, size.buffer_numel, f"{model_type}, {source}")
 
 
+#: The most decoder layers ``--hf-config`` builds (a few seconds on the meta device).
+MAX_HF_LAYERS = 2000
+
+
 def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
     """``(model, model_type, source)``: the model a Hugging Face config builds
     (``AutoModelForCausalLM.from_config`` on the meta device: no weights allocated,
@@ -161,8 +165,17 @@ def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
 
     try:
         hf = AutoConfig.for_model(model_type, **config)
+        layers = getattr(hf, "num_hidden_layers", None)
+        if isinstance(layers, int) and layers > MAX_HF_LAYERS:
+            # tester round 22: 100,000 layers built for 149 s without a line of output
+            raise HDETConfigError(f"--hf-config: {source!r} has num_hidden_layers={layers}: the dry run builds the "
+                                  f"model (on the meta device, about 1.5 ms a layer) and takes at most "
+                                  f"{MAX_HF_LAYERS} (released models have under 200); for a larger model give "
+                                  "--params N instead")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf)
+    except HDETConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - a bad value fails anywhere in transformers or torch, with any type
         # the head says why (an unknown model_type's message ends in the list of known ones)
         reason = " ".join(str(e).split())

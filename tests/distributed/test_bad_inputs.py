@@ -128,6 +128,7 @@ def setup_cases(d) -> None:
     (d / "valid.json").write_text(json.dumps(zero3))
     (d / "hf_negative.json").write_text('{"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2}')
     (d / "hf_heads.json").write_text('{"model_type": "llama", "hidden_size": 65, "num_attention_heads": 4}')
+    (d / "hf_deep.json").write_text('{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 100000}')
     (d / "hf_twice.json").write_text('{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}')
     (d / "yaml11.yaml").write_text("wandb:\n  name: on\n  project: no\n")
     (d / "hf_unknown.json").write_text('{"model_type": "nonexistent_model", "hidden_size": 64}')
@@ -582,6 +583,9 @@ DRYRUN_CASES = [
      ["--hf-config:", "hf_negative.json' does not build a causal LM", "negative dimension"]),
     ("dryrun_hf_config_heads", ["{d}/valid.json", "--hf-config", "{d}/hf_heads.json"],
      ["hf_heads.json' does not build a causal LM", "not a multiple of the number of attention heads"]),
+    # round 22: built for 149 s without a line of output, then exit 0
+    ("dryrun_hf_config_too_deep", ["{d}/valid.json", "--hf-config", "{d}/hf_deep.json"],
+     ["hf_deep.json' has num_hidden_layers=100000", "at most 2000", "--params N"]),
     ("dryrun_hf_config_key_twice", ["{d}/valid.json", "--hf-config", "{d}/hf_twice.json"],
      ["hf_twice.json' has the key 'hidden_size' twice"]),
     ("dryrun_params_absurd", ["{d}/valid.json", "--params", "1e40"], ["--params: expected a whole number"]),
