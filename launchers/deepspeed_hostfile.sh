@@ -19,7 +19,8 @@
 #                checkpoint (set train.checkpoint_every). A failure before the first
 #                checkpoint is then refused (exit 2: run_dir holds the failed attempt's
 #                metrics; replace them with train.overwrite=true). Exit code 2 (bad
-#                config, or a refused run_dir) is never retried.
+#                config, a refused run_dir, a host ssh cannot reach, no pdsh) is never
+#                retried.
 # Env vars needed on remote hosts (NCCL_*, PYTHONPATH, ...) go in ~/.deepspeed_env or
 # ./.deepspeed_env as KEY=VALUE lines (DeepSpeed exports them via pdsh).
 #
@@ -49,6 +50,22 @@ need_int GPUS "${GPUS}" 1 "set GPUS, or give the first host of ${HOSTFILE} slots
 need_int NNODES "${NNODES}" 1 "hosts in ${HOSTFILE}"
 need_int MASTER_PORT "${MASTER_PORT}" 1
 need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
+
+# What the deepspeed launcher needs before it starts a rank, checked here once (tester
+# round 22: without passwordless ssh its RuntimeError traceback came back at every one of
+# the restarts below, exit 1 each time). DeepSpeed itself asks the first host the same way.
+first_host=$(awk '!/^[[:space:]]*(#|$)/ { print $1; exit }' "${HOSTFILE}")
+if ! ssh -o PasswordAuthentication=no -o BatchMode=yes -o ConnectTimeout=10 "${first_host}" hostname \
+    >/dev/null 2>&1; then
+  echo "$(basename "$0"): host ${first_host} (first in ${HOSTFILE}) cannot be reached by passwordless ssh," \
+       "which the deepspeed launcher needs (ssh -o PasswordAuthentication=no ${first_host} hostname failed):" \
+       "set up ssh keys, or on one node use launchers/torchrun_single_node.sh" >&2
+  exit 2
+fi
+command -v pdsh >/dev/null || {
+  echo "$(basename "$0"): pdsh is not installed; the deepspeed launcher starts the ranks of a hostfile with it" \
+       "(install pdsh, or on one node use launchers/torchrun_single_node.sh)" >&2
+  exit 2; }
 
 args=(--hostfile="${HOSTFILE}" --num_nodes "${NNODES}" --num_gpus "${GPUS}"
       --master_port "${MASTER_PORT}")

@@ -664,12 +664,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
      "torchrun_multi_node.sh: NODE_RANK=x: expected an integer >= 0"),
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_without_slots"},
      "GPUS=<empty>: expected an integer >= 1 (set GPUS, or give the first host of {d}/hostfile_without_slots slots"),
+    # round 22: DeepSpeed's "not reachable via ssh" traceback, retried MAX_RESTARTS times
+    ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh"},
+     "host 127.0.0.1 (first in {d}/hostfile_no_ssh) cannot be reached by passwordless ssh"),
 ])
 def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_path):
     """Tester round 20: the launchers passed GPUS=abc, MAX_RESTARTS=-1 or a hostfile line
     without slots= to torchrun / deepspeed, whose tracebacks named no variable. Each now
     exits 2 before starting anything, naming the variable and what it expects."""
     (tmp_path / "hostfile_without_slots").write_text("localhost\n")
+    (tmp_path / "hostfile_no_ssh").write_text("127.0.0.1 slots=1\n")  # no sshd answers here
     env = {k: v.format(d=tmp_path) for k, v in env.items()}
     rc, err, seconds, leftovers = run_cli(["bash", os.path.join(ROOT, "launchers", script), "train.steps=2"], env)
     assert rc == 2 and needle.format(d=tmp_path) in err and "Traceback" not in err, (rc, err)
