@@ -228,6 +228,31 @@ def _base(key: tuple[str, int], xs: list[int], rows: list[list[float]], syncs: l
     return {**res, "plain": None, "shown": "base (mean of replicas) = plain schedule (no auto-LR update ran)"}
 
 
+def import_matplotlib() -> None:
+    """Import matplotlib for the PNGs (``Figure.savefig``: no GUI backend is used).
+
+    ``MPLBACKEND`` is hidden from the import: it picks an interactive backend these files
+    never use, and a bad value made matplotlib's import raise ``ValueError``, failing a
+    finished ``hdet-train`` run (tester round 23).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+        HDETConfigError: it is, but cannot start (a broken ``matplotlibrc``, an
+            unwritable ``MPLCONFIGDIR``...), naming why.
+    """
+    saved = os.environ.pop("MPLBACKEND", None)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever its start-up raises, in one line
+        raise HDETConfigError(f"matplotlib cannot start ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+                              ) from None
+    finally:
+        if saved is not None:
+            os.environ["MPLBACKEND"] = saved
+
+
 def _figure(rows: int = 1):
     # lazily: matplotlib is the optional "plot" extra
     from matplotlib.figure import Figure
@@ -256,7 +281,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
     s = series(records)
     if not s["val"]["steps"]:
         s["val"] = _summary_val(run_dir)
-    import matplotlib  # noqa: F401  (fail before creating the folder)
+    import_matplotlib()  # fail before creating the folder
 
     out_dir = out_dir or os.path.join(run_dir, "plots")
     try:
@@ -355,7 +380,10 @@ def plot_after_run(run_dir: str) -> None:
         print(f"hdet-train: {line}", file=sys.stderr, flush=True)
 
     try:
-        import matplotlib  # noqa: F401
+        import_matplotlib()
+    except HDETConfigError as e:
+        say(f"warning: no plots: {e}")
+        return
     except ImportError:
         say("note: no plots (matplotlib is not installed: pip install 'hdet-scale[plot]', then hdet-plot RUN_DIR)")
         return

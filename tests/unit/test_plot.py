@@ -218,3 +218,24 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
     os.mkfifo(good / "summary.json")
     assert run([str(good), "--out", str(tmp_path / "out")], []) == 0
     assert "loss.png" in os.listdir(tmp_path / "out")
+
+
+def test_a_bad_mplbackend_neither_fails_the_run_nor_the_command(tmp_path):
+    """Tester round 23: ``MPLBACKEND=nonsense`` made matplotlib's import raise ValueError:
+    a finished ``hdet-train`` run then ended with a traceback and exit 1 (docs: a plot never
+    fails a run), ``hdet-plot`` with a traceback. The PNGs use no GUI backend, so the
+    variable is hidden from the import: both write their plots. A fresh interpreter, as
+    this one may have imported matplotlib already."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    _write(run, _records())
+    env = {**os.environ, "MPLBACKEND": "nonsense"}
+    code = ("import sys; from hdet_scale.plot import plot_after_run, main; plot_after_run(sys.argv[1]); "
+            "sys.exit(main([sys.argv[1], '--out', sys.argv[2]]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(run), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hdet-train: 4 plots in" in proc.stderr, proc.stderr
+    assert sorted(os.listdir(run / "plots")) == sorted(os.listdir(tmp_path / "out")) != []
