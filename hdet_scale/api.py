@@ -25,6 +25,7 @@ through it.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable
 
 import torch
@@ -49,7 +50,12 @@ def _optimizer_parts(ds: dict) -> tuple[type, dict]:
 def _load(config: Any) -> dict:
     from hdet_scale.backends.deepspeed import _load_ds_config
 
-    return _load_ds_config(config)
+    try:
+        return _load_ds_config(config)
+    except HDETConfigError:
+        raise
+    except ValueError as e:  # the JSON parser's words name no file
+        raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} is not valid JSON: {e}") from None
 
 
 def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deepspeed",
@@ -92,7 +98,16 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
         return Ensemble("deepspeed", engine, engine.optimizer, scheduler,
                         engine.gradient_accumulation_steps(), clip=0.0)
     from hdet_scale.backends.common import resolve_config, world_size
+    from hdet_scale.ds_keys import check_deepspeed_keys
+    from hdet_scale.ds_values import check_deepspeed_values
     from hdet_scale.engine_config import check_engine_config
+
+    # As the deepspeed backend and hdet-train do (tester round 23: a negative
+    # gradient_clipping ran unclipped, an "hdet_config" block was ignored, a text LR
+    # raised a TypeError after torch.distributed had started). The torch optimizer's
+    # own arguments are checked against its signature by check_engine_config.
+    check_deepspeed_keys(ds, optimizer_params=False)
+    check_deepspeed_values(ds)
 
     # an optimizer= of the user's stands in for the config's block in the engine checks
     check_engine_config(ds if optimizer is None else {**ds, "optimizer": {"type": "AdamW"}}, backend,

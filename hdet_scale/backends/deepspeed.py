@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -169,7 +169,8 @@ def _load_ds_config(config: str | dict) -> dict:
     refused, as DeepSpeed and ``hdet-train`` refuse it (``json`` would keep the last).
 
     Raises:
-        HDETConfigError: a key given twice (naming the file and the key).
+        HDETConfigError: a key given twice (naming the file and the key), a file holding
+            another JSON value than an object, a ``config`` neither a path nor a mapping.
         OSError, ValueError: the file cannot be read, or is not JSON.
     """
     if isinstance(config, (str, os.PathLike)):
@@ -177,9 +178,16 @@ def _load_ds_config(config: str | dict) -> dict:
         with open(config) as f:
             text = f.read()
         try:
-            return loads_json(text)
+            loaded = loads_json(text)
         except RepeatedKeyError as e:
             raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} {e}") from None
+        if not isinstance(loaded, dict):
+            raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} must hold a JSON object "
+                                  f"({{\"hdet\": {{...}}, ...}}), got a JSON {type(loaded).__name__}")
+        return loaded
+    if not isinstance(config, Mapping):  # tester round 23: None, a list: a TypeError from dict()
+        raise HDETConfigError(f"config: expected a DeepSpeed JSON path or a dict with its \"hdet\" block, got "
+                              f"{type(config).__name__} {config!r:.100}")
     return copy.deepcopy(dict(config))
 
 

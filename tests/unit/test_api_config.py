@@ -1,0 +1,61 @@
+"""``hdet_scale.prepare`` on the torch engines (ddp, fsdp2, fairscale) checks the DeepSpeed
+keys and values as the deepspeed engine, ``hdet-train`` and ``hdet-dryrun`` do, before
+``torch.distributed`` is touched (tester round 23: a negative ``gradient_clipping`` ran
+unclipped, an ``"hdet_config"`` block was ignored without a word, a text LR, a one-number
+``betas`` or ``"bf16": true`` raised a TypeError / IndexError / AttributeError after the
+process group had started, and ``prepare(model, None)`` a TypeError).
+
+Each case is refused with an HDETConfigError naming the key, in this process, with no
+process group: the refusal comes before any collective by construction.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hdet_scale
+from hdet_scale.errors import HDETConfigError
+
+BASE = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "hdet": {"replicas": 1, "axes": {"lr": {"spread_ratio": 0}}, "auto": {"enabled": False},
+                 "schedule": {"name": "constant", "total_steps": 10}}}
+CASES = [
+    ({"gradient_clipping": -1}, "gradient_clipping: must be a number >= 0 (0: off), got -1"),
+    ({"gradient_clipping": None}, "gradient_clipping: must be a number >= 0 (0: off), got None"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": float("inf")}}}, "optimizer.params.lr: must be a finite number"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "0.001"}}}, "optimizer.params.lr: must be a finite number"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9]}}}, "optimizer.params.betas: must be two"),
+    ({"bf16": True}, 'bf16: must be a JSON object, e.g. {"enabled": true}; got true'),
+    ({"hdet_config": {}}, "hdet_config: not a key of DeepSpeed or hdet_scale; did you mean 'hdet'?"),
+]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "fairscale"])
+@pytest.mark.parametrize("extra,line", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_prepare_on_a_torch_engine_refuses_what_the_others_refuse(backend, extra, line):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(HDETConfigError) as e:
+        hdet_scale.prepare(torch.nn.Linear(2, 2), {**copy.deepcopy(BASE), **extra}, backend=backend)
+    assert line in str(e.value), str(e.value)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("config,line", [
+    (None, "config: expected a DeepSpeed JSON path or a dict with its \"hdet\" block, got NoneType None"),
+    ([1, 2], "got list [1, 2]"),
+])
+def test_prepare_names_a_config_that_is_neither_a_path_nor_a_dict(config, line):
+    with pytest.raises(HDETConfigError, match=line.replace("[", r"\[").replace("]", r"\]")):
+        hdet_scale.prepare(torch.nn.Linear(2, 2), config, backend="ddp")
+
+
+def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
+    for text, line in (("[1, 2]", "must hold a JSON object"), ("{nope", "is not valid JSON")):
+        path = tmp_path / "ds.json"
+        path.write_text(text)
+        with pytest.raises(HDETConfigError) as e:
+            hdet_scale.prepare(torch.nn.Linear(2, 2), str(path), backend="ddp")
+        assert "ds.json" in str(e.value) and line in str(e.value), str(e.value)
