@@ -135,6 +135,11 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         run = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         raise HDETConfigError(_describe(e, cfg, overrides, path)) from None
+    # "~" as a shell expands it, as data.path always did (tester round 23: run_dir: ~/x in a
+    # YAML wrote into ./~/x, and the plots line named the home folder)
+    for section, key in ((run, "run_dir"), (run, "deepspeed_config"), (run["wandb"], "dir")):
+        if isinstance(section.get(key), str):
+            section[key] = os.path.expanduser(section[key])
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
     ds = load_deepspeed_json(ds_path)
     if not isinstance(run["deepspeed"] or {}, dict):

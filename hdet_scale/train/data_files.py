@@ -124,6 +124,32 @@ def _pseudo_root(p: pathlib.Path) -> str | None:
     return next((r for r in PSEUDO_ROOTS if real == r or real.startswith(r + "/")), None)
 
 
+def check_apart(path: str | None, run_dir: str) -> None:
+    """Refuse a ``data.path`` part that holds ``run_dir`` or lies inside it.
+
+    A run_dir inside a data folder makes the run's own files (``metrics.jsonl``,
+    checkpoints, ``latest``) training data: a resume then trains on other bytes than the
+    run it continues, or is refused for a split that shrank (tester round 23: "data set
+    too small: it has 13 bytes", the ``latest`` file). Data inside run_dir is removed by
+    ``train.overwrite=true``. Compared by real path (links resolved).
+
+    Raises:
+        HDETConfigError: naming the part, run_dir and the way out.
+    """
+    if path is None:
+        return
+    out = os.path.realpath(os.path.expanduser(run_dir))
+    for part in (p.strip() for p in path.split(",") if p.strip()):
+        real = os.path.realpath(os.path.expanduser(part))
+        if out == real or out.startswith(real.rstrip(os.sep) + os.sep):
+            raise HDETConfigError(f"data.path: {part!r} holds run_dir {run_dir!r}: the run's own files (metrics, "
+                                  "checkpoints) would be read as training data, and a resume would train on other "
+                                  "data than the run it continues; put run_dir outside data.path")
+        if real.startswith(out + os.sep):
+            raise HDETConfigError(f"data.path: {part!r} is inside run_dir {run_dir!r}, whose contents belong to "
+                                  "the run (train.overwrite=true removes them); keep the data outside run_dir")
+
+
 def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
     """Resolve ``data.path`` into ``([(key, file)], source)`` in concatenation order.
 

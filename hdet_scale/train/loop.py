@@ -32,6 +32,7 @@ from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
 from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
+from hdet_scale.train.data_files import check_apart
 from hdet_scale.autolr import build_schedule, check_additive_floors
 from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, build_engine, check_engine_config
@@ -140,6 +141,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               "deepspeed.hdet.auto.enabled=false (identical to plain data parallelism with gradient_sharing "
                               "'global')")
     d = run["data"]
+    check_apart(d["path"], run["run_dir"])
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
     micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
     gas = run["deepspeed"].get("gradient_accumulation_steps", 1)

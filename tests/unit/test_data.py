@@ -370,3 +370,26 @@ def test_too_small_data_error_names_keys_and_sizes():
     assert "40 bytes" in msg and "48" in msg
     # exactly enough works
     ByteBatches(_data(48), 32, 4, seed=0, rank=3, world_size=4).batch(0)
+
+
+def test_a_run_dir_inside_data_path_or_data_inside_run_dir_is_refused(tmp_path):
+    """Tester round 23: run_dir inside the data folder made the run's own files training
+    data (a resume was refused for a 13-byte split: the ``latest`` file). Both overlaps
+    are refused by real path, links included; separate folders pass."""
+    import os
+
+    from hdet_scale.errors import HDETConfigError
+    from hdet_scale.train.data_files import check_apart
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "link").symlink_to(data)
+    for run_dir in (data / "run", data, tmp_path / "link" / "run"):
+        with pytest.raises(HDETConfigError, match="holds run_dir .* put run_dir outside data.path"):
+            check_apart(f"{tmp_path / 'other.txt'},{data}", str(run_dir))
+    with pytest.raises(HDETConfigError, match="is inside run_dir .* keep the data outside run_dir"):
+        check_apart(str(data / "corpus.txt"), str(tmp_path))
+    check_apart(str(data), str(tmp_path / "runs" / "a"))
+    check_apart(str(tmp_path / "data2"), str(data))  # a name prefix is not a parent
+    check_apart(None, str(data))
+    assert os.path.exists(data)

@@ -828,3 +828,20 @@ def test_version_of_each_command(capsys):
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"hdet-train (hdet_scale) {__version__}\n"
+
+
+def test_a_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
+    """Tester round 23: ``run_dir: ~/x`` in a YAML wrote into ``./~/x`` (the plots line
+    named the home folder), ``deepspeed_config: ~/ds.json`` was "does not exist", while
+    ``data.path`` expanded ``~``. Every path key now does, as a shell would."""
+    from hdet_scale.train.config import load_run_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ds.json").write_text(json.dumps(packaged()))
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("run_dir: ~/runs/a\ndeepspeed_config: ~/ds.json\nwandb: {dir: ~/wb}\n")
+    run = load_run_config(str(yaml_file), ["train.steps=100"])
+    assert run["run_dir"] == str(tmp_path / "runs" / "a")
+    assert run["deepspeed_config"] == str(tmp_path / "ds.json")
+    assert run["wandb"]["dir"] == str(tmp_path / "wb")
+    assert run["deepspeed"]["hdet"]["schedule"]["total_steps"] == 100  # the file's, read from the home folder
