@@ -58,42 +58,10 @@ from hdet_scale.backends.common import (
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.hf_config import _checkable, check_run_length, resolve_auto  # noqa: F401 - resolve_auto: public here
 from hdet_scale.hf_deepspeed import check_partitions, zero_init  # noqa: F401 - zero_init is public here
 from hdet_scale.hf_fsdp import fsdp_block
 from hdet_scale.topology import Topology
-
-
-def _without_auto(value: Any) -> Any:
-    """A copy of a DeepSpeed config without the ``"auto"`` values ``Trainer`` fills only
-    when training starts (bucket sizes from the model's hidden size): checked then."""
-    if isinstance(value, dict):
-        return {k: _without_auto(v) for k, v in value.items() if v != "auto"}
-    return value
-
-
-def _checkable(ds_config: dict, max_steps: int | None) -> dict:
-    """``ds_config`` as the checks take it before training starts: the hdet block's
-    ``"auto"`` run length resolved (:func:`resolve_auto`), ``Trainer``'s other autos left
-    out (:func:`_without_auto`), and, while the run length is still unknown, a stand-in
-    too long for any check to fail on (the checks that need it run again at ``train()``)."""
-    ds = _without_auto(resolve_auto(ds_config, max_steps))
-    if ((ds_config.get("hdet") or {}).get("schedule") or {}).get("total_steps") == "auto" and max_steps is None:
-        ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
-    return ds
-
-
-def resolve_auto(ds_config: dict, max_steps: int | None) -> dict:
-    """``ds_config`` with ``hdet.schedule.total_steps: "auto"`` set to ``max_steps``
-    (``Trainer``'s optimizer steps; ``None`` while unknown: then left out, and
-    :class:`HDETConfig` supplies its check when training starts)."""
-    ds = copy.deepcopy(ds_config)
-    schedule = ((ds.get("hdet") or {}).get("schedule") or {})
-    if schedule.get("total_steps") == "auto":
-        if max_steps is None or max_steps < 1:
-            del schedule["total_steps"]
-        else:
-            schedule["total_steps"] = int(max_steps)
-    return ds
 
 
 class EngineScheduler:
@@ -209,10 +177,15 @@ class HDETTrainer(Trainer):
         :func:`hdet_scale.initialize` does: the DeepSpeed config with its block, or the
         block of ``fsdp_config``."""
         if self._hdet_fsdp:
-            return resolve_config(_checkable({"hdet": fsdp_block(self.args)}, max_steps), world=self.args.world_size)
-        from hdet_scale.backends.deepspeed import prepare_config
+            block = fsdp_block(self.args)
+            cfg = resolve_config(_checkable({"hdet": block}, max_steps), world=self.args.world_size)
+        else:
+            from hdet_scale.backends.deepspeed import prepare_config
 
-        cfg, _ = prepare_config(_checkable(self._deepspeed_config(), max_steps), world_size=self.args.world_size)
+            ds = self._deepspeed_config()
+            block = ds.get("hdet")
+            cfg, _ = prepare_config(_checkable(ds, max_steps), world_size=self.args.world_size)
+        check_run_length(block, max_steps)
         return cfg
 
     # ---- the engine ------------------------------------------------------------------

@@ -37,7 +37,8 @@ def zero_init(args: Any, **kwargs: Any) -> Any:
     import deepspeed
 
     from hdet_scale.backends.deepspeed import zero_init as _zero_init
-    from hdet_scale.hf import _checkable, build_topology
+    from hdet_scale.hf import build_topology
+    from hdet_scale.hf_config import _checkable
 
     topology = build_topology(args)
     # Accelerate initialised torch.distributed, not DeepSpeed's comm layer, which zero.Init

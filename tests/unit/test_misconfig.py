@@ -845,3 +845,22 @@ def test_a_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
     assert run["deepspeed_config"] == str(tmp_path / "ds.json")
     assert run["wandb"]["dir"] == str(tmp_path / "wb")
     assert run["deepspeed"]["hdet"]["schedule"]["total_steps"] == 100  # the file's, read from the home folder
+
+
+def test_hf_trainer_run_length_is_held_to_the_schedule():
+    """Tester round 23: HDETTrainer with ``hdet.schedule.total_steps=4`` and
+    ``max_steps=6`` trained 4 steps, then both ranks died in the scheduler ("Tried to step
+    5 times"); with 100 against 6 the LR never left the warm-up without a word. hdet-train
+    holds total_steps to train.steps; ``HDETTrainer._check`` now calls this at
+    construction (max_steps set) or when train() starts (epochs)."""
+    from hdet_scale.hf_config import check_run_length
+
+    block = {"schedule": {"name": "onecycle", "total_steps": 4}}
+    with pytest.raises(HDETConfigError, match=r"total_steps: 4 is shorter than the Trainer's 6 optimizer steps"):
+        check_run_length(block, 6)
+    with pytest.warns(UserWarning, match=r"total_steps=100 > the Trainer's 6 optimizer steps"):
+        check_run_length({"schedule": {"total_steps": 100}}, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ok_block, steps in ((block, 4), ({"schedule": {"total_steps": "auto"}}, 6), (block, None), (None, 6)):
+            check_run_length(ok_block, steps)

@@ -1,0 +1,70 @@
+"""The ``hdet`` block as :class:`hdet_scale.hf.HDETTrainer` checks it: ``"auto"`` values
+the ``Trainer`` fills (the run length, and its own DeepSpeed autos) and an explicit run
+length held to the ``Trainer``'s optimizer steps. Pure: no ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from hdet_scale.errors import HDETConfigError
+
+
+def _without_auto(value: Any) -> Any:
+    """A copy of a DeepSpeed config without the ``"auto"`` values ``Trainer`` fills only
+    when training starts (bucket sizes from the model's hidden size): checked then."""
+    if isinstance(value, dict):
+        return {k: _without_auto(v) for k, v in value.items() if v != "auto"}
+    return value
+
+
+def _checkable(ds_config: dict, max_steps: int | None) -> dict:
+    """``ds_config`` as the checks take it before training starts: the hdet block's
+    ``"auto"`` run length resolved (:func:`resolve_auto`), ``Trainer``'s other autos left
+    out (:func:`_without_auto`), and, while the run length is still unknown, a stand-in
+    too long for any check to fail on (the checks that need it run again at ``train()``)."""
+    ds = _without_auto(resolve_auto(ds_config, max_steps))
+    if ((ds_config.get("hdet") or {}).get("schedule") or {}).get("total_steps") == "auto" and max_steps is None:
+        ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
+    return ds
+
+
+def check_run_length(block: Any, max_steps: int | None) -> None:
+    """An explicit ``hdet.schedule.total_steps`` against the ``Trainer``'s optimizer steps
+    (``max_steps``, known at construction when ``TrainingArguments.max_steps`` is set,
+    else when ``train()`` starts), as ``hdet-train`` holds it to ``train.steps`` (tester
+    round 23: 4 against 6 trained 4 steps, then both ranks died in the scheduler; 100
+    against 6 never left the warm-up without a word).
+
+    Raises:
+        HDETConfigError: ``total_steps`` shorter than the run. Warns (``UserWarning``)
+        when it is longer: the run covers the schedule's start only.
+    """
+    schedule = (block or {}).get("schedule") if isinstance(block, dict) else None
+    total = schedule.get("total_steps") if isinstance(schedule, dict) else None
+    if max_steps is None or max_steps < 1 or not isinstance(total, int) or isinstance(total, bool):
+        return
+    if total < max_steps:
+        raise HDETConfigError(f"hdet.schedule.total_steps: {total} is shorter than the Trainer's {max_steps} "
+                              "optimizer steps (max_steps, or epochs x steps per epoch); set it to \"auto\" (the "
+                              "Trainer's run length) or to at least that")
+    if total > max_steps:
+        warnings.warn(f"hdet.schedule.total_steps={total} > the Trainer's {max_steps} optimizer steps: the run "
+                      f"covers the schedule's first {max_steps} steps only and ends before its LR anneals (set it "
+                      "to \"auto\" to run the whole schedule)", UserWarning, stacklevel=3)
+
+
+def resolve_auto(ds_config: dict, max_steps: int | None) -> dict:
+    """``ds_config`` with ``hdet.schedule.total_steps: "auto"`` set to ``max_steps``
+    (``Trainer``'s optimizer steps; ``None`` while unknown: then left out, and
+    :class:`HDETConfig` supplies its check when training starts)."""
+    ds = copy.deepcopy(ds_config)
+    schedule = ((ds.get("hdet") or {}).get("schedule") or {})
+    if schedule.get("total_steps") == "auto":
+        if max_steps is None or max_steps < 1:
+            del schedule["total_steps"]
+        else:
+            schedule["total_steps"] = int(max_steps)
+    return ds
