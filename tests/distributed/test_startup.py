@@ -84,7 +84,9 @@ def test_a_signal_during_op_loading_leaves_no_lock(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
-        while not mark.exists():  # a rank holds <op>/lock and runs "ninja" under it
+        # a rank holds <op>/lock and runs "ninja" under it (its line written, not only the
+        # file created: CI read it empty once)
+        while not (mark.exists() and mark.read_text().strip()):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no rank reached the op build in time"
             time.sleep(0.1)
