@@ -273,6 +273,9 @@ def write_plots(run_dir: str, out_dir: str | None = None,
     ``run_dir/plots``, created) and return their paths, in writing order. ``log`` gets
     one line per skipped plot. Raises HDETConfigError for the metrics file
     (:func:`read_records`); needs matplotlib (ImportError otherwise)."""
+    if os.path.isfile(run_dir):  # tester round 24: "<file>/metrics.jsonl: Not a directory"
+        raise HDETConfigError(f"{run_dir} is a file: hdet-plot takes the run_dir that holds metrics.jsonl "
+                              f"({os.path.dirname(run_dir) or '.'} here?)")
     path = os.path.join(run_dir, "metrics.jsonl")
     if os.path.isdir(run_dir) and not os.path.lexists(path):  # "No such file or directory" said nothing of why
         raise HDETConfigError(f"{run_dir} has no metrics.jsonl yet ({path}): a run that has not logged its first "

@@ -167,7 +167,10 @@ def init_process_group(device: torch.device) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    from hdet_scale.backends.rendezvous import stoppable
+
+    with stoppable():  # a peer that never joins: Ctrl-C / SIGTERM still end the wait
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 
 def _keep_local_gradients(_state, bucket):  # no annotations: DDP checks them against its own types

@@ -182,3 +182,47 @@ def test_sighup_to_the_launcher_stops_like_sigterm(tmp_path):
     lines = stop_lines(err)
     assert len(lines) == 1 and "SIGHUP" in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_a_signal_ends_a_rendezvous_whose_peers_never_come(tmp_path, backend):
+    """Tester round 24: with the launcher variables set and no peer ever joining (a stray
+    RANK / WORLD_SIZE, a wrong MASTER_ADDR), the rank waited in torch's TCPStore
+    rendezvous for 30 minutes and SIGINT / SIGTERM / ``timeout`` did nothing (the main
+    thread is in C++, Python handlers never run): only kill -9 ended it. Rank 0 of 2 alone
+    here: once its store listens on MASTER_PORT it is in the rendezvous; a SIGTERM then
+    ends it within seconds (the default action: exit by SIGTERM), leaving nothing."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env, tag = with_marker({**ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    cmd = [*TRAIN, f"run_dir={tmp_path / 'run'}", f"backend={backend}", "train.steps=10", "wandb.enabled=false",
+           "train.progress=false", "train.plots=false", "deepspeed.hdet.auto.enabled=false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # rank 0's TCPStore server: up once it waits for the peer
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "rank 0 never reached the rendezvous"
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        time.sleep(1.0)  # inside init_process_group's wait, past the store's creation
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"SIGTERM did not end the rendezvous within 15 s: {err[-2000:]}")
+        seconds = time.monotonic() - t0
+    finally:
+        leftovers = left_behind(tag)
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), (proc.returncode, err[-3000:])
+    assert seconds < 10 and not leftovers, (seconds, leftovers)
+    assert "Traceback" not in err, err[-3000:]

@@ -239,3 +239,13 @@ def test_a_bad_mplbackend_neither_fails_the_run_nor_the_command(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert "hdet-train: 4 plots in" in proc.stderr, proc.stderr
     assert sorted(os.listdir(run / "plots")) == sorted(os.listdir(tmp_path / "out")) != []
+
+
+def test_the_metrics_file_instead_of_its_run_dir_is_named(tmp_path, capsys):
+    """Tester round 24: ``hdet-plot RUN/metrics.jsonl`` said "RUN/metrics.jsonl/metrics.jsonl:
+    cannot read the metrics file (Not a directory)"."""
+    run = tmp_path / "run"
+    _write(run, _records())
+    assert main([str(run / "metrics.jsonl")]) == 2
+    assert f"{run / 'metrics.jsonl'} is a file: hdet-plot takes the run_dir that holds metrics.jsonl ({run} here?)" \
+        in capsys.readouterr().err
