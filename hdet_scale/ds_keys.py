@@ -371,6 +371,24 @@ def loads_json(text: str) -> Any:
     return json.loads(text, object_pairs_hook=_unique_pairs)
 
 
+def loads_json_object(text: str, where: str) -> dict:
+    """:func:`loads_json` of a DeepSpeed config file, which must hold one JSON object;
+    ``where`` names the file at the start of each message (``"DeepSpeed config 'x.json'"``).
+
+    Raises:
+        HDETConfigError: a key given twice, or another JSON value than an object.
+        ValueError: not valid JSON (callers word it their own way).
+    """
+    try:
+        value = loads_json(text)
+    except RepeatedKeyError as e:
+        raise HDETConfigError(f"{where} {e}") from None
+    if not isinstance(value, dict):
+        raise HDETConfigError(f"{where} must hold a JSON object ({{\"hdet\": {{...}}, ...}}), got a JSON "
+                              f"{type(value).__name__}")
+    return value
+
+
 #: Past this many unknown keys the file is likely no DeepSpeed config: the first
 #: :data:`_SHOWN` lines in full, the rest by name.
 _MANY, _SHOWN = 10, 3

@@ -32,7 +32,7 @@ from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.config import HDETConfig
-from hdet_scale.ds_keys import RepeatedKeyError, check_deepspeed_keys, loads_json
+from hdet_scale.ds_keys import check_deepspeed_keys, loads_json_object
 from hdet_scale.ds_values import batch_errors, check_deepspeed_values
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
@@ -177,14 +177,7 @@ def _load_ds_config(config: str | dict) -> dict:
         require_regular(config, "DeepSpeed config")
         with open(config) as f:
             text = f.read()
-        try:
-            loaded = loads_json(text)
-        except RepeatedKeyError as e:
-            raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} {e}") from None
-        if not isinstance(loaded, dict):
-            raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} must hold a JSON object "
-                                  f"({{\"hdet\": {{...}}, ...}}), got a JSON {type(loaded).__name__}")
-        return loaded
+        return loads_json_object(text, f"DeepSpeed config {os.fspath(config)!r}")
     if not isinstance(config, Mapping):  # tester round 23: None, a list: a TypeError from dict()
         raise HDETConfigError(f"config: expected a DeepSpeed JSON path or a dict with its \"hdet\" block, got "
                               f"{type(config).__name__} {config!r:.100}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from hdet_scale.ds_keys import RepeatedKeyError, loads_json
+from hdet_scale.ds_keys import loads_json_object
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 
@@ -100,12 +100,8 @@ def load_deepspeed_json(path: str) -> dict:
     if not text.strip():
         raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
     try:
-        ds = loads_json(text)
-    except RepeatedKeyError as e:
-        raise HDETConfigError(f"deepspeed_config: file {path!r} {e}") from None
+        return loads_json_object(text, f"deepspeed_config: file {path!r}")
+    except HDETConfigError:
+        raise
     except ValueError as e:
         raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
-    if not isinstance(ds, dict):
-        raise HDETConfigError(f"deepspeed_config: file {path!r} must hold a JSON object ({{\"hdet\": {{...}}, "
-                              f"...}}), got a JSON {type(ds).__name__}")
-    return ds
