@@ -167,9 +167,9 @@ def init_process_group(device: torch.device) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    from hdet_scale.backends.rendezvous import stoppable
+    from hdet_scale.backends.rendezvous import joining
 
-    with stoppable():  # a peer that never joins: Ctrl-C / SIGTERM still end the wait
+    with joining():  # a peer that never joins: said every minute; Ctrl-C / SIGTERM end the wait
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
 

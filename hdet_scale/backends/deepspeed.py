@@ -264,9 +264,9 @@ def _init_distributed(dist_backend: str | None) -> str:
     remember()  # before any op loads: py-cpuinfo's 2 x 1.1 s per rank (ds_cpuinfo)
     accel = get_accelerator()
     if not dist.is_initialized():
-        from hdet_scale.backends.rendezvous import stoppable
+        from hdet_scale.backends.rendezvous import joining
 
-        with stoppable():  # a peer that never joins: Ctrl-C / SIGTERM still end the wait
+        with joining():  # a peer that never joins: said every minute; Ctrl-C / SIGTERM end the wait
             deepspeed.init_distributed(dist_backend=dist_backend or ("gloo" if accel.device_name() == "cpu" else None))
     if accel.device_name() != "cpu":
         accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,0 +1,74 @@
+"""The process-group rendezvous when a rank never joins (tester round 25 of issue 9).
+
+A rank whose peers never come waited in torch's TCPStore for 30 minutes with no output,
+then died with a ``DistStoreError`` / ``DistNetworkError`` traceback. ``joining`` prints a
+line every ``notice_every`` seconds naming the rank and the address, and turns the timeout
+into one ``HDETConfigError``. A real gloo rendezvous in a subprocess, with torch's timeout
+cut to 3 s (the only change from a run: 30 min is too long for a test) and notices every
+0.5 s, alone: rank 0 waits for a client, rank 1 for a rank 0 that never listens.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import datetime, sys
+    import torch.distributed as dist
+    from hdet_scale.backends.rendezvous import joining
+    from hdet_scale.errors import HDETConfigError
+    try:
+        with joining(notice_every=0.5):
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+    except HDETConfigError as e:
+        print("REFUSED:", e, file=sys.stderr)
+        sys.exit(2)
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_lone_rank_says_it_waits_and_times_out_with_one_message(rank):
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - t0
+    notices = [line for line in proc.stderr.splitlines() if "still waiting for the process group" in line]
+    refused = [line for line in proc.stderr.splitlines() if line.startswith("REFUSED:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    # 3 s of wait at one line per 0.5 s: at least 2 even on a loaded machine
+    assert len(notices) >= 2, proc.stderr[-3000:]
+    where = f"rank {rank} of WORLD_SIZE=2 at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port}"
+    assert all(where in line for line in notices), notices
+    assert len(refused) == 1 and where in refused[0] and "did not form" in refused[0], refused
+    assert "timed out" in refused[0].lower(), refused  # torch's own line kept: who joined / what it tried
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert seconds < 60, seconds
+
+
+def test_a_port_in_use_is_no_timeout_and_passes_unchanged():
+    """Only torch's timeouts are reworded: rank 0 whose MASTER_PORT another process holds
+    gets torch's own DistNetworkError (hdet-train names it as a port to change)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "DistNetworkError" in proc.stderr, proc.stderr[-3000:]
+    assert "REFUSED" not in proc.stderr
