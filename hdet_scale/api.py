@@ -250,7 +250,7 @@ class Ensemble:
         if self.backend != "deepspeed":
             return lib.load_checkpoint(self.model, self.optimizer, self.scheduler, load_dir, tag)
         # DeepSpeed's load returns its client state, not the tag: resolve the tag first
-        from hdet_scale.backends.common import check_resumable
+        from hdet_scale.backends.checkpoints import check_resumable
 
         t = self.scheduler.topology
         tag = check_resumable(load_dir, t.world_size, t.replicas, self.backend, tag)

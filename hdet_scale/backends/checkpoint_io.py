@@ -5,7 +5,7 @@ A folder holds ``replica_<r>/<tag>/...`` (the engines' files, one folder per rep
 tag), ``hdet_layout.json`` and ``latest`` (the tag to resume from). The layout's
 ``"checkpoints"`` entry is the *index*: ``{tag: optimizer step}`` of the complete
 checkpoints, oldest first; its ``"step"`` is the step of the newest save. A save
-(``common.checkpoint_target`` ... ``common.finish_checkpoint``) runs:
+(``checkpoints.checkpoint_target`` ... ``checkpoints.finish_checkpoint``) runs:
 
 1. rank 0 *retires* the tag (:func:`retire_tag`): a tag saved before is dropped from the
    index, ``latest`` moved off it first, and any folder of that tag (complete, or partial
@@ -21,7 +21,7 @@ checkpoint while the layout's ``"step"`` is already the new one; readers therefo
 the step of the tag ``latest`` names from the index (:func:`latest_step`).
 
 Rank 0 removes every replica's folders: this assumes one filesystem seen by all ranks,
-as resuming a multi-replica checkpoint does anyway (``common.check_resumable``).
+as resuming a multi-replica checkpoint does anyway (``checkpoints.check_resumable``).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.backends.ds_zero import zero3_errors
-from hdet_scale.backends.common import (attach_sync, check_probe, use_topology, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state,
-                                        make_logger, replica_dir, save_hdet_state)
+from hdet_scale.backends.common import attach_sync, check_probe, use_topology, make_logger
+from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent

@@ -44,23 +44,18 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
+from hdet_scale.backends.checkpoints import (check_resumable, checkpoint_target, finish_checkpoint, load_entries,
+                                             load_hdet_state, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import (  # build_topology: re-exported, fairscale.build_topology(config)
-    load_entries,
     build_topology,  # noqa: F401
     use_topology,
     FullParamsBackend,
     build_scheduler,
     check_probe,
-    check_resumable,
-    checkpoint_target,
     default_device,
-    finish_checkpoint,
     init_process_group,
-    load_hdet_state,
     make_logger,
-    replica_dir,
     resolve_config,
-    save_hdet_state,
     unwrap,
     wrap_ddp,
 )

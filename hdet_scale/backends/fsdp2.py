@@ -47,10 +47,8 @@ from torch.optim import Optimizer
 
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
-from hdet_scale.backends.common import (build_scheduler, build_topology, check_probe, check_resumable, checkpoint_target, default_device,
-                                        finish_checkpoint,
-                                        init_process_group, load_hdet_state, make_logger, replica_dir,
-                                        resolve_config, save_hdet_state, use_topology)
+from hdet_scale.backends.common import build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, use_topology
+from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError

@@ -108,7 +108,7 @@ def _place(path: str) -> tuple[str, str] | None:
 
 def listing_problem(folder: str, required: bool) -> str | None:
     """The cheap part of the check, by ``stat`` alone, for the pre-start check
-    (``common.check_resumable``, run by the launcher before any rank starts and by every
+    (``checkpoints.check_resumable``, run by the launcher before any rank starts and by every
     rank before a load): the manifest is there when the save wrote one (``required``:
     ``hdet_layout.json`` lists the tag under ``"manifests"``), it reads, and every file
     it lists exists at the recorded size. ``"<path> (<why>)"`` for the first problem,

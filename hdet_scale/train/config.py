@@ -29,6 +29,7 @@ from hdet_scale.train.config_merge import refuse_empty_over_full as _refuse_empt
 from hdet_scale.train.optimizer_switch import drop_foreign_params
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.backends import BACKENDS
+from hdet_scale.train.config_errors import describe
 from hdet_scale.train.model_config import ModelConfig
 from hdet_scale.train.config_files import (OCTAL, YAML11_BOOLS, ambiguous, load_deepspeed_json, read_text,
                                            repeated_key, yaml11_scalar)
@@ -134,7 +135,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         # naming its key, not a traceback wherever the value is first read.
         run = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
-        raise HDETConfigError(_describe(e, cfg, overrides, path)) from None
+        raise HDETConfigError(describe(e, cfg, overrides, path)) from None
     # "~" as a shell expands it, as data.path always did (tester round 23: run_dir: ~/x in a
     # YAML wrote into ./~/x, and the plots line named the home folder)
     for section, key in ((run, "run_dir"), (run, "deepspeed_config"), (run["wandb"], "dir")):
@@ -158,7 +159,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     try:
         run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, given), resolve=True)
     except OmegaConfBaseException as e:
-        raise HDETConfigError(f"deepspeed: {_describe(e)} (merging the overrides into {ds_path})") from None
+        raise HDETConfigError(f"deepspeed: {describe(e)} (merging the overrides into {ds_path})") from None
     drop_foreign_params(ds, given, run["deepspeed"])  # optimizer.type=SGD over the file's AdamW
     _validate(run)
     _hdet_logging(run, explicit_wandb)
@@ -347,78 +348,6 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
     _check_yaml_keys(top or {}, f"config file {path!r}: ")  # before OmegaConf reads them
     # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not.
     return OmegaConf.create(text), top or {}
-
-
-def _describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str | None = None) -> str:
-    """One line naming the dotted key, and for an unknown key the valid ones; for an
-    interpolation that cannot be resolved, the interpolation and where it was set
-    (``cfg``: the merged config, ``overrides`` and ``path``: the user's)."""
-    from omegaconf.errors import GrammarParseError, InterpolationResolutionError
-
-    key = getattr(e, "full_key", None) or ""
-    msg = getattr(e, "msg", None) or str(e)
-    msg = msg.splitlines()[0]
-    if isinstance(e, (InterpolationResolutionError, GrammarParseError)) and key:
-        setter = [o for o in overrides if o.split("=", 1)[0] == key]
-        where = (f"override {setter[-1]!r}" if setter else f"config file {path!r}" if path is not None
-                 else "the packaged defaults")
-        raw = _raw_value(cfg, key)
-        shown = f"the interpolation {raw!r}" if isinstance(raw, str) and "${" in raw else "its interpolation"
-        return (f"{key}: {shown} ({where}) cannot be resolved: {msg}. Interpolations are resolved when the "
-                "config is read; write a literal ${ as \\${")
-    if "not in" in msg and key:
-        node: Any = RunConfig
-        for part in key.split(".")[:-1]:
-            fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
-            node = fields[part].default_factory() if part in fields and fields[part].default_factory \
-                is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(node):
-            valid = ", ".join(f.name for f in dataclasses.fields(node))
-            return f"{key}: unknown key; valid keys: {valid}"
-    if msg.startswith("Incompatible value 'None'") and key:
-        # `key=` on the command line (an unset shell variable) gives None, and the field
-        # takes no None: say so, with what it takes, not omegaconf's type words
-        kind = msg.rsplit("of type ", 1)[-1].strip(".' ")
-        kinds = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
-        valid = f"one of {', '.join(BACKENDS)}" if key == "backend" else kinds.get(kind, kind)
-        return f"{key}: empty or null value ({key}= on the command line; an unset shell variable?): give {valid}"
-    if msg.startswith("Cannot convert 'ListConfig' to string") and key:
-        return f"{key}: {_list_for_string(key, msg)}"
-    return f"{key}: {msg}" if key else msg
-
-
-def _list_for_string(key: str, msg: str) -> str:
-    """OmegaConf's "Cannot convert 'ListConfig' to string: '[...]'" in words: a key that
-    takes one string was given a list; ``data.path`` takes several as one comma-separated
-    string (``data.load_corpus``), shown with the list's own items."""
-    import ast
-    import re
-
-    found = re.search(r": '(\[.*\])'$", msg)
-    try:
-        items = [str(x) for x in ast.literal_eval(found.group(1))] if found else []
-    except (ValueError, SyntaxError):
-        items = []
-    text = f"expected one string, got a list{' ' + repr(items) if items else ''}"
-    if key == "data.path":
-        example = ",".join(items) if items else "a.txt,b.txt"
-        text += f"; give several files or folders as one comma-separated string: data.path={example}"
-    return text
-
-
-def _raw_value(cfg: Any, key: str) -> Any:
-    """The value of the dotted ``key`` in the OmegaConf ``cfg`` as written (unresolved), or ``None``."""
-    from omegaconf import OmegaConf
-
-    if cfg is None:
-        return None
-    try:
-        node: Any = OmegaConf.to_container(cfg, resolve=False)
-    except Exception:  # a config OmegaConf cannot even copy: the message names the key anyway
-        return None
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def _validate(run: dict) -> None:

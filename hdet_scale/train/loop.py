@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_scale.backends.common import check_resumable, read_layout, resolve_config
+from hdet_scale.backends.common import resolve_config
+from hdet_scale.backends.checkpoints import check_resumable, read_layout
 from hdet_scale.backends.deepspeed import prepare_config
 from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.config import HDETConfig, WandbConfig

@@ -14,7 +14,7 @@ starts (:func:`check`), so nothing of the stopped run is touched by a refusal:
   their groups and kind: ``HDETScheduler.load_state_dict`` refuses them after the engine
   start) and the schedule's length (``schedule.total_steps``). The layout (world size,
   replicas, shard size) and the backend are checked from ``hdet_layout.json``
-  (``backends.common.check_resumable``).
+  (``backends.checkpoints.check_resumable``).
 - Any other change is allowed (a lower LR on resume is common practice) and announced in
   one warning listing every changed key ``old -> new`` and the value the resumed run
   actually uses (:func:`notice`). That is not always the new one: the optimizer's
@@ -38,7 +38,7 @@ import os
 from typing import Any
 
 from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, checkpoint_index, read_latest, write_atomic
-from hdet_scale.backends.common import read_layout
+from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETStateError
 from hdet_scale.train.model_config import VOCAB_SIZE
@@ -306,7 +306,7 @@ def saved_wandb_run_id(save_dir: str) -> str | None:
 
 def check(run: dict, save_dir: str) -> list[str]:
     """Compare the resumed run ``run`` with the record of the checkpoint ``latest`` names
-    in ``save_dir`` (after ``common.check_resumable`` passed). Returns the allowed
+    in ``save_dir`` (after ``checkpoints.check_resumable`` passed). Returns the allowed
     changes (:func:`compare`; empty without a record). Reads files only.
 
     Raises:

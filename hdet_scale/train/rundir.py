@@ -29,7 +29,7 @@ from hdet_scale.backends.checkpoint_io import (
     read_latest,
     write_atomic,
 )
-from hdet_scale.backends.common import read_layout
+from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train import resume_config
 from hdet_scale.train.run_lock import LOCK_FILE, check_not_in_use, hold_run_dir  # noqa: F401 (re-exported)
@@ -259,7 +259,7 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
     resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues."""
     sched = engine.scheduler
     if run is not None and sched.topology.rank == 0:
-        # the tag every backend's save takes by default (common.checkpoint_target)
+        # the tag every backend's save takes by default (checkpoints.checkpoint_target)
         resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
     engine.save(path)
     prune_checkpoints(path, sched.topology, keep)
@@ -289,7 +289,7 @@ def resume_notice(run: dict) -> str | None:
 
 def load(engine: Any, path: str) -> None:
     """The backend's load of the checkpoint ``latest`` names in ``path``. Its files were
-    checked before any rank started (``common.check_resumable``: structure) and by the
+    checked before any rank started (``checkpoints.check_resumable``: structure) and by the
     load itself (``checkpoint_io.verify_checksums``: each archive's CRC-32s); a load that
     still fails on a file is reported with the folder and the engine's reason.
 

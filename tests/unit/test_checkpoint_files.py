@@ -12,7 +12,7 @@ import os
 import pytest
 
 from hdet_scale.backends.checkpoint_io import commit, prune, read_latest, retire_tag
-from hdet_scale.backends.common import read_layout
+from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import rundir
 from hdet_scale.train.config import load_run_config

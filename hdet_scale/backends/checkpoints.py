@@ -1,0 +1,206 @@
+"""The checkpoint layout every backend shares: ``<dir>/replica_<r>/<tag>/...`` (replica r's
+files), ``hdet_layout.json`` and ``latest``; the start of a save (``checkpoint_target``),
+its end (``finish_checkpoint``), the structural check a resume runs before any rank starts
+(``check_resumable``) and the scheduler's own state file. Split from ``backends/common.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hdet_scale.backends.checkpoint_io import (LATEST_FILE, LAYOUT_FILE, checkpoint_index, commit, damaged_files, latest_step, manifested,
+                                               read_latest, retire_tag, rng_state, set_rng_state)
+from hdet_scale.backends.manifest import listing_problem, write_manifest
+from hdet_scale.ensemble import HDETScheduler
+from hdet_scale.errors import HDETStateError
+from hdet_scale.topology import Topology
+
+# Every backend writes <dir>/replica_<r>/<tag>/... (replica r's files), an
+# hdet_layout.json and a "latest" file; replicas differ between syncs, so each has its own
+# folder and no two ranks write one file.
+
+def replica_dir(save_dir: str, topology: Topology, tag: str) -> str:
+    return os.path.join(save_dir, f"replica_{topology.replica_index}", tag)
+
+
+def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) -> tuple[Topology, str, str]:
+    """``(topology, tag, replica folder)`` for a save; creates the folder. The default tag
+    is ``global_step<step>``. A folder already there for the tag (a save cut short by a
+    crash, or an earlier save under the same tag) is removed first, and ``latest`` moved
+    off it (``checkpoint_io.retire_tag``). Collective (one barrier on the world group):
+    every rank calls it at the start of a save.
+
+    Raises:
+        ValueError: the scheduler has no process groups (not built by a backend).
+    """
+    t = scheduler.topology
+    if t is None:
+        raise ValueError("this scheduler has no process groups (not built by a backend's initialize): save "
+                         "torch.save(scheduler.state_dict()) next to the model instead")
+    tag = tag or f"global_step{scheduler.step_count}"
+    if t.rank == 0:
+        retire_tag(save_dir, t.replicas, tag)
+    dist.barrier(group=t.world_group)  # no rank writes into a folder being removed
+    rdir = replica_dir(save_dir, t, tag)
+    os.makedirs(rdir, exist_ok=True)
+    return t, tag, rdir
+
+
+def finish_checkpoint(save_dir: str, topology: Topology, scheduler: HDETScheduler, tag: str,
+                      backend: str) -> None:
+    """After every rank has written its files (the first barrier proves it): rank 0
+    writes ``hdet_layout.json`` (with ``tag`` added to its index of complete checkpoints),
+    then ``latest``, each atomically (``checkpoint_io.commit``): a crash at any point
+    leaves ``latest`` naming a complete checkpoint. Before that, each replica folder's
+    manifest (``manifest.write_manifest``: the files' sizes and CRC-32s, which a load
+    compares). Collective (three barriers and one all_gather_object on the world group)."""
+    dist.barrier(group=topology.world_group)
+    write_manifest(save_dir, tag, topology)  # each replica folder's files, sizes and CRC-32s
+    dist.barrier(group=topology.world_group)  # every manifest on disk before latest names the tag
+    if topology.rank == 0:
+        commit(save_dir, {"world_size": topology.world_size, "replicas": topology.replicas,
+                          "shard_size": topology.shard_size, "step": scheduler.step_count,
+                          "total_steps": scheduler.total_steps, "backend": backend}, tag)
+    dist.barrier(group=topology.world_group)
+
+
+def read_layout(load_dir: str) -> dict:
+    """``hdet_layout.json`` of a checkpoint: world_size, replicas, shard_size, step (of
+    the checkpoint ``latest`` names), total_steps, backend (absent in checkpoints of
+    hdet_scale 0.1: DeepSpeed), checkpoints (``{tag: step}``, oldest first).
+
+    Raises:
+        HDETStateError: there is none, or it is not a JSON object (a file cut short or
+            edited), or its step is not an integer; the message names the file.
+    """
+    path = os.path.join(load_dir, LAYOUT_FILE)
+    if not os.path.isdir(load_dir):
+        what = "is not a folder" if os.path.exists(load_dir) else "does not exist"
+        raise HDETStateError(f"{load_dir} {what}: pass the folder save_checkpoint wrote (it holds {LAYOUT_FILE})")
+    if not os.path.exists(path):
+        raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no {LAYOUT_FILE})")
+    try:
+        with open(path) as f:
+            layout = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise HDETStateError(f"{path} is damaged (not JSON: {e}): restore it from a copy, or start a new "
+                             "run_dir") from None
+
+    if not isinstance(layout, dict):
+        raise HDETStateError(f"{path} is damaged: it must hold a JSON object, got {json.dumps(layout)[:200]}: "
+                             "restore it from a copy, or start a new run_dir")
+    _require_ints(path, layout, ("step", "total_steps"), low=0, optional=True)
+    try:
+        step = latest_step(layout, read_latest(load_dir))
+    except (ValueError, TypeError, AttributeError, OSError) as e:  # a damaged index or latest
+        raise HDETStateError(f"{path} or {LATEST_FILE} next to it is damaged ({e})") from None
+    return layout if step is None else {**layout, "step": step}
+
+
+def _require_ints(path: str, layout: dict, keys: Sequence[str], low: int, optional: bool = False) -> None:
+    bad = [k for k in keys if not (optional and layout.get(k) is None)
+           and not (isinstance(layout.get(k), int) and not isinstance(layout.get(k), bool) and layout[k] >= low)]
+    if bad:
+        raise HDETStateError(f"{path} is damaged: {', '.join(bad)} must be integers >= {low}, got "
+                             f"{json.dumps(layout)[:200]}: restore it from a copy, or start a new run_dir")
+
+
+def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str, tag: str | None = None) -> str:
+    """Read the checkpoint's layout and tag without communication; returns the tag
+    (``tag``, or the one in ``latest``). Every rank reads the same files (a shared
+    filesystem, as for any multi-replica checkpoint), so all reach the same verdict
+    before any collective.
+
+    Raises:
+        HDETStateError: missing checkpoint, written by another ``R x S`` layout or by
+            another backend (each engine has its own file format), or a replica folder or
+            a rank's HDET state file missing for the tag, or a file of the tag damaged
+            (``checkpoint_io.damaged_files``: empty, cut short). Every replica's diverged weights are tied to its shard
+            layout, so a different layout is refused rather than silently remapped; to
+            change it, converge first and start a new run from the averaged model.
+    """
+    saved = read_layout(load_dir)
+    _require_ints(os.path.join(load_dir, LAYOUT_FILE), saved, ("replicas", "shard_size"), low=1)
+    shard = world_size // replicas
+    if saved["replicas"] != replicas or saved["shard_size"] != shard:
+        raise HDETStateError(
+            f"checkpoint {load_dir} was written by {saved['replicas']} replicas x {saved['shard_size']} shards; "
+            f"this run has {replicas} x {shard}. Resume with the same world size and hdet.replicas")
+    saved_backend = saved.get("backend", "deepspeed")
+    if saved_backend != backend:
+        raise HDETStateError(f"checkpoint {load_dir} was written by the {saved_backend} backend; this run uses "
+                             f"{backend}. Resume with the same backend")
+    if tag is None:
+        tag = read_latest(load_dir)  # read_layout read it already: it is text
+        if tag is None:
+            raise HDETStateError(f"{os.path.join(load_dir, 'latest')} is missing or empty: it names the checkpoint "
+                                 "to resume from (a tag, e.g. global_step100)")
+    index = checkpoint_index(saved, None)
+    if os.sep in tag or tag in (".", "..") or (saved.get("checkpoints") and tag not in index):
+        listed = ", ".join(f"{t} (step {s})" for t, s in index.items()) or "none"
+        raise HDETStateError(f"{os.path.join(load_dir, LATEST_FILE)} names {tag!r}, which {LAYOUT_FILE} does not list "
+                             f"as a complete checkpoint of this folder (complete: {listed}); write one of those tags "
+                             f"into it")
+    missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
+    if missing:
+        raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}")
+    # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
+    lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
+            if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
+    if lost:
+        raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}")
+    required = tag in manifested(saved)
+    damaged = [p for r in range(replicas) for p in damaged_files(os.path.join(load_dir, f"replica_{r}", tag))]
+    damaged += [p for r in range(replicas)
+                if (p := listing_problem(os.path.join(load_dir, f"replica_{r}", tag), required))]
+    if damaged:
+        older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
+        listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
+        hint = f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
+        raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
+                             f"{hint}or start a new run_dir")
+    return tag
+
+
+def _hdet_state_path(rdir: str, topology: Topology) -> str:
+    return os.path.join(rdir, f"hdet_shard_{topology.shard_index}.pt")
+
+
+def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
+    """This rank's scheduler state (with its interval-loss accumulator) and torch RNG
+    state (dropout: ``checkpoint_io.rng_state``) into the replica folder ``rdir``, as
+    ``hdet_shard_<s>.pt``."""
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, _hdet_state_path(rdir, topology))
+
+
+def load_entries(path: str, keys: tuple[str, ...], **load_kwargs: Any) -> dict:
+    """``torch.load(path, **load_kwargs)``, which must be a dict holding ``keys``: a file
+    replaced by another archive (another backend's, another run's, an empty dict) is
+    named, instead of a bare ``KeyError`` deep in a load.
+
+    Raises:
+        HDETStateError: the file holds something else (the path, the missing entries and
+            the ones it has).
+    """
+    state = torch.load(path, **load_kwargs)
+    missing = [k for k in keys if not isinstance(state, dict) or k not in state]
+    if missing:
+        has = sorted(map(str, state))[:10] if isinstance(state, dict) else type(state).__name__
+        raise HDETStateError(f"checkpoint file {path} is not what this backend wrote there: no {missing} entry "
+                             f"(it holds {has}); restore it from a copy, or resume from another checkpoint")
+    return state
+
+
+def load_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
+    """Restore what :func:`save_hdet_state` wrote; re-applies the current values and
+    sets this process's torch RNG to the saved rank's (when the file has it), so dropout
+    continues as if the run had not stopped. Backends call it last in a load."""
+    state = load_entries(_hdet_state_path(rdir, topology), ("scheduler",), weights_only=False)
+    scheduler.load_state_dict(state["scheduler"])
+    if "rng" in state:
+        set_rng_state(state["rng"])
