@@ -19,9 +19,9 @@ from hdet_scale.cost import (
     estimate,
     groups_line,
     parse_count,
-    report,
     size_of_hf_config,
 )
+from hdet_scale.cost_report import report
 from hdet_scale.dryrun import main
 from hdet_scale.errors import HDETConfigError
 
