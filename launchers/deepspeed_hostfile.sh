@@ -20,7 +20,10 @@
 #                checkpoint is then refused (exit 2: run_dir holds the failed attempt's
 #                metrics; replace them with train.overwrite=true). Exit code 2 (bad
 #                config, a refused run_dir, a host ssh cannot reach, no pdsh) is never
-#                retried.
+#                retried, nor a stop: SIGINT / SIGTERM / SIGHUP to this script are passed
+#                to the launcher's process group, and the script exits with the run's
+#                code (130 / 143 / 129) once it has ended. A train.resume=... of yours
+#                is replaced by train.resume=true on a restart.
 # Env vars needed on remote hosts (NCCL_*, PYTHONPATH, ...) go in ~/.deepspeed_env or
 # ./.deepspeed_env as KEY=VALUE lines (DeepSpeed exports them via pdsh).
 #
@@ -74,15 +77,45 @@ if [[ -n "${MASTER_ADDR:-}" ]]; then
 fi
 
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
+# A stop (Ctrl-C, a scheduler's SIGTERM, a closed terminal) ends the job and is never
+# retried (tester round 25: Ctrl-C restarted the run, and a SIGTERM to this script left
+# the training running). The launcher runs in its own process group (set -m) so that this
+# script, which must stay for its loop, hands it the signal it got, and waits for it.
+stopped=0
+child=
+forward() {  # SIGNAL EXIT_CODE
+  stopped=$2
+  if [[ -n "${child}" ]]; then kill -s "$1" -- "-${child}" 2>/dev/null || true; fi
+}
+trap 'forward INT 130' INT
+trap 'forward TERM 143' TERM
+trap 'forward HUP 129' HUP
+set -m
 attempt=0
-resume=()
+user_args=("$@")
 while true; do
   rc=0
-  deepspeed "${args[@]}" --no_local_rank --module hdet_scale.train.cli "$@" ${resume[@]+"${resume[@]}"} || rc=$?
-  if (( rc == 0 || rc == 2 || attempt >= MAX_RESTARTS )); then
-    exit "${rc}"
+  deepspeed "${args[@]}" --no_local_rank --module hdet_scale.train.cli ${user_args[@]+"${user_args[@]}"} &
+  child=$!
+  wait "${child}" || rc=$?
+  while kill -0 "${child}" 2>/dev/null; do  # a trapped signal interrupts wait: wait for the launcher itself
+    rc=0
+    wait "${child}" || rc=$?
+  done
+  child=
+  if (( stopped && rc != 0 )); then
+    exit "${stopped}"  # the multi-node launcher ends by sys.exit(1) after killing the ranks: say why
+  fi
+  if (( rc == 0 || rc == 2 || rc == 129 || rc == 130 || rc == 143 || attempt >= MAX_RESTARTS )); then
+    exit "${rc}"  # done, refused, or a rank stopped by a signal sent to it (not a failure): no retry
   fi
   attempt=$((attempt + 1))
-  resume=(train.resume=true)
+  # train.resume=true replaces the user's own train.resume=... (tester round 25: both were
+  # passed and refused as "multiple values for train.resume")
+  kept=()
+  for a in "$@"; do
+    [[ "${a}" == train.resume=* ]] || kept+=("${a}")
+  done
+  user_args=(${kept[@]+"${kept[@]}"} train.resume=true)
   echo "deepspeed_hostfile.sh: the run failed (exit ${rc}); restart ${attempt}/${MAX_RESTARTS} with train.resume=true" >&2
 done

@@ -60,3 +60,35 @@ def run_cli(cmd: list[str], env: dict | None = None, timeout: float = 120):
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     return proc.returncode, proc.stderr, time.monotonic() - t0, left_behind(tag)
+
+
+STANDIN_DEEPSPEED = r"""#!/usr/bin/env bash
+# The deepspeed launcher's stand-in (no sshd or pdsh here): records its arguments, drops its
+# own options up to --module M, and runs `python -m M` with the rest, as the real one runs
+# it on each host. HDET_FAULT_KILL only on its first call: a fault in the first attempt.
+calls="$(dirname "$0")/calls"
+echo "$*" >> "${calls}"
+if [[ $(wc -l < "${calls}") -gt 1 ]]; then unset HDET_FAULT_KILL; fi
+while [[ $# -gt 0 && "$1" != "--module" ]]; do shift; done
+module=$2
+shift 2
+exec "${PYTHON}" -m "${module}" "$@"
+"""
+
+
+def hostfile_standins(folder) -> dict:
+    """Environment for ``launchers/deepspeed_hostfile.sh`` on this machine: a hostfile of one
+    host, ``ssh`` that answers (the script's reachability check), a ``pdsh`` that exists, and
+    the deepspeed launcher's stand-in above (its calls in ``folder/bin/calls``). What the
+    script itself does (its checks, retries, signals, arguments) runs for real."""
+    import sys
+
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    for name, text in (("ssh", "#!/bin/sh\nexit 0\n"), ("pdsh", "#!/bin/sh\nexit 0\n"),
+                       ("deepspeed", STANDIN_DEEPSPEED)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (folder / "hostfile").write_text("localhost slots=4\n")
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOSTFILE": str(folder / "hostfile"),
+            "PYTHON": sys.executable}

@@ -151,3 +151,25 @@ def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrup
     stops = [line for line in proc.stderr.splitlines() if line.startswith("hdet-train: stopped by")]
     assert all("it restarts the job (restart 1 of 1)" in line for line in stops), stops
     assert_same_run(run_dir, uninterrupted("fsdp2"))
+
+
+def test_deepspeed_hostfile_script_restarts_and_resumes_with_the_users_own_train_resume(tmp_path, uninterrupted):
+    """``launchers/deepspeed_hostfile.sh`` reruns a failed job with ``train.resume=true``
+    (the deepspeed launcher has no restart of its own). Tester round 25: given a user's own
+    ``train.resume=true`` (what a job submitted again and again carries) the rerun passed it
+    twice and was refused. The first attempt dies (rank 3 after step 7, as above); the
+    script's restart must replace the user's value, resume from step 6, exit 0, and end as
+    the uninterrupted run, bit-equal (the deepspeed launcher replaced by a stand-in that
+    runs the same module: no sshd or pdsh here; FSDP2, already run uninterrupted above)."""
+    from cli_processes import hostfile_standins
+
+    run_dir = tmp_path / "run"
+    env = {**ENV, **hostfile_standins(tmp_path), **KILL}
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "deepspeed_hostfile.sh")
+    proc = subprocess.run(["bash", script, f"run_dir={run_dir}", "backend=fsdp2", *SHORT, "train.resume=true"],
+                          capture_output=True, text=True, timeout=450, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "restart 1/3 with train.resume=true" in proc.stderr, proc.stderr[-3000:]
+    calls = (tmp_path / "bin" / "calls").read_text().splitlines()
+    assert len(calls) == 2 and [c.split().count("train.resume=true") for c in calls] == [1, 1], calls
+    assert_same_run(run_dir, uninterrupted("fsdp2"))

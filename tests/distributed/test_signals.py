@@ -35,7 +35,7 @@ import time
 
 import pytest
 import torch
-from cli_processes import ENV, left_behind, processes_with, run_cli, with_marker
+from cli_processes import ENV, hostfile_standins, left_behind, processes_with, run_cli, with_marker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -225,4 +225,45 @@ def test_a_signal_ends_a_rendezvous_whose_peers_never_come(tmp_path, backend):
         leftovers = left_behind(tag)
     assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), (proc.returncode, err[-3000:])
     assert seconds < 10 and not leftovers, (seconds, leftovers)
+    assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("sig,to", [(signal.SIGINT, "group"), (signal.SIGTERM, "script")])
+def test_deepspeed_hostfile_script_stops_on_a_signal_without_a_restart(tmp_path, sig, to):
+    """Tester round 25: Ctrl-C (SIGINT to the terminal's process group) made
+    ``launchers/deepspeed_hostfile.sh`` restart the run with train.resume=true, and a SIGTERM
+    to the script alone (a scheduler's, ``kill PID``) ended the script and left the training
+    running. Either must now stop the run once: exit 130 / 143, the trainer's stop line, no
+    restart, nothing left behind (the deepspeed launcher replaced by a stand-in that runs the
+    same module on this host: no sshd or pdsh here; DDP, 2 ranks)."""
+    import os
+
+    run_dir = tmp_path / "run"
+    env, tag = with_marker({**ENV, **hostfile_standins(tmp_path), "MAX_RESTARTS": "2"})
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "deepspeed_hostfile.sh")
+    cmd = ["bash", script, f"run_dir={run_dir}", "nproc=2", "backend=ddp", *ARGS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    try:
+        while latest(run_dir) is None:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        if to == "group":
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=STOP_S + 30)
+        while processes_with(tag) and time.monotonic() - t0 < STOP_S + 5:
+            time.sleep(0.2)
+        seconds = time.monotonic() - t0
+    finally:
+        leftovers = left_behind(tag, wait_s=0)
+    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    assert "restart" not in err and len((tmp_path / "bin" / "calls").read_text().splitlines()) == 1, err[-3000:]
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and sig.name in lines[0], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
