@@ -13,8 +13,9 @@ _FUSED_OPS = {"lamb": "FusedLambBuilder", "lion": "FusedLionBuilder"}
 def check_accelerator(ds: dict) -> None:
     """Refuse what this machine's DeepSpeed accelerator cannot run, before any rank builds
     an engine: fp16 where it has no fp16 (CPU), an optimizer whose fused op it lacks
-    (Lamb, Lion on CPU). Both raised inside ``deepspeed.initialize`` on every rank
-    before (tester round 12). Not part of :func:`prepare_config`: ``hdet-dryrun`` checks
+    (Lamb, Lion on CPU), ZeRO++ quantization without its op, an offload to NVMe without
+    the async_io op or its folder. Each raised inside ``deepspeed.initialize`` on every
+    rank before (tester rounds 12, 20, 25). Not part of :func:`prepare_config`: ``hdet-dryrun`` checks
     configs for other machines.
 
     Raises:
@@ -42,5 +43,37 @@ def check_accelerator(ds: dict) -> None:
         errors += [f"zero_optimization.{k}: ZeRO++'s quantization needs DeepSpeed's quantizer op, which this "
                    f"machine's accelerator ({accel.device_name()}) does not have; remove it, or run on a GPU"
                    for k in quantized]
+    errors += _nvme_errors(zero, accel)
     if errors:
         raise HDETConfigError("invalid DeepSpeed config for this machine:\n  " + "\n  ".join(errors))
+
+
+def _nvme_errors(zero: dict, accel) -> list[str]:
+    """ZeRO-Infinity's offload to NVMe (``offload_param`` / ``offload_optimizer`` with
+    ``device: nvme``) needs DeepSpeed's async_io op (libaio) and an existing folder
+    ``nvme_path`` (tester round 25: both failed inside every rank, a traceback each, after
+    a minute; a missing folder would be created wherever the typo points)."""
+    import os
+
+    errors, aio = [], None
+    for key in ("offload_param", "offload_optimizer"):
+        block = zero.get(key)
+        if not isinstance(block, dict) or block.get("device") != "nvme":
+            continue
+        if aio is None:
+            builder = accel.create_op_builder("AsyncIOBuilder")
+            aio = builder is not None and type(builder).__name__ != "NotImplementedBuilder" and bool(
+                builder.is_compatible(verbose=False))
+        if not aio:
+            errors.append(f"zero_optimization.{key}.device: 'nvme' needs DeepSpeed's async_io op, which this "
+                          f"machine's DeepSpeed cannot build (libaio missing, or no such op for its accelerator, "
+                          f"{accel.device_name()}; `ds_report` says which); use device 'cpu', or install libaio-dev "
+                          "and reinstall deepspeed")
+        path = block.get("nvme_path")
+        if not isinstance(path, str) or not path.strip():
+            errors.append(f"zero_optimization.{key}.nvme_path: device 'nvme' needs the folder on the NVMe drive "
+                          f"to swap to, got {path!r}")
+        elif not os.path.isdir(os.path.expanduser(path)):
+            errors.append(f"zero_optimization.{key}.nvme_path: {path!r} is not an existing folder (on this machine; "
+                          "DeepSpeed would create it wherever it points); create it on the NVMe drive first")
+    return errors

@@ -419,6 +419,10 @@ CASES = [
      ["deepspeed.fp16.enabled: this machine's DeepSpeed accelerator (cpu) has no fp16"], None),
     ("lamb_on_cpu_deepspeed", ["deepspeed.optimizer.type=Lamb"], {}, 2,
      ["deepspeed.optimizer.type: 'Lamb' needs DeepSpeed's FusedLamb op", "(cpu)"], None),
+    # tester round 25: a traceback from every rank after a minute (no async_io op), nvme_path never checked
+    ("nvme_path_missing", ["deepspeed.zero_optimization.offload_param.device=nvme",
+                           "deepspeed.zero_optimization.offload_param.nvme_path={d}/no_such_folder"], {}, 2,
+     ["deepspeed.zero_optimization.offload_param.nvme_path: '{d}/no_such_folder' is not an existing folder"], None),
     ("cosine_warmup_past_the_end", ["backend=ddp", "deepspeed.hdet.schedule.name=cosine",
                                     "deepspeed.hdet.schedule.warmup_steps=1000"], {}, 2,
      ["deepspeed.hdet.schedule.warmup_steps: must be shorter than the run (total_steps=300), got 1000"], None),
