@@ -231,8 +231,12 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
             if DEEPSPEED_OPTIMIZERS is not None and (
                     not isinstance(opt_type, str) or (opt_type.lower() not in DEEPSPEED_OPTIMIZERS
                                                       and getattr(torch.optim, opt_type, None) is None)):
+                exact = [n for n in dir(torch.optim) if isinstance(opt_type, str) and n.lower() == opt_type.lower()
+                         and isinstance(getattr(torch.optim, n), type)]
                 errors.append(f"optimizer.type: {opt_type!r} is neither a DeepSpeed optimizer "
-                              f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
+                              f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class"
+                              + (f"; DeepSpeed looks torch.optim classes up by their exact name: write {exact[0]!r}"
+                                 if exact else ""))
         errors += zero3_errors(ds, cfg)  # what ZeRO-3 under HDET cannot run (backends/ds_zero.py)
         # The batch keys are integers >= 1 here (check_deepspeed_values above); their product
         # over the whole world is the shared check's (ds_values.batch_errors), with the

@@ -160,7 +160,8 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         run["deepspeed"] = OmegaConf.to_container(OmegaConf.merge(ds, given), resolve=True)
     except OmegaConfBaseException as e:
         raise HDETConfigError(f"deepspeed: {describe(e)} (merging the overrides into {ds_path})") from None
-    drop_foreign_params(ds, given, run["deepspeed"])  # optimizer.type=SGD over the file's AdamW
+    # optimizer.type=SGD over the file's AdamW
+    drop_foreign_params(ds, given, run["deepspeed"], torch_engine=run.get("backend") != "deepspeed")
     _validate(run)
     _hdet_logging(run, explicit_wandb)
     return run

@@ -21,13 +21,16 @@ def _type(ds: Any) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def drop_foreign_params(file_ds: Mapping, given: Mapping, merged: dict) -> None:
+def drop_foreign_params(file_ds: Mapping, given: Mapping, merged: dict, torch_engine: bool = False) -> None:
     """Remove from ``merged["optimizer"]["params"]`` (in place) the params that came from
     the file ``file_ds`` only, when ``given`` (the user's ``deepspeed`` section) changes
     ``optimizer.type``, and the new type's optimizer does not accept them
     (``ds_values.optimizer_accepts``: imports torch, so only on a type change). An
     unknown type, or one whose constructor takes ``**kwargs``, drops nothing (the checks
-    name what is wrong). Never raises."""
+    name what is wrong). ``torch_engine``: the ddp / fsdp2 / fairscale engines, which take
+    the type in any case (``sgd`` is SGD: tester round 25, where the file's betas then
+    reached SGD and were refused); DeepSpeed looks torch.optim classes up by their exact
+    name. Never raises."""
     old, new = _type(file_ds), _type(given)
     if old is None or new is None or old.lower() == new.lower():
         return
@@ -39,6 +42,10 @@ def drop_foreign_params(file_ds: Mapping, given: Mapping, merged: dict) -> None:
     own = set(own) if isinstance(own, Mapping) else set()
     from hdet_scale.ds_values import optimizer_accepts
 
+    if torch_engine:
+        from hdet_scale.engine_config import optimizer_class_name
+
+        merged = {**merged, "optimizer": {**merged["optimizer"], "type": optimizer_class_name(new)}}
     found = optimizer_accepts(merged)
     if found is None:
         return

@@ -356,6 +356,33 @@ def test_hdet_train_names_model_dropout_the_value_type_and_switches_optimizer_ty
     assert _switch_notes(adam) == []
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "fairscale"])
+@pytest.mark.parametrize("spelling", ["sgd", "Sgd"])
+def test_a_torch_engine_switches_to_sgd_in_any_letters(backend, spelling):
+    """Tester round 25: the torch engines take ``optimizer.type`` in any case (docs/config.md),
+    but ``sgd`` kept the packaged AdamW's betas / eps (only ``SGD`` dropped them) and was
+    refused with "['betas', 'eps'] are not arguments of torch.optim.SGD". Now the same run
+    config as ``SGD``, with the same note; DeepSpeed, which looks a torch.optim class up
+    by its exact name, keeps refusing ``sgd`` and says to write 'SGD'."""
+    from hdet_scale.train.cli import _switch_notes
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run = load_run_config(None, [f"backend={backend}", "wandb.enabled=false", f"deepspeed.optimizer.type={spelling}"])
+    upper = load_run_config(None, [f"backend={backend}", "wandb.enabled=false", "deepspeed.optimizer.type=SGD"])
+    assert run["deepspeed"]["optimizer"]["params"] == upper["deepspeed"]["optimizer"]["params"] == {
+        "lr": 0.003, "weight_decay": 0.1}
+    validate(run, 4, build_model=False)
+    assert _switch_notes(run) == [f"deepspeed.optimizer.type={spelling} replaces the packaged deepspeed.json's AdamW: "
+                                  f"its optimizer.params betas, eps are not {spelling}'s and are left out (lr, "
+                                  "weight_decay kept)"]
+    ds = load_run_config(None, ["backend=deepspeed", "wandb.enabled=false", f"deepspeed.optimizer.type={spelling}"])
+    with pytest.raises(HDETConfigError, match=rf"deepspeed.optimizer.type: '{spelling}' is neither a DeepSpeed "
+                                              r"optimizer .* nor a torch.optim class; DeepSpeed looks torch.optim "
+                                              r"classes up by their exact name: write 'SGD'"):
+        validate(ds, 4, build_model=False)
+
+
 def test_an_eps_of_0_spread_multiplicatively_is_refused_in_english():
     """Tester round 18: "a eps"."""
     from hdet_scale.autolr import build_schedule, check_additive_floors
