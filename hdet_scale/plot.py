@@ -108,7 +108,7 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
     except OSError as e:
         raise HDETConfigError(f"{path}: cannot read the metrics file ({e.strerror or e}); "
                               "pass the run_dir of an hdet-train run") from None
-    records = []
+    records, cut = [], None
     bad: dict[str, list] = {}  # key -> [first line, its value, how many]
     for i, line in enumerate(lines, 1):
         if not line.strip():
@@ -117,6 +117,7 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
             rec = json.loads(line, parse_float=_parse_float)
         except ValueError as e:
             if i == len(lines) and not line.endswith("\n"):
+                cut = f"{path}:{i}: not a JSON record ({e})"
                 continue  # the record a killed (or running) job was writing: the rest is whole
             raise HDETConfigError(f"{path}:{i}: not a JSON record ({e})") from None
         if not isinstance(rec, dict):
@@ -131,6 +132,9 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
             more = f" (and {count - 1} more such value(s) of {key})" if count > 1 else ""
             what = "is not an integer step: record skipped" if key == "step" else "is not a number: skipped"
             log(f"{path}:{i}: {key} = {repr(value)[:40]} {what}{more}")
+    if not records and cut is not None and not lines[-1].lstrip().startswith("{"):
+        # tester round 25: a binary file (no newline) was "no record (did the run log a step?)"
+        raise HDETConfigError(f"{cut}; an hdet-train metrics file holds one JSON object per line")
     if not records:
         raise HDETConfigError(f"{path}: the metrics file holds no record (did the run log a step?)")
     return records

@@ -200,13 +200,33 @@ def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
     return isinstance(data, dict) and "nproc" in data
 
 
-def _print_engine_notes(run: dict) -> None:
+def _print_engine_notes(run: dict, path: str | None = None) -> None:
     """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
-    than DeepSpeed would (``engines.engine_notes``), before any rank starts."""
+    than DeepSpeed would (``engines.engine_notes``), before any rank starts; and for a
+    config file ``path`` that sets nothing."""
     from hdet_scale.train.engines import engine_notes
 
-    for note in engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run) + _never_notes(run):
+    notes = engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run) + _never_notes(run)
+    for note in _empty_file_notes(path) + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
+
+
+def _empty_file_notes(path: str | None) -> list[str]:
+    """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
+    file) ran the packaged defaults without a word."""
+    if path is None:
+        return []
+    try:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - load_run_config read it already; a note is not worth an error
+        return []
+    if data not in (None, {}):
+        return []
+    return [f"config file {path!r} sets nothing ({'empty, or comments only' if data is None else 'an empty mapping'}): "
+            "the run uses the packaged defaults and the key=value overrides"]
 
 
 def _switch_notes(run: dict) -> list[str]:
@@ -308,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_extensions_dir()
             install_rank_handlers(run, announce=rank == 0)
             if rank == 0:
-                _print_engine_notes(run)
+                _print_engine_notes(run, path)
                 _print_resume_notice(run, quiet_errors=True)
             quiet = False
             from torch.distributed import DistNetworkError
@@ -348,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         from hdet_scale.train.run_lock import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
-        _print_engine_notes(run)
+        _print_engine_notes(run, path)
         _print_resume_notice(run)
         if run["backend"] == "deepspeed":
             check_extensions_dir()  # before stale_trainer_locks looks inside it

@@ -118,7 +118,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     explicit_wandb: set = set()  # the wandb.* keys the user sets (they win over the hdet block's)
-    cfg = None
+    cfg, merging = None, None  # merging: which input a value error came from
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(packaged("default.yaml")))
         if path is not None:
@@ -126,7 +126,9 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
             _check_sections(sections, f"config file {path!r}: ", yaml_form=True)
             _check_bools(sections, f"config file {path!r}: ")
             explicit_wandb |= set(sections.get("wandb") or {})
+            merging = "file"
             cfg = OmegaConf.merge(cfg, user)
+        merging = "overrides"
         dotlist, sections = _parse_overrides(overrides)
         _check_bools(sections, "")
         explicit_wandb |= set(sections.get("wandb") or {})
@@ -135,7 +137,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         # naming its key, not a traceback wherever the value is first read.
         run = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
-        raise HDETConfigError(describe(e, cfg, overrides, path)) from None
+        raise HDETConfigError(describe(e, cfg, overrides, path, merging)) from None
     # "~" as a shell expands it, as data.path always did (tester round 23: run_dir: ~/x in a
     # YAML wrote into ./~/x, and the plots line named the home folder)
     for section, key in ((run, "run_dir"), (run, "deepspeed_config"), (run["wandb"], "dir")):

@@ -5,12 +5,14 @@ key, and what to write instead; split from ``train/config.py``, which raises the
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from hdet_scale.backends import BACKENDS
 
 
-def describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str | None = None) -> str:
+def describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str | None = None,
+             merging: str | None = None) -> str:
     """One line naming the dotted key, and for an unknown key the valid ones; for an
     interpolation that cannot be resolved, the interpolation and where it was set
     (``cfg``: the merged config, ``overrides`` and ``path``: the user's)."""
@@ -45,6 +47,16 @@ def describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str
         kinds = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
         valid = f"one of {', '.join(BACKENDS)}" if key == "backend" else kinds.get(kind, kind)
         return f"{key}: empty or null value ({key}= on the command line; an unset shell variable?): give {valid}"
+    converted = re.fullmatch(r"Value '(.*)' of type '(\w+)' could not be converted to (Integer|Float|Boolean)", msg)
+    if converted and key:
+        # tester round 25: OmegaConf's words, and a YAML's value did not name its file
+        value, kind, target = converted.groups()
+        setter = [o for o in overrides if o.split("=", 1)[0].strip() == key]
+        where = (f"config file {path!r}" if merging == "file" else f"override {setter[-1]!r}" if setter
+                 else f"config file {path!r}" if path is not None else "")
+        want = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}[target]
+        kinds = {"float": "a float", "str": "a string", "int": "an integer", "bool": "a boolean"}
+        return f"{key}: expected {want}, got {value} ({kinds.get(kind, kind)}{', ' + where if where else ''})"
     if msg.startswith("Cannot convert 'ListConfig' to string") and key:
         return f"{key}: {_list_for_string(key, msg)}"
     return f"{key}: {msg}" if key else msg

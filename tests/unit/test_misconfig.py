@@ -864,3 +864,44 @@ def test_hf_trainer_run_length_is_held_to_the_schedule():
         warnings.simplefilter("error")
         for ok_block, steps in ((block, 4), ({"schedule": {"total_steps": "auto"}}, 6), (block, None), (None, 6)):
             check_run_length(ok_block, steps)
+
+
+@pytest.mark.parametrize("text,what", [("", "empty, or comments only"), ("# steps: 10\n\n", "empty, or comments only"),
+                                       ("{}\n", "an empty mapping")])
+def test_a_config_file_that_sets_nothing_is_noted(tmp_path, capsys, text, what):
+    """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
+    file) trained the packaged defaults without a word. One note, before any rank starts;
+    none for a file that sets a key."""
+    from hdet_scale.train.cli import _print_engine_notes
+    from hdet_scale.train.config import load_run_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    run = load_run_config(str(path), ["backend=ddp", "wandb.enabled=false"])
+    _print_engine_notes(run, str(path))
+    notes = [line for line in capsys.readouterr().err.splitlines() if "sets nothing" in line]
+    assert notes == [f"hdet-train: note: config file {str(path)!r} sets nothing ({what}): the run uses the packaged "
+                     "defaults and the key=value overrides"]
+    path.write_text("train:\n  steps: 50\n")
+    _print_engine_notes(load_run_config(str(path), ["backend=ddp", "wandb.enabled=false"]), str(path))
+    assert "sets nothing" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("yaml_value,override,message", [
+    ("1e1", None, "train.steps: expected an integer, got 10.0 (a float, config file {path!r})"),
+    (None, "1e1", "train.steps: expected an integer, got 10.0 (a float, override 'train.steps=1e1')"),
+    ("abc", None, "train.steps: expected an integer, got abc (a string, config file {path!r})"),
+    ("1e1", "abc", "train.steps: expected an integer, got 10.0 (a float, config file {path!r})"),  # the file's, first
+    ("5", "abc", "train.steps: expected an integer, got abc (a string, override 'train.steps=abc')"),
+])
+def test_a_value_of_the_wrong_type_names_where_it_was_written(tmp_path, yaml_value, override, message):
+    """Tester round 25: ``steps: 1e1`` in a YAML gave OmegaConf's "Value '10.0' of type
+    'float' could not be converted to Integer", naming no file. Now what is expected and
+    where the value came from: the config file or the override (the input whose merge
+    failed, when both set the key)."""
+    path = tmp_path / "run.yaml"
+    if yaml_value is not None:
+        path.write_text(f"train:\n  steps: {yaml_value}\n")
+    msg = _run_config_error(path if yaml_value is not None else None,
+                            overrides=[f"train.steps={override}"] if override else [])
+    assert msg == message.format(path=str(path)), msg

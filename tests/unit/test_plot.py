@@ -249,3 +249,20 @@ def test_the_metrics_file_instead_of_its_run_dir_is_named(tmp_path, capsys):
     assert main([str(run / "metrics.jsonl")]) == 2
     assert f"{run / 'metrics.jsonl'} is a file: hdet-plot takes the run_dir that holds metrics.jsonl ({run} here?)" \
         in capsys.readouterr().err
+
+
+def test_a_binary_metrics_file_is_named_as_not_json_lines(tmp_path):
+    """Tester round 25: a binary ``metrics.jsonl`` (no newline) was read as a run cut off
+    while writing its first record: "holds no record (did the run log a step?)". Said as
+    what it is now; a real cut-off first record keeps the old message."""
+    from hdet_scale.errors import HDETConfigError
+    from hdet_scale.plot import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(bytes(range(14, 256)) * 4)  # no line break ("\n" 10, "\r" 13) in it
+    with pytest.raises(HDETConfigError, match=r"metrics.jsonl:1: not a JSON record .*; an hdet-train metrics file "
+                                              r"holds one JSON object per line"):
+        read_records(str(path))
+    path.write_text('{"step": 1, "hdet/lo')
+    with pytest.raises(HDETConfigError, match=r"holds no record \(did the run log a step\?\)"):
+        read_records(str(path))
