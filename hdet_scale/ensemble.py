@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -24,9 +25,10 @@ from hdet_scale import axis_specs as specs
 from hdet_scale.autolr import (Controller, build_schedule, check_additive_floors, check_config,  # noqa: F401
                                decay_for)
 from hdet_scale.config import HDETConfig
-from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.errors import HDETConfigError, HDETResumeWarning, HDETStateError
 from hdet_scale.param_groups import LiveParamGroups, check_param_groups  # noqa: F401 (re-exported)
 from hdet_scale.probe import require_probe
+from hdet_scale.resume_changes import config_changes
 from hdet_scale.step_args import check_loss_args
 from hdet_scale.sync import Sync
 
@@ -424,6 +426,7 @@ class HDETScheduler:
             "permutations": {k: list(v) for k, v in self.permutations.items()},
             "generator": self.generator.get_state(),
             "sync": self.sync_obj.state_dict() if self.sync_obj is not None else {},
+            "config": self.config.to_dict(),  # what a resume changed is said (resume_changes)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -432,6 +435,9 @@ class HDETScheduler:
         Raises:
             HDETStateError: the state was saved with a different number of replicas or
                 sync interval, or by an incompatible version.
+        Warns:
+            HDETResumeWarning: other ``hdet`` settings than the state was saved with
+                (``resume_changes.config_changes``), each ``old -> new``.
         """
         if state.get("version") != STATE_VERSION:
             raise HDETStateError(f"HDET state version {state.get('version')} != {STATE_VERSION}")
@@ -449,6 +455,10 @@ class HDETScheduler:
                                      f"{mine!r}; resume with the same value")
         if set(state["permutations"]) != set(self.permutations):
             raise HDETStateError("checkpoint explores different (axis, group) pairs than hdet.axes now does")
+        changes = config_changes(state.get("config"), self.config.to_dict())
+        if changes:
+            warnings.warn(HDETResumeWarning("hdet: this checkpoint was written with other hdet settings:\n  "
+                                            + "\n  ".join(changes)), stacklevel=2)
         self.step_count = state["step"]
         self.sync_count = state["sync_count"]
         self.controller.load_state_dict(state["controller"])

@@ -22,3 +22,10 @@ class HDETStepMismatchError(HDETStateError):
     rank sees the same reduced values, so every rank raises it at the same sync and none
     is left waiting in a collective. The message names each step and the ranks at it.
     """
+
+
+class HDETResumeWarning(UserWarning):
+    """A checkpoint resumed with other ``hdet`` settings than it was written with (those
+    that can change; the others raise :class:`HDETStateError`). The message lists each
+    changed key ``old -> new``. ``hdet-train`` filters it: its own resume notice lists
+    every changed setting of the whole run config."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,7 @@ from hdet_scale.backends.common import (
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.hf_config import _checkable, check_run_length, resolve_auto  # noqa: F401 - resolve_auto: public here
+from hdet_scale.hf_config import _checkable, check_run_length, ignored_scheduler_args, resolve_auto  # noqa: F401 - resolve_auto: public here
 from hdet_scale.hf_deepspeed import check_partitions, zero_init  # noqa: F401 - zero_init is public here
 from hdet_scale.hf_fsdp import fsdp_block
 from hdet_scale.topology import Topology
@@ -153,6 +154,9 @@ class HDETTrainer(Trainer):
                                   "best checkpoint holds one folder per replica); set it to False")
         if self._hdet_fsdp:
             hf_fsdp.check_enabled(self)
+        ignored = ignored_scheduler_args(self.args)
+        if ignored is not None:
+            warnings.warn(ignored, UserWarning, stacklevel=2)
         max_steps = self.args.max_steps if self.args.max_steps > 0 else None
         cfg = self._check(max_steps)
         self._hdet_block = copy.deepcopy(block)

@@ -68,3 +68,25 @@ def resolve_auto(ds_config: dict, max_steps: int | None) -> dict:
         else:
             schedule["total_steps"] = int(max_steps)
     return ds
+
+
+def ignored_scheduler_args(args: Any) -> str | None:
+    """The ``TrainingArguments`` scheduler settings an HDET run does not use, in one
+    warning text, or ``None``: ``lr_scheduler_type`` other than its default ``linear``,
+    ``lr_scheduler_kwargs``, ``warmup_steps`` / ``warmup_ratio`` above 0. ``hdet.schedule``
+    sets the LR (docs/hf_trainer.md says so; tester round 25: at run time nothing did)."""
+    kind = getattr(args, "lr_scheduler_type", "linear")
+    kind = getattr(kind, "value", kind)
+    set_ = []
+    if kind not in (None, "linear"):
+        set_.append(f"lr_scheduler_type={kind!r}")
+    if getattr(args, "lr_scheduler_kwargs", None):
+        set_.append(f"lr_scheduler_kwargs={args.lr_scheduler_kwargs!r}")
+    for name in ("warmup_steps", "warmup_ratio"):
+        value = getattr(args, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            set_.append(f"{name}={value!r}")
+    if not set_:
+        return None
+    return (f"TrainingArguments {', '.join(set_)}: not used with an hdet block; the LR follows hdet.schedule "
+            "(name, pct_start or warmup_steps, total_steps: docs/config.md)")

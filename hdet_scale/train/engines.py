@@ -114,7 +114,15 @@ class Engine:
         self.ens.save_checkpoint(path)
 
     def load(self, path: str) -> None:
-        self.ens.load_checkpoint(path)
+        import warnings
+
+        from hdet_scale.errors import HDETResumeWarning
+
+        with warnings.catch_warnings():
+            # hdet-train's own notice (resume_config.notice) lists every changed setting,
+            # these included, once, before any rank starts
+            warnings.simplefilter("ignore", HDETResumeWarning)
+            self.ens.load_checkpoint(path)
 
     def param_count(self) -> int:
         return param_count(self._module)

@@ -905,3 +905,24 @@ def test_a_value_of_the_wrong_type_names_where_it_was_written(tmp_path, yaml_val
     msg = _run_config_error(path if yaml_value is not None else None,
                             overrides=[f"train.steps={override}"] if override else [])
     assert msg == message.format(path=str(path)), msg
+
+
+def test_hdettrainer_names_the_trainer_scheduler_settings_it_does_not_use(tmp_path):
+    """Tester round 25: ``lr_scheduler_type="cosine"`` and ``warmup_steps=3`` were ignored
+    at run time without a word (docs/hf_trainer.md says so; HDETTrainer warns at
+    construction now). Real ``TrainingArguments``; the defaults say nothing."""
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from hdet_scale.hf_config import ignored_scheduler_args
+
+    def text(**kw):
+        return ignored_scheduler_args(TrainingArguments(output_dir=str(tmp_path), report_to=[], **kw))
+
+    assert text() is None
+    got = text(lr_scheduler_type="cosine", warmup_steps=3)
+    assert got == ("TrainingArguments lr_scheduler_type='cosine', warmup_steps=3: not used with an hdet block; the LR "
+                   "follows hdet.schedule (name, pct_start or warmup_steps, total_steps: docs/config.md)"), got
+    assert "lr_scheduler_kwargs={'num_cycles': 2}" in text(lr_scheduler_type="cosine_with_restarts",
+                                                          lr_scheduler_kwargs={"num_cycles": 2})
+    assert text(lr_scheduler_type="linear", warmup_steps=0) is None

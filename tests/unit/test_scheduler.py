@@ -495,3 +495,43 @@ def test_missing_hyperparameter_raises_config_error():
     cfg = make_config(replicas=2, wd_spread=0.1)
     with pytest.raises(HDETConfigError, match="weight_decay"):
         make(cfg, {r: [{"lr": 0.1}, {"lr": 0.2}] for r in range(2)})
+
+
+def test_a_resume_with_other_hdet_settings_warns_with_each_change():
+    """Tester round 25: ``HDETTrainer`` resumed a checkpoint with another
+    ``axes.lr.spread_ratio`` without a word (hdet-train lists its changes itself). The
+    scheduler's state keeps the block it ran with; a load into a scheduler of other
+    (changeable) settings warns once, naming each key old -> new; the same settings say
+    nothing, and the resumed run uses the new spread (its LRs differ from the old one's)."""
+    import warnings
+
+    from hdet_scale.errors import HDETResumeWarning
+
+    old = make_config(spread=A, seed=0)
+    a, _, _ = make(old)
+    for t in range(7):
+        a.step([1.0 + 0.01 * t, 1.1])
+    state = copy.deepcopy(a.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HDETResumeWarning)  # the same settings: silent
+        same, _, _ = make(old)
+        same.load_state_dict(copy.deepcopy(state))
+    changed = make_config(spread=0.3, seed=7, total_steps=80).to_dict()
+    changed["warm_init"]["enabled"] = True
+    new, _, _ = make(HDETConfig.from_dict(changed))
+    with pytest.warns(HDETResumeWarning) as caught:
+        new.load_state_dict(copy.deepcopy(state))
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    for line in (f"hdet.axes.lr.spread_ratio: {A!r} -> 0.3 (this run's value applies from here on)",
+                 "hdet.schedule.total_steps: 60 -> 80 (this run's value applies from here on)",
+                 "hdet.seed: 0 -> 7 (the checkpoint's permutation generator is kept)",
+                 "hdet.warm_init.enabled: False -> True (no effect on a resumed run)"):
+        assert line in text, text
+    assert "logging" not in text
+    assert new.replica_values("lr", 0) != a.replica_values("lr", 0)  # the same base, the new spread
+    # a checkpoint written before the block was kept: nothing to compare, nothing said
+    del state["config"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HDETResumeWarning)
+        make(make_config(spread=0.3))[0].load_state_dict(state)
