@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from typing import Any
@@ -299,6 +300,9 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     resuming = start == "resume"
     if rank == 0:
         rundir.prepare_run_dir(run, start)  # before the logger opens metrics.jsonl
+        restarted = rundir.restart_line(run, start)
+        if restarted:  # tester round 25: a torchrun restart's resume showed only in summary.json
+            print(f"hdet-train: {restarted}", file=sys.stderr, flush=True)
     fault = rundir.fault_point()
     # a resumed run continues its W&B run (the id its checkpoint recorded), not a new one
     wandb_id = rundir.saved_wandb_run_id(run) if resuming and rank == 0 else None

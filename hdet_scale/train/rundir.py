@@ -65,6 +65,20 @@ def restarted_job(run_dir: str) -> bool:
         return False
 
 
+def restart_line(run: dict, start: str) -> str | None:
+    """What a torchrun restart of this job does with ``run_dir`` (``start``: its
+    :func:`start_mode`), in one line for rank 0 to print; ``None`` when this is no restart
+    or the user asked for the resume (``train.resume=true``)."""
+    if run["train"]["resume"] or not restarted_job(run["run_dir"]):
+        return None
+    k = _restart_count()
+    if start == "resume":
+        tag = read_latest(checkpoint_dir(run)) or "?"
+        return (f"torchrun restart {k}: resuming from the newest checkpoint, "
+                f"{os.path.join(checkpoint_dir(run), 'replica_*', tag)}")
+    return f"torchrun restart {k}: the failed attempt saved no checkpoint; starting over (its files replaced)"
+
+
 def start_mode(run: dict) -> str:
     """``"resume"`` (from ``checkpoint/latest``: ``train.resume=true``, or a torchrun
     restart of this job), ``"replace"`` (``run_dir`` holds files this run may replace:

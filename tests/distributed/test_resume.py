@@ -147,6 +147,9 @@ def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrup
                       env={**KILL, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "exitcode: -9" in proc.stderr  # the first attempt did die
+    # and the restart says what it does (tester round 25: only summary.json's resumed_from_step did)
+    assert (f"hdet-train: torchrun restart 1: resuming from the newest checkpoint, "
+            f"{run_dir}/checkpoint/replica_*/global_step6") in proc.stderr, proc.stderr[-3000:]
     # a survivor's stop line, if one got to print it, says that torchrun restarts by itself
     stops = [line for line in proc.stderr.splitlines() if line.startswith("hdet-train: stopped by")]
     assert all("it restarts the job (restart 1 of 1)" in line for line in stops), stops
