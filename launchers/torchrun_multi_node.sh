@@ -22,27 +22,44 @@
 #                (default 3); hdet-train then resumes from the newest checkpoint by itself
 #                (set train.checkpoint_every), without train.resume. 0: no restarts.
 #
+# Checked before torchrun starts (exit 2, one line naming the variable): NNODES >= 1,
+# 0 <= NODE_RANK < NNODES, GPUS >= 1, MASTER_PORT in [1, 65535], MAX_RESTARTS >= 0,
+# MASTER_ADDR set.
+#
 # All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`
 # (console script `hdet-train`): an optional YAML config, then key=value overrides.
 set -euo pipefail
 
-: "${NNODES:?set NNODES (number of nodes)}"
-: "${NODE_RANK:?set NODE_RANK (this node index, 0..NNODES-1)}"
-: "${MASTER_ADDR:?set MASTER_ADDR (rendezvous host, usually node 0)}"
+# Checked here, not inside torchrun (tester round 20: GPUS=abc, GPUS=0 or MAX_RESTARTS=-1
+# were torchrun's tracebacks; tester round 26: MASTER_PORT=abc / 99999 too, and NODE_RANK=5
+# with NNODES=1 was accepted silently): exit 2 naming the variable, as hdet-train's own errors.
+need_int() {  # NAME VALUE MIN [WHERE] [MAX]
+  local ok=0 expected=">= $3"
+  if [[ "$2" =~ ^[0-9]{1,18}$ ]] && (( 10#$2 >= $3 )); then  # 10#: 08 is 8, not bad octal
+    ok=1
+    [[ -z "${5:-}" ]] || (( 10#$2 <= $5 )) || ok=0
+  fi
+  (( ok )) && return 0
+  [[ -z "${5:-}" ]] || expected="in [$3, $5]"
+  echo "$(basename "$0"): $1=${2:-<empty>}: expected an integer ${expected}${4:+ ($4)}" >&2
+  exit 2
+}
+need_int NNODES "${NNODES:-}" 1 "number of nodes; required"
+need_int NODE_RANK "${NODE_RANK:-}" 0 "this node's index, 0..NNODES-1; required"
+if (( 10#${NODE_RANK} >= 10#${NNODES} )); then
+  echo "$(basename "$0"): NODE_RANK=${NODE_RANK}: expected an integer < NNODES=${NNODES} (this node's index, 0..NNODES-1)" >&2
+  exit 2
+fi
+[[ -n "${MASTER_ADDR:-}" ]] || {
+  echo "$(basename "$0"): MASTER_ADDR is not set (rendezvous host, usually node 0)" >&2; exit 2; }
 MASTER_PORT="${MASTER_PORT:-29500}"
+need_int MASTER_PORT "${MASTER_PORT}" 1 "TCP port on MASTER_ADDR" 65535
 RDZV_ID="${RDZV_ID:-hdet-${MASTER_ADDR}-${MASTER_PORT}}"
 
 if [[ -z "${GPUS:-}" ]]; then
   GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
 fi
-# Checked here, not inside torchrun (tester round 20: GPUS=abc, GPUS=0 or MAX_RESTARTS=-1
-# were torchrun's tracebacks): exit 2 naming the variable, as hdet-train's own errors.
-need_int() {  # NAME VALUE MIN
-  [[ "$2" =~ ^[0-9]+$ && "$2" -ge "$3" ]] || { echo "$(basename "$0"): $1=$2: expected an integer >= $3" >&2; exit 2; }
-}
-need_int NNODES "${NNODES}" 1
-need_int NODE_RANK "${NODE_RANK}" 0
 need_int GPUS "${GPUS}" 1
 need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

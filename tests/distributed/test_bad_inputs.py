@@ -659,6 +659,11 @@ def test_bad_file_to_hdet_dryrun(outcomes, case):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A valid multi-node / SLURM job environment, one value of which each row below makes bad.
+MULTI_NODE = {"NNODES": "1", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GPUS": "1",
+              "MAX_RESTARTS": "0"}
+SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLURM_NNODES": "1",
+             "SLURM_JOB_ID": "1", "GPUS_PER_NODE": "1", "MASTER_PORT": "29500", "MAX_RESTARTS": "0"}
 
 
 @pytest.mark.parametrize("script,env,needle", [
@@ -671,10 +676,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     # round 22: DeepSpeed's "not reachable via ssh" traceback, retried MAX_RESTARTS times
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh"},
      "host 127.0.0.1 (first in {d}/hostfile_no_ssh) cannot be reached by passwordless ssh"),
+    # round 26: torchrun's ValueError traceback for the port; NODE_RANK >= NNODES was accepted
+    *[("torchrun_multi_node.sh", {**MULTI_NODE, **e}, n) for e, n in [
+        ({"MASTER_PORT": "abc"}, "torchrun_multi_node.sh: MASTER_PORT=abc: expected an integer in [1, 65535]"),
+        ({"MASTER_PORT": "99999"}, "torchrun_multi_node.sh: MASTER_PORT=99999: expected an integer in [1, 65535]"),
+        ({"NODE_RANK": "5"}, "torchrun_multi_node.sh: NODE_RANK=5: expected an integer < NNODES=1"),
+    ]],
+    # round 26: torchrun's tracebacks under slurm.sbatch, checked before scontrol / srun run
+    # (the SLURM_* variables of a job are set, but no scontrol / srun exists here)
+    *[("slurm.sbatch", {**SLURM_JOB, **e}, n) for e, n in [
+        ({"GPUS_PER_NODE": "abc"}, "slurm.sbatch: GPUS_PER_NODE=abc: expected an integer >= 1"),
+        ({"GPUS_PER_NODE": "0"}, "slurm.sbatch: GPUS_PER_NODE=0: expected an integer >= 1"),
+        ({"MAX_RESTARTS": "-1"}, "slurm.sbatch: MAX_RESTARTS=-1: expected an integer >= 0"),
+        ({"MASTER_PORT": "abc"}, "slurm.sbatch: MASTER_PORT=abc: expected an integer in [1, 65535]"),
+    ]],
 ])
 def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_path):
     """Tester round 20: the launchers passed GPUS=abc, MAX_RESTARTS=-1 or a hostfile line
-    without slots= to torchrun / deepspeed, whose tracebacks named no variable. Each now
+    without slots= to torchrun / deepspeed, whose tracebacks named no variable; round 26:
+    the same for MASTER_PORT, NODE_RANK >= NNODES and slurm.sbatch's values. Each now
     exits 2 before starting anything, naming the variable and what it expects."""
     (tmp_path / "hostfile_without_slots").write_text("localhost\n")
     (tmp_path / "hostfile_no_ssh").write_text("127.0.0.1 slots=1\n")  # no sshd answers here
