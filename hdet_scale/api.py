@@ -137,7 +137,11 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
         model, opt, scheduler = fairscale.initialize(model, hcfg, cls, cls_kwargs, **kw)
     # DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT = 1.0 in 0.19): the same key means
     # the same clipping on every backend.
-    return Ensemble(backend, model, opt, scheduler, ds.get("gradient_accumulation_steps", 1),
+    from hdet_scale.backends.common import world_size
+    from hdet_scale.ds_values import batch_sizes
+
+    # the accumulation a config leaves out, derived as DeepSpeed does (train_batch_size and the micro-batch)
+    return Ensemble(backend, model, opt, scheduler, batch_sizes(ds, world_size())[1],
                     clip=float(ds.get("gradient_clipping", 1.0)))
 
 

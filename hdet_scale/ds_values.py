@@ -106,18 +106,74 @@ def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
+def resolve_batch(ds: Mapping, world_size: int) -> tuple[Any, Any, Any]:
+    """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``
+    with the keys ``ds`` leaves out derived as DeepSpeed derives them
+    (``runtime/config.py``'s ``_set_batch_related_parameters``, 0.19), over
+    ``world_size`` data-parallel ranks (all replicas: per replica the same up to the
+    factor R). Floor divisions as DeepSpeed's, so a value that does not divide shows as a
+    product that differs (:func:`batch_errors` names it). With neither
+    ``train_batch_size`` nor the micro-batch given: ``(None, 1, gas or 1)``, the torch
+    engines' micro-batch of one (DeepSpeed refuses that config itself). Values must be
+    integers >= 1 (unchecked here)."""
+    tbs, micro, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                           "gradient_accumulation_steps"))
+    if tbs is not None and micro is not None and gas is None:
+        gas = tbs // micro // world_size
+    elif tbs is not None and micro is None and gas is not None:
+        micro = tbs // world_size // gas
+    elif tbs is None and micro is not None:
+        gas = 1 if gas is None else gas
+        tbs = micro * gas * world_size
+    elif tbs is not None and micro is None:
+        gas, micro = 1, tbs // world_size
+    elif tbs is None:
+        micro, gas = 1, (1 if gas is None else gas)
+    return tbs, micro, gas
+
+
+def batch_sizes(ds: Mapping, world_size: int) -> tuple[int, int]:
+    """``(micro-batch per rank, micro-batches per optimizer step)`` a run of ``ds`` over
+    ``world_size`` ranks uses (:func:`resolve_batch`), each at least 1: what the torch
+    engines and the trainer build their batches from (tester round 26: a config with only
+    ``train_batch_size`` was read as a micro-batch of 1). Call after :func:`batch_errors`
+    passed; a bad value reads as 1 here and is named there."""
+    _, micro, gas = resolve_batch(ds, world_size)
+    return (micro if _positive_int(micro) else 1), (gas if _positive_int(gas) else 1)
+
+
 def batch_errors(ds: Mapping, prefix: str = "", world_size: int | None = None) -> list[str]:
     """The lines for the batch keys of ``ds``: each one present must be an integer >= 1
     (DeepSpeed asserts on a product <= 0 inside ``initialize``, on every rank, naming
     none of them, and takes 1.5 as a float batch size). With ``world_size`` (the
-    data-parallel ranks over all replicas) and all three present:
-    ``train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x
-    world_size``, the line naming the three values and the product."""
+    data-parallel ranks over all replicas), the keys left out derived as DeepSpeed does
+    (:func:`resolve_batch`): each derived one must be >= 1, and ``train_batch_size =
+    train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size``; the line
+    names the values given, the one derived and the product (tester round 26: a
+    ``train_batch_size`` that the accumulation and world size do not divide was
+    DeepSpeed's AssertionError inside every rank, and hdet-dryrun called it valid)."""
     errors = [f"{prefix}{k}: must be an integer >= 1 ({what}), got {ds[k]!r}"
               for k, what in BATCH_KEYS.items() if k in ds and not _positive_int(ds[k])]
-    tbs, micro, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                           "gradient_accumulation_steps"))
-    if world_size is not None and not errors and None not in (tbs, micro, gas) and tbs != micro * gas * world_size:
+    if world_size is None or errors:
+        return errors
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    resolved = resolve_batch(ds, world_size)
+    if resolved[0] is None:
+        return errors
+    tbs, micro, gas = resolved
+    derived = [k for k in names[1:] if k not in ds]
+    if "train_batch_size" in ds and derived:
+        # DeepSpeed divides train_batch_size by the keys given (floor) to get the others
+        given = [(k, v) for k, v in zip(names[1:], resolved[1:]) if k not in derived and k in ds]
+        divisor = world_size * math.prod(v for _, v in given)
+        by = " x ".join([f"{k} ({v})" for k, v in given] + [f"world size ({world_size})"])
+        got = ", ".join(f"{k} = {v}" for k, v in zip(names[1:], resolved[1:]) if k in derived)
+        if tbs % divisor or min(micro, gas) < 1:
+            errors.append(f"{prefix}train_batch_size: {tbs} is not a multiple of {by} = {divisor}: DeepSpeed derives "
+                          f"{got} from it and refuses {micro} x {gas} x {world_size} = {micro * gas * world_size} "
+                          f"(samples per optimizer step over all ranks); give a multiple of {divisor}, or set "
+                          f"{' and '.join(derived)}")
+    elif tbs != micro * gas * world_size:
         errors.append(f"{prefix}train_batch_size: {tbs} must equal train_micro_batch_size_per_gpu ({micro}) x "
                       f"gradient_accumulation_steps ({gas}) x world size ({world_size}) = {micro * gas * world_size} "
                       "(samples per optimizer step over all ranks)")

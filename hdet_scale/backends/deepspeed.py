@@ -239,10 +239,10 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
                                  if exact else ""))
         errors += zero3_errors(ds, cfg)  # what ZeRO-3 under HDET cannot run (backends/ds_zero.py)
         # The batch keys are integers >= 1 here (check_deepspeed_values above); their product
-        # over the whole world is the shared check's (ds_values.batch_errors), with the
-        # default accumulation of 1 filled in as DeepSpeed does.
+        # over the whole world, with the keys left out derived as DeepSpeed derives them, is
+        # the shared check's (ds_values.batch_errors).
         tbs = ds.get("train_batch_size")
-        product = batch_errors({"gradient_accumulation_steps": 1, **ds}, world_size=world)
+        product = batch_errors(ds, world_size=world)
         errors += product
         if tbs is not None and not product and tbs % cfg.replicas:
             errors.append(f"train_batch_size: {tbs} (samples over all ranks) must be divisible by "

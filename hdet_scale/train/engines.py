@@ -47,7 +47,10 @@ class Engine:
 
         ds = run["deepspeed"]
         self.backend = backend
-        self.micro_batch = ds.get("train_micro_batch_size_per_gpu", 1)
+        from hdet_scale.backends.common import world_size
+        from hdet_scale.ds_values import batch_sizes
+
+        self.micro_batch = batch_sizes(ds, world_size())[0]  # derived as DeepSpeed does when left out
         options: dict[str, Any] = {}
         topology = None
         if backend == "deepspeed":

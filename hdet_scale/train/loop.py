@@ -29,6 +29,7 @@ from hdet_scale.backends.deepspeed import prepare_config
 from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
+from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
 from hdet_scale.param_groups import check_group_count
@@ -145,9 +146,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     d = run["data"]
     check_apart(d["path"], run["run_dir"])
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
-    micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
-    gas = run["deepspeed"].get("gradient_accumulation_steps", 1)
-    gas = gas if isinstance(gas, int) and not isinstance(gas, bool) and gas >= 1 else 1  # the engine names a bad one
+    # the keys the config leaves out derived as DeepSpeed does (a bad one: named by the checks)
+    micro, gas = batch_sizes(run["deepspeed"], world_size)
     train_windows = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size,
                                 key="data (training split)").num_windows
     # micro-batches of 1 on one rank: the split must hold one window; the size each rank
@@ -309,7 +309,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
                            append=resuming, run_id=wandb_id)
     d = run["data"]
-    micro = run["deepspeed"].get("train_micro_batch_size_per_gpu", 1)
+    micro = batch_sizes(run["deepspeed"], world)[0]
     probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world)
     # The engine builds the model: after the process groups, so that it can be sharded as
     # it is built (model.sharded_init).

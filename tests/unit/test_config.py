@@ -358,9 +358,55 @@ def test_prepare_config_divides_global_batch_and_checks_it():
 
     _, ds = prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": 8}, world_size=4)
     assert ds["train_batch_size"] == 4  # 8 samples over W=4 ranks -> 4 per replica of S=2 ranks
-    for tbs, needle in ((12, "must equal"), (8.0, "must be an integer")):
+    for tbs, needle in ((12, r"12 is not a multiple of train_micro_batch_size_per_gpu \(2\) x world size \(4\) = 8: "
+                             r"DeepSpeed derives gradient_accumulation_steps = 1"), (8.0, "must be an integer")):
         with pytest.raises(HDETConfigError, match=needle):
             prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": tbs}, world_size=4)
+    # the accumulation left out is derived as DeepSpeed derives it (16 // 2 // 4 = 2), not taken as 1:
+    # 16 was refused as "must equal 2 x 1 x 4" before (tester round 26, the batch keys)
+    _, ds = prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": 16}, world_size=4)
+    assert ds["train_batch_size"] == 8 and "gradient_accumulation_steps" not in ds
+
+
+@pytest.mark.parametrize("keys,world,message", [
+    # tester round 26: DeepSpeed's AssertionError "16 != 5 * 3 * 1" inside every rank; hdet-dryrun said valid
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 3}, 2,
+     "train_batch_size: 32 is not a multiple of gradient_accumulation_steps (3) x world size (2) = 6: DeepSpeed "
+     "derives train_micro_batch_size_per_gpu = 5 from it and refuses 5 x 3 x 2 = 30"),
+    ({"train_batch_size": 30}, 4, "train_batch_size: 30 is not a multiple of world size (4) = 4: DeepSpeed derives "
+                                  "train_micro_batch_size_per_gpu = 7, gradient_accumulation_steps = 1 from it"),
+    ({"train_batch_size": 2}, 4, "DeepSpeed derives train_micro_batch_size_per_gpu = 0, gradient_accumulation_steps "
+                                 "= 1 from it and refuses 0 x 1 x 4 = 0"),
+    ({"train_batch_size": 32}, 4, None), ({"train_batch_size": 24, "gradient_accumulation_steps": 3}, 4, None),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, 4, None),
+    ({"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5}, 7, None),
+])
+def test_batch_keys_left_out_are_derived_as_deepspeed_derives_them(keys, world, message):
+    """``ds_values.batch_errors`` against DeepSpeed's own config class on the same keys:
+    each config it refuses is refused here with the line above, each it takes is taken,
+    and ``batch_sizes`` gives the micro-batch and accumulation DeepSpeed arrives at (the
+    torch engines read them: tester round 26, a file with only train_batch_size was a
+    micro-batch of 1 there)."""
+    deepspeed = pytest.importorskip("deepspeed")
+    from hdet_scale.ds_values import batch_errors, batch_sizes
+
+    errors = batch_errors(keys, world_size=world)
+    # DeepSpeed's config class on a world of 1 (no process group here), then its own batch
+    # derivation and assertion again on ``world`` ranks, from the keys as given
+    ds_config = deepspeed.runtime.config.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1})
+    ds_config.world_size = world
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        setattr(ds_config, key, keys.get(key))
+    try:
+        ds_config._configure_train_batch_size()
+    except AssertionError:
+        ds_config = None
+    if message is None:
+        assert errors == [] and ds_config is not None, errors
+        assert batch_sizes(keys, world) == (ds_config.train_micro_batch_size_per_gpu,
+                                            ds_config.gradient_accumulation_steps)
+    else:
+        assert len(errors) == 1 and message in errors[0] and ds_config is None, errors
 
 
 def test_infinite_temperature_rejected():
