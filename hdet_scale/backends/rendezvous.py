@@ -42,12 +42,22 @@ def _where() -> str:
 
 
 def _announce(done: threading.Event, every: float) -> None:
+    from hdet_scale.backends.op_builds import builds_in_progress
+
     t0 = time.monotonic()
     while not done.wait(every):
-        print(f"hdet_scale: still waiting for the process group to form after {time.monotonic() - t0:.0f} s "
-              f"({_where()}): a rank has not joined; check that every rank was started with the same MASTER_ADDR, "
-              "MASTER_PORT and WORLD_SIZE (torch gives up after its timeout, 30 min by default; Ctrl-C stops it)",
-              file=sys.stderr, flush=True)
+        waited = f"still waiting for the process group to form after {time.monotonic() - t0:.0f} s ({_where()})"
+        building = builds_in_progress()
+        if building:
+            # tester round 26: on a first run a rank compiles DeepSpeed's ops inside
+            # init_distributed for minutes; the network is not the cause then
+            why = (f"a DeepSpeed op is being built on this machine ({building[0]}), which takes minutes on a "
+                   "first run; the ranks join when it is done")
+        else:
+            why = ("a rank has not joined; check that every rank was started with the same MASTER_ADDR, MASTER_PORT "
+                   "and WORLD_SIZE (on a first run, a rank on another machine may still be building DeepSpeed's "
+                   "ops; torch gives up after its timeout, 30 min by default; Ctrl-C stops it)")
+        print(f"hdet_scale: {waited}: {why}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -46,33 +46,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from hdet_scale.backends.op_builds import extensions_dir  # noqa: F401 (re-exported: tests, cli)
+
 #: Exit code of a start refused (launcher) or stopped (rank) by a stale lock.
 STALE_LOCK_EXIT = 3
 #: Age (s) from which a lock no process on this machine holds counts as stale.
 STALE_AFTER_S = 30.0
 #: Op folders the trainer's DeepSpeed engine loads (CPU and CUDA names).
 TRAINER_OPS = ("deepspeed_shm_comm", "deepspeed_ccl_comm", "fused_adam", "cpu_adam")
-
-
-def extensions_dir() -> str:
-    """The folder holding torch's JIT op folders: ``$TORCH_EXTENSIONS_DIR`` itself, or
-    ``~/.cache/torch_extensions/py<major><minor>_<cpu|cu<ver>|rocm<ver>>``. Mirrors
-    ``torch.utils.cpp_extension._get_build_directory`` (private, and it creates folders),
-    torch 2.4-2.13."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is not None:  # as torch: even "" (the working directory)
-        return root
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        accel = "rocm" + torch.version.hip.replace(".", "")
-    elif torch.version.cuda is not None:
-        accel = "cu" + torch.version.cuda.replace(".", "")
-    else:
-        accel = "cpu"
-    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return os.path.join(get_default_build_root(), f"{py}_{accel}")
 
 
 def lock_holders(path: str) -> list[int] | None:

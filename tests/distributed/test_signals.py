@@ -242,8 +242,10 @@ def test_deepspeed_hostfile_script_stops_on_a_signal_without_a_restart(tmp_path,
     env, tag = with_marker({**ENV, **hostfile_standins(tmp_path), "MAX_RESTARTS": "2"})
     script = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "deepspeed_hostfile.sh")
     cmd = ["bash", script, f"run_dir={run_dir}", "nproc=2", "backend=ddp", *ARGS]
+    # SIGINT at its default, as under a terminal: a test run started in the background (nohup,
+    # `cmd &` in a script) inherits it ignored, and bash cannot trap a signal ignored at entry
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     try:
         while latest(run_dir) is None:

@@ -40,10 +40,10 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_lone_rank_says_it_waits_and_times_out_with_one_message(rank):
+def test_a_lone_rank_says_it_waits_and_times_out_with_one_message(rank, tmp_path):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     seconds = time.monotonic() - t0
@@ -53,7 +53,7 @@ def test_a_lone_rank_says_it_waits_and_times_out_with_one_message(rank):
     # 3 s of wait at one line per 0.5 s: at least 2 even on a loaded machine
     assert len(notices) >= 2, proc.stderr[-3000:]
     where = f"rank {rank} of WORLD_SIZE=2 at MASTER_ADDR:MASTER_PORT = 127.0.0.1:{port}"
-    assert all(where in line for line in notices), notices
+    assert all(where in line and "a rank has not joined" in line for line in notices), notices
     assert len(refused) == 1 and where in refused[0] and "did not form" in refused[0], refused
     assert "timed out" in refused[0].lower(), refused  # torch's own line kept: who joined / what it tried
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -72,3 +72,19 @@ def test_a_port_in_use_is_no_timeout_and_passes_unchanged():
         proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "DistNetworkError" in proc.stderr, proc.stderr[-3000:]
     assert "REFUSED" not in proc.stderr
+
+
+def test_while_an_op_is_built_the_notice_says_so(tmp_path):
+    """Tester round 26: on a first run a rank compiles DeepSpeed's ops inside
+    ``init_distributed`` for minutes, and every rank's notice sent the user to check
+    MASTER_ADDR / MASTER_PORT. A ``lock`` in an op folder of ``TORCH_EXTENSIONS_DIR`` (torch
+    holds one while it builds) is named instead; without it, the network advice stays."""
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "lock").write_text("")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    notices = [line for line in proc.stderr.splitlines() if "still waiting for the process group" in line]
+    assert proc.returncode == 2 and len(notices) >= 2, proc.stderr[-3000:]
+    assert all(f"a DeepSpeed op is being built on this machine ({tmp_path / 'cpu_adam' / 'lock'})" in line
+               and "MASTER_ADDR, MASTER_PORT" not in line for line in notices), notices
