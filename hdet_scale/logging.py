@@ -35,14 +35,17 @@ def _has_wandb_credentials() -> bool:
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb 0.31's Settings.mode
 
 
-def check_wandb_settings(wandb: WandbConfig) -> None:
+def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
     """Before a run starts: ``mode="online"`` (or ``WANDB_MODE=online`` with the mode
-    unset) needs credentials, and ``WANDB_MODE`` must be a mode W&B knows: otherwise W&B
-    raises on rank 0 once training has started.
+    unset) needs credentials, ``WANDB_MODE`` must be a mode W&B knows, and ``project`` a
+    name W&B takes: otherwise W&B raises on rank 0 once training has started.
+    ``prefix``: the keys' place in the user's config (``hdet.logging.wandb.`` in the
+    library's block).
 
     Raises:
-        HDETConfigError: no API key for an online run, ``WANDB_MODE`` not a W&B mode, or
-            W&B not installed (the ``[fsdp]`` extra leaves it out; rank 0 failed on the import).
+        HDETConfigError: no API key for an online run, ``WANDB_MODE`` not a W&B mode, a
+            project name W&B refuses, or W&B not installed (the ``[fsdp]`` extra leaves it
+            out; rank 0 failed on the import).
     """
     import importlib.util
 
@@ -53,16 +56,27 @@ def check_wandb_settings(wandb: WandbConfig) -> None:
     except ImportError:  # a broken install, or an import hook refusing it
         missing = True
     if missing:
-        raise HDETConfigError('wandb.enabled=true, but wandb is not installed: pip install "hdet-scale[wandb]", or '
-                              "set wandb.enabled=false")
+        raise HDETConfigError(f'{prefix}enabled=true, but wandb is not installed: pip install "hdet-scale[wandb]", '
+                              f"or set {prefix}enabled=false")
     env = os.environ.get("WANDB_MODE")
     if wandb.enabled and env is not None and env not in WANDB_MODES:
         raise HDETConfigError(f"environment: WANDB_MODE={env!r} is not a W&B mode; W&B takes "
-                              f"{', '.join(WANDB_MODES)}: fix or unset it (or set wandb.enabled=false)")
+                              f"{', '.join(WANDB_MODES)}: fix or unset it (or set {prefix}enabled=false)")
+    if wandb.enabled and wandb.project is not None:
+        # W&B's own rule (its Settings validator: no / \\ # ? % :, at most 128 characters),
+        # met before any rank starts (tester round 26: wandb.project=a/b failed at rank 0's
+        # wandb.init, told to check the network)
+        import wandb as wb
+
+        try:
+            wb.Settings(project=wandb.project)
+        except Exception as e:  # noqa: BLE001 - W&B's UsageError, or pydantic's error around it
+            reason = " ".join(str(e).split())[:300]
+            raise HDETConfigError(f"{prefix}project: {reason}") from None
     if wandb.enabled and (wandb.mode or env) == "online" and not _has_wandb_credentials():
-        raise HDETConfigError("wandb.mode=online, but no W&B API key is configured (WANDB_API_KEY, or `wandb login`); "
-                              "use wandb.mode=offline (upload later with `wandb sync`), leave wandb.mode unset (online "
-                              "when a key is configured, else offline), or wandb.enabled=false")
+        raise HDETConfigError(f"{prefix}mode=online, but no W&B API key is configured (WANDB_API_KEY, or `wandb login`); "
+                              f"use {prefix}mode=offline (upload later with `wandb sync`), leave {prefix}mode unset (online "
+                              f"when a key is configured, else offline), or {prefix}enabled=false")
 
 
 def json_safe(value: Any, nonfinite: Any = str) -> Any:
@@ -140,9 +154,11 @@ class MetricsLogger:
                                           **settings)
             except (wb.errors.Error, TimeoutError, OSError) as e:
                 reason = " ".join(str(e).split())[:300]
+                fix = ("check the network and credentials, or set wandb.mode=offline (wandb sync uploads it later) "
+                       "or wandb.enabled=false" if mode != "offline" else  # no network involved (tester round 26)
+                       "check the W&B settings (project, entity, group, name, dir) or set wandb.enabled=false")
                 raise HDETConfigError(f"wandb: the {mode} W&B run could not start ({type(e).__name__}: {reason}); "
-                                      "check the network and credentials, or set wandb.mode=offline "
-                                      "(wandb sync uploads it later) or wandb.enabled=false") from None
+                                      f"{fix}") from None
             self._own_run = True
             self.wandb_mode = mode
 

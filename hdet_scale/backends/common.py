@@ -63,6 +63,10 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
                               "set axes.lr.spread_ratio=0 and auto.enabled=false, or do not use hdet_scale)")
     Layout(world_size() if world is None else world, config.replicas)
     check_config(config)
+    if config.logging.wandb.enabled:  # on every rank, before any collective (rank 0 alone would fail later)
+        from hdet_scale.logging import check_wandb_settings
+
+        check_wandb_settings(config.logging.wandb, prefix="hdet.logging.wandb.")
     return config
 
 

@@ -323,6 +323,9 @@ CASES = [
       "it holds []"], lambda run: _ddp_ckpt_with_foreign_file(run)),
     ("wandb_mode_env_unknown", ["wandb.enabled=true"], {"WANDB_MODE": "bogus"}, 2,
      ["WANDB_MODE='bogus' is not a W&B mode"], None),
+    # round 26: refused by rank 0's wandb.init after the ranks started, told to check the network
+    ("wandb_project_slash", ["wandb.enabled=true", "wandb.mode=offline", "wandb.project=a/b"], {}, 2,
+     ["wandb.project: Invalid project name 'a/b': cannot contain characters"], None),
     ("wandb_dir_procfs", ["wandb.enabled=true", "wandb.dir=/proc/hdet_wandb"], {"WANDB_MODE": "offline"}, 2,
      ["wandb.dir: /proc/hdet_wandb is in /proc, a kernel filesystem"], None),
     ("model_rope_theta_inf", ["model.rope_theta=1e400"], {}, 2, ["model.rope_theta must be a finite number > 0"],

@@ -926,3 +926,24 @@ def test_hdettrainer_names_the_trainer_scheduler_settings_it_does_not_use(tmp_pa
     assert "lr_scheduler_kwargs={'num_cycles': 2}" in text(lr_scheduler_type="cosine_with_restarts",
                                                           lr_scheduler_kwargs={"num_cycles": 2})
     assert text(lr_scheduler_type="linear", warmup_steps=0) is None
+
+
+@pytest.mark.parametrize("project", ["a/b", "a#b", "x" * 129])
+def test_a_wandb_project_name_wandb_refuses_is_refused_before_any_rank_starts(project):
+    """Tester round 26: ``wandb.project=a/b`` (or ``hdet.logging.wandb.project`` in the
+    library's block) failed at rank 0's ``wandb.init`` after the ranks had started, and the
+    message said to check the network of an offline run. W&B's own Settings validator,
+    in the checks every rank runs before any collective; a name it takes passes."""
+    pytest.importorskip("wandb")
+    from hdet_scale.backends.common import resolve_config
+    from hdet_scale.config import WandbConfig
+    from hdet_scale.logging import check_wandb_settings
+
+    with pytest.raises(HDETConfigError, match=r"^wandb.project: Invalid project name"):
+        check_wandb_settings(WandbConfig(enabled=True, mode="offline", project=project))
+    block = {"schedule": {"total_steps": 10}, "logging": {"wandb": {"enabled": True, "mode": "offline",
+                                                                    "project": project}}}
+    with pytest.raises(HDETConfigError, match=r"^hdet.logging.wandb.project: Invalid project name"):
+        resolve_config(block, world=2)
+    check_wandb_settings(WandbConfig(enabled=True, mode="offline", project="my-project_1.2"))
+    check_wandb_settings(WandbConfig(enabled=False, project=project))  # W&B off: its settings are not read
