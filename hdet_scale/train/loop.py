@@ -334,7 +334,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # never arrives; the launcher ends the waiting ones.
         dist.barrier()
         if rank == 0:
-            rundir.trim_for_resume(run)  # only now: a resume that fails to load loses nothing
+            rundir.trim_for_resume(run, sched.step_count)  # only now: a resume that fails to load loses nothing
     steps = run["train"]["steps"]
     every, keep = run["train"]["checkpoint_every"] or 0, run["train"]["keep_checkpoints"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks

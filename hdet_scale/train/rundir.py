@@ -246,12 +246,14 @@ def _remove_plots(run_dir: str) -> None:
         os.rmdir(folder)  # only when empty
 
 
-def trim_for_resume(run: dict) -> None:
+def trim_for_resume(run: dict, step: int) -> None:
     """Rank 0, after the checkpoint loaded and before the first new record: keep the
-    metrics up to the checkpoint's step, so ``metrics.jsonl`` reads like one
+    metrics up to ``step``, the optimizer step the load restored (the scheduler's own,
+    not ``hdet_layout.json``'s index: tester round 26, an index naming another step for
+    the tag left the records of steps 21-25 twice), so ``metrics.jsonl`` reads like one
     uninterrupted run, and drop the stopped run's ``summary.json``."""
     run_dir = run["run_dir"]
-    truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), read_layout(checkpoint_dir(run))["step"])
+    truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), step)
     _remove(os.path.join(run_dir, "summary.json"))
 
 
