@@ -250,5 +250,10 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
                       f"progress lines) or inf (never), got {spp!r}")
     errors += batch_errors(ds, p, world_size)
     errors += flag_errors(ds, p)
+    autos = [e for e in errors if "got 'auto'" in e]
+    if len(autos) > 1 or (autos and not any("is filled by the Hugging Face Trainer" in e for e in errors)):
+        # tester round 26: a Trainer's DeepSpeed JSON gave eight such lines, one explained
+        errors.append(f"({len(autos)} value(s) above are \"auto\": the Hugging Face Trainer fills those when it "
+                      "starts (hdet_scale.hf.HDETTrainer, docs/hf_trainer.md); elsewhere write the numbers)")
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))

@@ -30,8 +30,14 @@ def zero3_errors(ds: dict, cfg: Any) -> list[str]:
         errors.append(f"optimizer.type: DeepSpeed's ZeRO refuses {kind!r}, an optimizer it has not tested with "
                       f"ZeRO ({', '.join(ZERO_TESTED)} are), unless zero_allow_untested_optimizer is true: set it "
                       "to run it anyway, or use AdamW")
+    legacy = ds.get("zero_optimization")
+    if isinstance(legacy, bool):
+        # DeepSpeed's old form: true is stage 1, false stage 0 (tester round 26: "got 0")
+        errors.append(f"zero_optimization: {str(legacy).lower()} is DeepSpeed's old form of stage "
+                      f"{int(legacy)}; hdet's DeepSpeed backend needs ZeRO stage 3: write "
+                      "\"zero_optimization\": {\"stage\": 3}")
     stage = zero.get("stage", 0)
-    if stage != 3:
+    if stage != 3 and not isinstance(legacy, bool):
         errors.append(f"zero_optimization.stage: hdet's DeepSpeed backend needs ZeRO stage 3 (the integer), "
                       f"got {stage!r}")
     offload = (zero.get("offload_optimizer") or {}).get("device", "none")

@@ -25,6 +25,17 @@ def test_deepspeed_report_names_groups_and_multipliers():
     assert "shard group of 64 ranks): ZeRO-3 partitions" in text
 
 
+@pytest.mark.parametrize("legacy,stage", [(True, 1), (False, 0)])
+def test_zero_optimization_as_a_boolean_is_named_as_deepspeeds_old_form(legacy, stage):
+    """Tester round 26: ``"zero_optimization": true`` (DeepSpeed reads it as stage 1) was
+    refused with "needs ZeRO stage 3 ..., got 0"."""
+    with pytest.raises(HDETConfigError) as e:
+        describe({**ZERO3, "zero_optimization": legacy}, world_size=8)
+    assert (f"zero_optimization: {str(legacy).lower()} is DeepSpeed's old form of stage {stage}; hdet's DeepSpeed "
+            'backend needs ZeRO stage 3: write "zero_optimization": {"stage": 3}') in str(e.value)
+    assert "got 0" not in str(e.value)
+
+
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
 def test_other_backends_check_the_hdet_block_only(backend):
     # ZeRO stage 2 is DeepSpeed's business: refused for deepspeed, ignored here.
@@ -409,3 +420,21 @@ def test_hf_config_checks_the_modules_patterns_on_its_model(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(HDETConfigError, match=r"--hf-config: .*list.json' must hold a JSON object .*got a list"):
         describe(json.loads(json.dumps(config)), world_size=8, cost={**options, "hf_config": str(tmp_path / "list.json")})
+
+
+def test_a_trainers_auto_values_are_explained_once():
+    """Tester round 26: a Hugging Face Trainer's DeepSpeed JSON ("auto" everywhere) gave
+    eight "must be a finite number" lines, and only bf16.enabled said where "auto" comes
+    from. One closing line now counts them and says who fills them."""
+    from hdet_scale.ds_values import check_deepspeed_values
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
+    with pytest.raises(HDETConfigError) as e:
+        check_deepspeed_values(ds)
+    lines = str(e.value).splitlines()
+    assert lines[-1] == ('  (5 value(s) above are "auto": the Hugging Face Trainer fills those when it starts '
+                         '(hdet_scale.hf.HDETTrainer, docs/hf_trainer.md); elsewhere write the numbers)'), lines
+    with pytest.raises(HDETConfigError) as e:
+        check_deepspeed_values({"bf16": {"enabled": "auto"}})  # one, explained on its own line: no summary
+    assert "value(s) above" not in str(e.value)
