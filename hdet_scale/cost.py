@@ -66,6 +66,7 @@ import re
 from dataclasses import dataclass
 
 from hdet_scale.ds_keys import RepeatedKeyError, loads_json
+from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 
@@ -381,12 +382,13 @@ def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options:
         size = ModelSize(options["params"])
     cost = estimate(size, backend=backend, precision=precision, world_size=world_size, replicas=cfg.replicas,
                     gradient_sharing=cfg.gradient_sharing, sync_interval=cfg.sync_interval,
-                    micro_batches=int(ds_config.get("gradient_accumulation_steps", 1)),
+                    micro_batches=batch_sizes(ds_config, world_size)[1],
                     bucket_bytes=cfg.bucket_bytes, overlapped=cfg.overlap_gradient_sharing and (
                         precision == "fp32" or (ds_config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"))
-    from hdet_scale.cost_report import report
+    from hdet_scale.cost_report import not_modelled, report
 
-    return report(cost, options["bandwidth_gbps"], options["step_seconds"])
+    return report(cost, options["bandwidth_gbps"], options["step_seconds"]) + "".join(
+        f"\n  not modelled: {what}" for what in not_modelled(ds_config))
 
 
 def groups_line(world_size: int, replicas: int) -> str:

@@ -161,3 +161,19 @@ def test_cli_cost_section_and_errors(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "--world-size: the cost model covers worlds up to 16,777,216" in err, err
     assert main([str(path), "--world-size", str(2 ** 24), "--params", "7B"]) == 0  # the bound itself is fine
     capsys.readouterr()
+
+
+def test_what_the_cost_model_leaves_out_is_said():
+    """Tester round 26: ``--params 7B`` on a file with fp16 and an offload to NVMe reported
+    fp32 weights on the accelerator without a word. Each such setting is one "not
+    modelled" line; a file without them gets none."""
+    from hdet_scale.cost_report import not_modelled
+
+    ds = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},
+                                                           "offload_optimizer": {"device": "cpu"}}}
+    assert not_modelled(ds) == [
+        "fp16.enabled (the figures are for fp32: fp16's weights and loss scaler differ)",
+        "zero_optimization.offload_param to nvme (the figures keep that state on the accelerator)",
+        "zero_optimization.offload_optimizer to cpu (the figures keep that state on the accelerator)"]
+    assert not_modelled({"bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param":
+                                                                          {"device": "none"}}}) == []
