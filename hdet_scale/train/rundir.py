@@ -12,6 +12,7 @@ in a way that turns another rank's "resume" into something else.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
@@ -277,8 +278,36 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
     if run is not None and sched.topology.rank == 0:
         # the tag every backend's save takes by default (checkpoints.checkpoint_target)
         resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
-    engine.save(path)
+    try:
+        engine.save(path)
+    except (OSError, RuntimeError) as e:
+        raise save_error(path, sched.step_count, e) from None
     prune_checkpoints(path, sched.topology, keep)
+
+
+LOW_SPACE_BYTES = 64 * 2**20  # below this after a failed save, the failure is called a full disk
+
+
+def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_SPACE_BYTES) -> BaseException:
+    """What a failed save of step ``step`` into ``path`` raises: an :class:`HDETStateError`
+    naming a full disk (``ENOSPC``, or less than ``low_bytes`` left on ``path``'s device:
+    torch's writer says "unexpected pos" or "iostream error" without an errno), the free
+    space and the checkpoint ``latest`` still names (tester round 26: two tracebacks and no
+    word of the disk); ``error`` itself otherwise."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    full = getattr(error, "errno", None) == errno.ENOSPC or (free is not None and free < low_bytes)
+    if not full:
+        return error
+    tag = read_latest(path)
+    kept = (f"latest still names {tag}, complete; free space, then train.resume=true continues from it" if tag
+            else "no checkpoint is complete yet; free space, then start again")
+    left = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    reason = " ".join(str(error).split())[:200]
+    return HDETStateError(f"checkpoint: the save of step {step} into {path} failed, the disk is full ({left}; "
+                          f"{type(error).__name__}: {reason}); {kept}")
 
 
 def saved_wandb_run_id(run: dict) -> str | None:

@@ -330,3 +330,33 @@ def test_overwrite_removes_a_link_in_the_run_dir_not_its_target(tmp_path):
     assert not os.path.lexists(run_dir / "checkpoint") and not os.path.lexists(run_dir / "metrics.jsonl")
     assert (other / "checkpoint" / "latest").read_text() == "global_step4"
     assert (other / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_path):
+    """Tester round 26: a save on a full disk (a 26 MB tmpfs) ended both ranks with torch's
+    tracebacks ("basic_ios::clear: iostream error", "unexpected pos") and no word of the
+    disk or of the checkpoint left intact. The real errors: writing to /dev/full (ENOSPC),
+    and torch.save into it (torch's RuntimeError, no errno: named by the space left, here
+    with a threshold above this disk's free space, as a full disk has below 64 MiB)."""
+    import errno as errno_mod
+
+    import torch
+
+    from hdet_scale.errors import HDETStateError
+
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    with pytest.raises(OSError) as e:
+        with open("/dev/full", "w") as f:
+            f.write("x")
+    assert e.value.errno == errno_mod.ENOSPC
+    err = rundir.save_error(str(ckpt), 20, e.value)
+    assert isinstance(err, HDETStateError), err
+    assert f"the save of step 20 into {ckpt} failed, the disk is full" in str(err)
+    assert "no checkpoint is complete yet" in str(err)
+    (ckpt / "latest").write_text("global_step10")
+    with pytest.raises(RuntimeError) as e:
+        torch.save({"w": torch.zeros(10**6)}, "/dev/full")
+    err = rundir.save_error(str(ckpt), 20, e.value, low_bytes=2**62)
+    assert isinstance(err, HDETStateError) and "latest still names global_step10, complete" in str(err), err
+    assert rundir.save_error(str(ckpt), 20, e.value) is e.value  # room left: torch's error is not a full disk
