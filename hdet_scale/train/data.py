@@ -19,15 +19,13 @@ Determinism contract
 
 from __future__ import annotations
 
-import pathlib
-import zlib
-from typing import Any
 from dataclasses import dataclass
 
 import torch
 
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.train.data_files import collect, default_corpus_files, stdlib_root
+from hdet_scale.train.data_files import Files, collect, default_corpus_files, stdlib_root
+from hdet_scale.train.data_read import SEPARATOR, read_splits
 
 __all__ = [
     "Corpus",
@@ -36,10 +34,6 @@ __all__ = [
     "load_corpus",
     "unigram_entropy",
 ]
-
-#: Separator written between concatenated files.
-_SEPARATOR = b"\n"
-
 
 # --------------------------------------------------------------------------- corpus
 
@@ -63,49 +57,11 @@ class Corpus:
     source: str
 
 
-def _hash_unit(key: str, seed: int) -> float:
-    """Stable hash of ``(seed, key)`` mapped to [0, 1)."""
-    return zlib.crc32(f"{seed}\x1f{key}".encode("utf-8", "surrogateescape")) / 2**32
-
-
 def _to_tensor(chunks: list[bytes]) -> torch.Tensor:
-    buf = bytearray(_SEPARATOR.join(chunks))
+    buf = bytearray(SEPARATOR.join(chunks))
     if not buf:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(buf, dtype=torch.uint8)
-
-
-def _at_most(fh: Any, n: int) -> int:
-    """``n``, or the bytes left in the open file if fewer: ``read(n)`` allocates ``n`` up
-    front, so a ``data.max_bytes`` meaning "everything" (1e10, 2**63) raised MemoryError
-    or OverflowError (tester round 13)."""
-    import os
-
-    return max(0, min(n, os.fstat(fh.fileno()).st_size - fh.tell()))
-
-
-def _fill(files: list[pathlib.Path], budget: int) -> tuple[list[bytes], int]:
-    """Read files in order until ``budget`` bytes (separators included) are reached."""
-    chunks: list[bytes] = []
-    used = 0
-    for full in files:
-        if used >= budget:
-            break
-        try:
-            with open(full, "rb") as fh:
-                raw = fh.read(_at_most(fh, budget - used + 1))
-        except OSError:
-            continue
-        if not raw:
-            continue
-        sep = len(_SEPARATOR) if chunks else 0
-        room = budget - used - sep
-        if room <= 0:
-            break
-        raw = raw[:room]
-        chunks.append(raw)
-        used += sep + len(raw)
-    return chunks, used
 
 
 def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int) -> Corpus:
@@ -114,9 +70,10 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
     Args:
         path: ``None`` for the default corpus (:func:`default_corpus_files`);
             otherwise a UTF-8 text file, a folder (all regular files recursively,
-            sorted by relative path, skipping hidden files/dirs and files whose first
-            64 KiB are not UTF-8 text), or several such paths separated by ``,``
-            (``data_files.collect``).
+            linked files and folders followed, each file once, sorted by relative path,
+            skipping hidden files/dirs and files whose first 64 KiB are not UTF-8 text),
+            or several such paths separated by ``,`` (``data_files.collect``). A folder's
+            file is opened only when the reading comes to it (``data_read.read_splits``).
         val_fraction: fraction in (0, 1) of files (and of the byte budget) that go to
             validation.
         max_bytes: total byte budget, > 0. Train gets
@@ -154,9 +111,9 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
     if path is None:
         root = stdlib_root()
         listed = default_corpus_files()
-        files = [(f.relative_to(root).as_posix(), f) for f in listed]
+        files = Files([(f.relative_to(root).as_posix(), str(f)) for f in listed], judge=False)
         source = f"python-stdlib:{root}"
-        if not files:
+        if not len(files):
             raise HDETConfigError(
                 f"data.path is unset and the default corpus (standard library at {root}) "
                 "has no .py files; set data.path to a text file or folder"
@@ -164,46 +121,7 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
     else:
         files, source = collect(str(path))
 
-    train_budget = max(1, int(max_bytes * (1.0 - val_fraction)))
-    val_budget = max(1, max_bytes - train_budget)
-
-    if len(files) == 1:
-        key, full = files[0]
-        try:
-            with open(full, "rb") as fh:
-                raw = fh.read(_at_most(fh, max_bytes))
-        except OSError as exc:
-            raise HDETConfigError(f"data.path: cannot read {str(full)!r}: {exc}") from exc
-        if len(raw) < 2:
-            raise HDETConfigError(
-                f"data.path: {source!r} yields {len(raw)} byte(s); need at least 2 to form "
-                "a train and a validation split"
-            )
-        n_val = min(len(raw) - 1, max(1, round(len(raw) * val_fraction)))
-        cut = len(raw) - n_val
-        return Corpus(
-            train=_to_tensor([raw[:cut]]),
-            val=_to_tensor([raw[cut:]]),
-            train_files=1,
-            val_files=1,
-            source=source,
-        )
-
-    hashes = [_hash_unit(key, seed) for key, _ in files]
-    is_val = [h < val_fraction for h in hashes]
-    if not any(is_val):
-        is_val[min(range(len(files)), key=lambda i: (hashes[i], files[i][0]))] = True
-    if all(is_val):
-        is_val[max(range(len(files)), key=lambda i: (hashes[i], files[i][0]))] = False
-
-    train_chunks, _ = _fill([f for (_, f), v in zip(files, is_val) if not v], train_budget)
-    val_chunks, _ = _fill([f for (_, f), v in zip(files, is_val) if v], val_budget)
-    for name, chunks in (("train", train_chunks), ("validation", val_chunks)):
-        if not chunks:
-            raise HDETConfigError(
-                f"data.path: {source!r} yields no readable, non-empty files for the "
-                f"{name} split"
-            )
+    train_chunks, val_chunks = read_splits(files, val_fraction, max_bytes, seed, source)
     return Corpus(
         train=_to_tensor(train_chunks),
         val=_to_tensor(val_chunks),

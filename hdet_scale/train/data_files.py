@@ -4,7 +4,10 @@
 binary file trained on as text is a mistake, not a corpus). A file named directly must be
 a regular file whose first :data:`SNIFF_BYTES` are UTF-8 text, or the run is refused
 naming it; inside a folder such files are skipped (a source tree holds images and build
-outputs), as are hidden files and folders. Nothing here opens anything but a regular
+outputs), as are hidden files and folders. Linked files and linked folders inside a
+folder are followed; a folder or file reached by several paths is read once. A file of a
+folder is opened to be judged only when the reading comes to it (:class:`Files`), so a
+large folder costs one ``stat`` per file. Nothing here opens anything but a regular
 file, so a FIFO named by mistake never blocks the start.
 """
 
@@ -14,7 +17,10 @@ import codecs
 import os
 import pathlib
 import stat
+import sys
 import sysconfig
+import time
+from typing import Iterator
 
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import file_kind
@@ -27,6 +33,9 @@ STDLIB_EXCLUDED_DIRS = frozenset(
 
 #: Leading bytes of a file checked for being text (NUL bytes, invalid UTF-8).
 SNIFF_BYTES = 64 * 1024
+
+#: Seconds of walking ``data.path`` folders after which one progress line is printed.
+PROGRESS_AFTER_S = 5.0
 
 
 def stdlib_root() -> pathlib.Path:
@@ -58,7 +67,7 @@ def default_corpus_files() -> list[pathlib.Path]:
     return [root / rel for rel in rels]
 
 
-def not_text(path: pathlib.Path) -> str | None:
+def not_text(path: str | pathlib.Path) -> str | None:
     """Why the regular file ``path`` is not UTF-8 text, judged by its first
     :data:`SNIFF_BYTES` (``"a NUL byte at byte 12"``, ``"invalid UTF-8 at byte 3"``), or
     ``None`` when they are text. A multi-byte character cut by the 64 KiB boundary is
@@ -79,26 +88,159 @@ def not_text(path: pathlib.Path) -> str | None:
 
 
 
-def _folder_files(folder: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
-    """Regular, non-hidden UTF-8 text files under ``folder`` (:func:`not_text`), sorted
-    by relative path."""
-    found: list[tuple[str, pathlib.Path]] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        rel_dir = pathlib.PurePath(dirpath).relative_to(folder)
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            full = pathlib.Path(dirpath) / name
+class Files:
+    """``data.path``'s files in concatenation order, a sequence of ``(key, pathlib.Path)``,
+    each judged UTF-8 text (:func:`not_text`) at most once, when first asked.
+
+    ``entries`` holds ``(key, path as str)`` (a ``Path`` is built only for an item asked
+    for: 100k of them cost seconds), ``ids`` the files' ``(st_dev, st_ino)``, the key of
+    the verdicts. ``judged`` counts the files opened to be judged. With ``judge=False``
+    every file counts as text (the default corpus's ``.py`` files are not judged).
+    """
+
+    def __init__(self, entries: list[tuple[str, str]], ids: list[tuple[int, int]] | None = None,
+                 judge: bool = True) -> None:
+        self.entries = entries
+        self.ids = ids if ids is not None else [(0, i) for i in range(len(entries))]
+        self.judge = judge
+        self.judged = 0
+        self._verdict: dict[tuple[int, int], bool] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> tuple[str, pathlib.Path]:
+        key, path = self.entries[i]
+        return key, pathlib.Path(path)
+
+    def __iter__(self) -> Iterator[tuple[str, pathlib.Path]]:
+        return (self[i] for i in range(len(self)))
+
+    def judge_path(self, path: str | pathlib.Path, ident: tuple[int, int]) -> bool:
+        """Whether the regular file ``path`` (``(st_dev, st_ino)`` ``ident``) is UTF-8
+        text; a file that cannot be read is not. Opens it the first time only."""
+        if not self.judge:
+            return True
+        if ident not in self._verdict:
+            self.judged += 1
+            try:
+                self._verdict[ident] = not_text(path) is None
+            except OSError:
+                self._verdict[ident] = False
+        return self._verdict[ident]
+
+    def is_text(self, i: int) -> bool:
+        """Whether entry ``i`` is UTF-8 text (:meth:`judge_path`)."""
+        return self.judge_path(self.entries[i][1], self.ids[i])
+
+
+class _Progress:
+    """One ``hdet-train: reading data.path: N files so far...`` line on stderr, once a
+    walk has taken :data:`PROGRESS_AFTER_S`; only where ``RANK`` is unset or 0."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+        self.files = 0
+        self.shown = os.environ.get("RANK", "0") not in ("", "0")
+
+    def count(self) -> None:
+        self.files += 1
+        if not self.shown and time.monotonic() - self.start >= PROGRESS_AFTER_S:
+            self.shown = True
+            print(f"hdet-train: reading data.path: {self.files} files so far...", file=sys.stderr, flush=True)
+
+
+_Found = list[tuple[str, str, tuple[int, int], str]]
+
+
+def _refuse_pseudo(full: str, real: str) -> None:
+    pseudo = next((r for r in PSEUDO_ROOTS if real == r or real.startswith(r + "/")), None)
+    if pseudo is not None:
+        raise HDETConfigError(f"data.path: the folder {full!r} inside data.path is {real!r}, in {pseudo}, a kernel "
+                              "pseudo-filesystem whose files describe the running system: data.path takes text "
+                              "files or folders of them; remove the link or name the folders to read")
+
+
+def _walk(top: str, rel_top: str, real_top: str, walked: set[tuple[int, int]], found: _Found,
+          links: list[tuple[str, str]], progress: _Progress) -> None:
+    """Add the regular non-hidden files under ``top`` to ``found``, descending into its
+    folders but not its linked ones, which are added to ``links``."""
+    stack = [(top, rel_top, real_top)]
+    while stack:
+        dirpath, rel_dir, real_dir = stack.pop()
+        try:
+            with os.scandir(dirpath) as it:
+                names = sorted((e.name, e.is_symlink()) for e in it if not e.name.startswith("."))
+        except OSError:
+            continue
+        subdirs = []
+        for name, linked in names:
+            full = os.path.join(dirpath, name)
+            rel = f"{rel_dir}/{name}" if rel_dir else name
             try:
                 # stat before open: a FIFO or device is skipped without being opened
-                if not stat.S_ISREG(os.stat(full).st_mode) or not_text(full) is not None:
-                    continue
+                st = os.stat(full)
             except OSError:
                 continue
-            found.append(((rel_dir / name).as_posix(), full))
+            ident = (st.st_dev, st.st_ino)
+            if stat.S_ISDIR(st.st_mode) and linked:
+                links.append((rel, full))
+            elif stat.S_ISDIR(st.st_mode) and ident not in walked:  # walked: a bind mount
+                walked.add(ident)
+                _refuse_pseudo(full, os.path.join(real_dir, name))
+                subdirs.append((full, rel, os.path.join(real_dir, name)))
+            elif stat.S_ISREG(st.st_mode):
+                progress.count()
+                found.append((rel, full, ident,
+                              os.path.realpath(full) if linked else os.path.join(real_dir, name)))
+        stack.extend(reversed(subdirs))
+
+
+def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, int]) -> _Found:
+    """Regular, non-hidden files under ``folder`` (``(st_dev, st_ino)`` ``ident``) as
+    ``(relative posix path, path, (st_dev, st_ino), real path)`` (strings but the
+    identity), sorted by relative path; not judged text here.
+
+    Linked folders are followed, after all the folders that are not links (so a folder
+    also reached through a link keeps its own path), in sorted order of their paths,
+    round by round; a folder already walked (the same ``st_dev``/``st_ino``, e.g. a link
+    to an ancestor) is not walked again, so every walk ends. Unreadable folders and broken
+    links are skipped.
+
+    Raises:
+        HDETConfigError: a folder met inside ``folder`` (a link to it, or to ``/``) whose
+            real path is in /proc or /sys.
+    """
+    found: _Found = []
+    walked = {ident}
+    links: list[tuple[str, str]] = []
+    _walk(str(folder), "", os.path.realpath(folder), walked, found, links, progress)
+    while links:
+        pending, links = sorted(links), []
+        for rel, full in pending:
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in walked:
+                walked.add((st.st_dev, st.st_ino))
+                real = os.path.realpath(full)
+                _refuse_pseudo(full, real)
+                _walk(full, rel, real, walked, found, links, progress)
     found.sort(key=lambda item: item[0])
     return found
+
+
+def _comma_note(raw: list[str], index: int) -> str:
+    """For ``data.path`` item ``raw[index]`` that names nothing: the path with a comma that
+    it and its neighbours name together (up to 16 items), if one exists."""
+    for width in range(min(len(raw), 16), 1, -1):
+        for a in range(max(0, index - width + 1), min(index, len(raw) - width) + 1):
+            joined = ",".join(raw[a : a + width]).strip()
+            if os.path.lexists(os.path.expanduser(joined)):
+                return (f"; data.path is a comma-separated list, and {joined!r} (a path with a comma) cannot be "
+                        "given: rename it or link it under a name without a comma")
+    return ""
 
 
 def _one_file(part: str, p: pathlib.Path) -> None:
@@ -150,37 +292,50 @@ def check_apart(path: str | None, run_dir: str) -> None:
                                   "the run (train.overwrite=true removes them); keep the data outside run_dir")
 
 
-def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
-    """Resolve ``data.path`` into ``([(key, file)], source)`` in concatenation order.
+def collect(path: str) -> tuple[Files, str]:
+    """Resolve ``data.path`` into ``(files, source)``: the candidate files in
+    concatenation order (:class:`Files`, judged text only when read) and the paths as given.
+
+    Each comma-separated item is a file, whose key is its name, or a folder, whose regular
+    non-hidden files (linked files and folders followed, :func:`_folder_files`) are keyed
+    by their path relative to it, in sorted order; with several items each key is prefixed
+    by the item's index (``"1:"``). A file reached twice (the same real path: through
+    links, or a folder named twice) keeps its first place only.
 
     Raises:
-        HDETConfigError: naming the part of ``data.path`` that names nothing, a broken
-            link, a path in /proc or /sys, something other than a regular file or folder (a device such as
-            ``/dev/null``, a FIFO, a socket), an unreadable or non-text file, or a
-            folder without any text file.
+        HDETConfigError: naming the part of ``data.path`` that names nothing (and the path
+            with a comma it may be part of), a broken link, a path in /proc or /sys,
+            something other than a regular file or folder (a device such as
+            ``/dev/null``, a FIFO, a socket), an unreadable or non-text file, or a folder
+            without any text file (its files are opened until one is text).
     """
-    parts = [p.strip() for p in path.split(",") if p.strip()]
-    if parts and len(parts) != len(path.split(",")):
+    raw = path.split(",")
+    parts = [p.strip() for p in raw if p.strip()]
+    if parts and len(parts) != len(raw):
         # tester round 13: "a,,b" and "a," were read as "a,b" and "a" without a word
+        whole = os.path.lexists(os.path.expanduser(path.strip()))
         raise HDETConfigError(f"data.path={path!r} has an empty item between its commas: give each path once, "
-                              "separated by single commas")
+                              "separated by single commas" + (" (a path with commas cannot be given: rename it or "
+                                                              "link it under a name without a comma)" if whole else ""))
     if not parts:
         raise HDETConfigError(f"data.path={path!r} names no path: give a text file or folder, or leave data.path "
                               "out (or null) to train on the built-in corpus (the Python standard library's sources)")
-    files: list[tuple[str, pathlib.Path]] = []
-    seen: set[pathlib.Path] = set()
+    files = Files([], [])
+    seen: set[str] = set()  # real paths: a file reached through links is read once (hard links: each)
+    progress = _Progress()
     for index, part in enumerate(parts):
         p = pathlib.Path(part).expanduser()
         # Prefix keys with the argument index when several paths are given, so that
         # equal relative paths under different folders hash differently.
         prefix = f"{index}:" if len(parts) > 1 else ""
         try:
-            mode = os.stat(p).st_mode
+            st = os.stat(p)
         except FileNotFoundError:
             if os.path.islink(p):
                 raise HDETConfigError(f"data.path: {part!r} is a broken symbolic link (to "
                                       f"{os.readlink(p)!r}, which does not exist)") from None
-            raise HDETConfigError(f"data.path: {part!r} does not exist{relative_note(part)}") from None
+            raise HDETConfigError(f"data.path: {part!r} does not exist"
+                                  f"{_comma_note(raw, index) or relative_note(part)}") from None
         except OSError as e:
             raise HDETConfigError(f"data.path: {part!r} cannot be read: {e.strerror or e}") from None
         pseudo = _pseudo_root(p)
@@ -188,22 +343,22 @@ def collect(path: str) -> tuple[list[tuple[str, pathlib.Path]], str]:
             raise HDETConfigError(f"data.path: {part!r} is in {pseudo}, a kernel pseudo-filesystem whose files "
                                   "describe the running system and change while it runs: data.path takes text "
                                   "files or folders of them")
-        if stat.S_ISDIR(mode):
-            members = _folder_files(p)
-            if not members:
-                raise HDETConfigError(
-                    f"data.path: folder {part!r} contains no readable, non-hidden UTF-8 text files"
-                )
-            entries = [(prefix + rel, full) for rel, full in members]
-        elif stat.S_ISREG(mode):
+        if stat.S_ISDIR(st.st_mode):
+            members = _folder_files(p, progress, (st.st_dev, st.st_ino))
+            if not any(files.judge_path(full, ident) for _, full, ident, _ in members):
+                raise HDETConfigError(f"data.path: folder {part!r} contains no readable, non-hidden UTF-8 text "
+                                      "files")
+            entries = members
+        elif stat.S_ISREG(st.st_mode):
             _one_file(part, p)
-            entries = [(prefix + p.name, p)]
+            files._verdict[(st.st_dev, st.st_ino)] = True
+            entries = [(p.name, str(p), (st.st_dev, st.st_ino), os.path.realpath(p))]
         else:
-            raise HDETConfigError(f"data.path: {part!r} is not a regular file but a {file_kind(mode)}: data.path "
-                                  "takes text files or folders of them")
-        for key, full in entries:
-            real = full.resolve()
+            raise HDETConfigError(f"data.path: {part!r} is not a regular file but a {file_kind(st.st_mode)}: "
+                                  "data.path takes text files or folders of them")
+        for key, full, ident, real in entries:
             if real not in seen:
                 seen.add(real)
-                files.append((key, full))
+                files.entries.append((prefix + key, full))
+                files.ids.append(ident)
     return files, ",".join(parts)
