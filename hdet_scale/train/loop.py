@@ -33,7 +33,7 @@ from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
 from hdet_scale.param_groups import check_group_count
-from hdet_scale.train import rundir
+from hdet_scale.train import fault_hook, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.data_files import check_apart
 from hdet_scale.autolr import build_schedule, check_additive_floors
@@ -175,7 +175,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               f"the validation split ({len(corpus.val)} bytes, data.val_fraction="
                               f"{d['val_fraction']}) has {val.num_windows}: at most {most}, or a larger "
                               "data.val_fraction")
-    rundir.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike
+    fault_hook.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike
     rundir.check_writable(run["run_dir"])  # before any rank starts, not four tracebacks later
     if run["wandb"]["enabled"]:
         check_wandb_settings(WandbConfig(**run["wandb"]))
@@ -303,7 +303,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         restarted = rundir.restart_line(run, start)
         if restarted:  # tester round 25: a torchrun restart's resume showed only in summary.json
             print(f"hdet-train: {restarted}", file=sys.stderr, flush=True)
-    fault = rundir.fault_point()
+    fault = fault_hook.fault_point()
     # a resumed run continues its W&B run (the id its checkpoint recorded), not a new one
     wandb_id = rundir.saved_wandb_run_id(run) if resuming and rank == 0 else None
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
@@ -366,7 +366,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         t_last = now
         engine.step(loss)
         note_step(sched.step_count)  # the step a stop line names (stopping.py)
-        rundir.maybe_kill(fault, rank, sched.step_count)
+        fault_hook.maybe_kill(fault, rank, sched.step_count)
         # Data (ByteBatches.batch(step)), the LR schedule and the HDET state are keyed by the
         # step, the RNG is saved per rank: a resume from here continues this run exactly.
         if every and sched.step_count % every == 0 and sched.step_count < steps:  # the last: below

@@ -18,7 +18,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 import tempfile
 from typing import Any
 
@@ -30,14 +29,12 @@ from hdet_scale.backends.checkpoint_io import (
     read_latest,
     write_atomic,
 )
-from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train import resume_config
 from hdet_scale.train.run_lock import LOCK_FILE, check_not_in_use, hold_run_dir  # noqa: F401 (re-exported)
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
 JOB_FILE = "job.json"  # which torchrun job (TORCHELASTIC_RUN_ID) last started in this run_dir
-FAULT_ENV = "HDET_FAULT_KILL"
 
 
 def checkpoint_dir(run: dict) -> str:
@@ -391,36 +388,3 @@ def _engine_reason(e: BaseException) -> str:
         match = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation| Please file|$)", text)
         return "the file could not be unpickled" + (f" ({match.group(1).strip()})" if match else "")
     return text
-
-
-def fault_point(world_size: int | None = None, steps: int | None = None) -> tuple[int, int] | None:
-    """The fault-injection hook for tests, ``HDET_FAULT_KILL="<rank>:<step>"``: that global
-    rank kills itself with SIGKILL right after finishing that optimizer step (before a
-    checkpoint due at that step). Only in a first attempt: a torchrun restart
-    (``TORCHELASTIC_RESTART_COUNT`` > 0) ignores it, so the restarted job can finish.
-    Given ``world_size`` and ``steps`` (``train.steps``), a kill that could never happen
-    is refused rather than silently never fired.
-
-    Raises:
-        HDETConfigError: the variable is set but not two integers ``rank:step``, or
-            (when given) the rank is not in ``[0, world_size)`` or the step not in
-            ``[1, steps]``; the message names the variable and the valid ranges.
-    """
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or _restart_count() > 0:
-        return None
-    ranges = (f"rank in [0, {world_size - 1}] (world size {world_size}), step in [1, {steps}] (train.steps)"
-              if world_size is not None and steps is not None else "")
-    try:
-        rank, step = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise HDETConfigError(f"{FAULT_ENV}: expected '<rank>:<step>' (test hook{': ' + ranges if ranges else ''}), "
-                              f"got {spec!r}") from None
-    if ranges and not (0 <= rank < world_size and 1 <= step <= steps):
-        raise HDETConfigError(f"{FAULT_ENV}={spec!r} would never fire: expected '<rank>:<step>' with {ranges}")
-    return rank, step
-
-
-def maybe_kill(fault: tuple[int, int] | None, rank: int, step: int) -> None:
-    if fault is not None and fault == (rank, step):
-        os.kill(os.getpid(), signal.SIGKILL)

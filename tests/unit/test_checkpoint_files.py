@@ -14,7 +14,7 @@ import pytest
 from hdet_scale.backends.checkpoint_io import commit, prune, read_latest, retire_tag
 from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.train import rundir
+from hdet_scale.train import fault_hook, rundir
 from hdet_scale.train.config import load_run_config
 
 REPLICAS = 2
@@ -165,14 +165,14 @@ def test_a_torchrun_restart_resumes_only_its_own_job(tmp_path, monkeypatch):
 
 def test_the_fault_hook_is_checked_and_fires_in_a_first_attempt_only(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    monkeypatch.setenv(rundir.FAULT_ENV, "3:10")
-    assert rundir.fault_point() == (3, 10)
+    monkeypatch.setenv(fault_hook.FAULT_ENV, "3:10")
+    assert fault_hook.fault_point() == (3, 10)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert rundir.fault_point() is None
+    assert fault_hook.fault_point() is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setenv(rundir.FAULT_ENV, "3")
-    with pytest.raises(HDETConfigError, match=rundir.FAULT_ENV):
-        rundir.fault_point()
+    monkeypatch.setenv(fault_hook.FAULT_ENV, "3")
+    with pytest.raises(HDETConfigError, match=fault_hook.FAULT_ENV):
+        fault_hook.fault_point()
 
 
 def test_a_fault_hook_that_could_never_fire_is_refused(monkeypatch):
@@ -181,13 +181,13 @@ def test_a_fault_hook_that_could_never_fire_is_refused(monkeypatch):
     (before the fix every such value was accepted silently)."""
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     for ok in ("0:1", "3:12"):
-        monkeypatch.setenv(rundir.FAULT_ENV, ok)
-        assert rundir.fault_point(4, 12) == tuple(int(x) for x in ok.split(":"))
+        monkeypatch.setenv(fault_hook.FAULT_ENV, ok)
+        assert fault_hook.fault_point(4, 12) == tuple(int(x) for x in ok.split(":"))
     for bad in ("4:5", "-1:5", "3:0", "3:13"):
-        monkeypatch.setenv(rundir.FAULT_ENV, bad)
+        monkeypatch.setenv(fault_hook.FAULT_ENV, bad)
         with pytest.raises(HDETConfigError) as err:
-            rundir.fault_point(4, 12)
-        assert f"{rundir.FAULT_ENV}='{bad}'" in str(err.value) and "rank in [0, 3]" in str(err.value) \
+            fault_hook.fault_point(4, 12)
+        assert f"{fault_hook.FAULT_ENV}='{bad}'" in str(err.value) and "rank in [0, 3]" in str(err.value) \
             and "step in [1, 12]" in str(err.value), str(err.value)
 
 
