@@ -371,6 +371,12 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     cfg, ds = prepare_config(config)
     check_probe(cfg, probe)
     check_accelerator(ds)
+    if cfg.enabled and optimizer is None and not ds.get("optimizer"):
+        # tester round 27 (a Megatron-DeepSpeed style JSON): DeepSpeed then builds no
+        # optimizer and calls no lr_scheduler factory: a KeyError in every rank
+        raise HDETConfigError("optimizer: HDET sets the optimizer's LR per replica, and this DeepSpeed config has "
+                              "no 'optimizer' block and no optimizer= was given; add one (e.g. {\"type\": \"AdamW\", "
+                              "\"params\": {\"lr\": 3e-4}}) or pass optimizer=")
     if not cfg.enabled:
         engine, opt, loader, sched = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
                                                           model_parameters=model_parameters,

@@ -134,7 +134,26 @@ def launch_local(run: dict) -> int:
     if run["backend"] == "deepspeed":  # asked once here, not twice in every rank (backends/ds_cpuinfo.py)
         from hdet_scale.backends.ds_cpuinfo import share
 
-        os.environ.update(share())
+        # tester round 27: Ctrl-C in the cpuinfo subprocess's wait (a second or two) was a
+        # KeyboardInterrupt traceback, a SIGTERM an exit without a word
+        class _Stopped(BaseException):  # not an Exception: share() swallows those
+            pass
+
+        def stopped(signum, frame):
+            raise _Stopped(signum)
+
+        saved = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                 if signal.getsignal(sig) is not signal.SIG_IGN}
+        try:
+            os.environ.update(share())
+        except _Stopped as e:
+            name = signal.Signals(e.args[0]).name
+            print(f"hdet-train: stopped by {name}{' (Ctrl-C)' if name == 'SIGINT' else ''} before any rank started",
+                  file=sys.stderr, flush=True)
+            return 128 + e.args[0]
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
     ctx = get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()

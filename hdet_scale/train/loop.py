@@ -122,6 +122,10 @@ def validate(run: dict, world_size: int, build_model: bool = True):
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":
         check_engine_config(run["deepspeed"], backend, world_size)
+    elif not run["deepspeed"].get("optimizer"):  # the trainer builds it from the block (tester round 27)
+        raise HDETConfigError("deepspeed.optimizer: hdet-train builds the optimizer from this block, and "
+                              f"{run['deepspeed_config'] or 'the DeepSpeed JSON'} has none; add one, e.g. "
+                              "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-3}}")
     # dropout / temperature must find modules to set in the model hdet-train builds: on
     # the meta model here, not after every rank started (tester round 17: 29 s on DDP)
     model_side = hcfg.enabled and any(a in hcfg.axes for a in ("dropout", "temperature"))

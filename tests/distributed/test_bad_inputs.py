@@ -122,6 +122,8 @@ def setup_cases(d) -> None:
          "hdet": {"replicas": 2, "sync_interval": 10}}))
     # round 3 (issue 9 F4): an optimizer the ddp engine cannot build (hdet-train refuses it)
     (d / "lamb.json").write_text(json.dumps({**zero3, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
+    # round 27: no optimizer block (Megatron-DeepSpeed style): a KeyError in every rank
+    (d / "no_optimizer.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "optimizer"}))
     # round 5: a config path naming a FIFO blocked in open() forever, printing nothing
     os.mkfifo(d / "fifo.json")
     # round 6: hdet-dryrun's cost model on Hugging Face configs it cannot build
@@ -422,6 +424,9 @@ CASES = [
      ["deepspeed.fp16.enabled: this machine's DeepSpeed accelerator (cpu) has no fp16"], None),
     ("lamb_on_cpu_deepspeed", ["deepspeed.optimizer.type=Lamb"], {}, 2,
      ["deepspeed.optimizer.type: 'Lamb' needs DeepSpeed's FusedLamb op", "(cpu)"], None),
+    ("deepspeed_json_without_optimizer", ["deepspeed_config={d}/no_optimizer.json", "train.steps=50"], {}, 2,
+     ["deepspeed.optimizer: hdet-train builds the optimizer from this block, and {d}/no_optimizer.json has none"],
+     None),
     # tester round 25: a traceback from every rank after a minute (no async_io op), nvme_path never checked
     ("nvme_path_missing", ["deepspeed.zero_optimization.offload_param.device=nvme",
                            "deepspeed.zero_optimization.offload_param.nvme_path={d}/no_such_folder"], {}, 2,

@@ -59,3 +59,19 @@ def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
         with pytest.raises(HDETConfigError) as e:
             hdet_scale.prepare(torch.nn.Linear(2, 2), str(path), backend="ddp")
         assert "ds.json" in str(e.value) and line in str(e.value), str(e.value)
+
+
+def test_deepspeed_initialize_without_an_optimizer_is_refused_before_any_collective():
+    """Tester round 27: a DeepSpeed config with no "optimizer" block (Megatron-DeepSpeed's
+    style) and no optimizer= made DeepSpeed build no optimizer and call no lr_scheduler
+    factory: ``KeyError: 's'`` in every rank. Refused now, before the process group."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    from hdet_scale.backends.deepspeed import initialize
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+          "hdet": {"replicas": 1, "schedule": {"total_steps": 10}}}
+    with pytest.raises(HDETConfigError, match=r"^optimizer: HDET sets the optimizer's LR per replica, and this "
+                                              r"DeepSpeed config has no 'optimizer' block and no optimizer= was given"):
+        initialize(torch.nn.Linear(2, 2), ds)
