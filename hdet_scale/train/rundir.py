@@ -93,6 +93,13 @@ def start_mode(run: dict) -> str:
     """
     run_dir, t = run["run_dir"], run["train"]
     _check_kinds(run_dir)
+    if os.path.exists(os.path.join(run_dir, LAYOUT_FILE)) and not os.path.exists(os.path.join(run_dir, "checkpoint")):
+        # tester round 27: run_dir=<run>/checkpoint (the Hugging Face habit of naming the
+        # checkpoint folder) trained from step 0 into the other run's checkpoint folder
+        parent = os.path.dirname(os.path.abspath(run_dir.rstrip(os.sep)))
+        raise HDETConfigError(f"run_dir: {run_dir} is a checkpoint folder (it holds {LAYOUT_FILE}); give the run's "
+                              f"own folder, run_dir={parent}" + (" (with train.resume=true to continue it)"
+                                                                   if not t["resume"] else ""))
     ckpt = checkpoint_dir(run)
     has_latest = os.path.exists(os.path.join(ckpt, LATEST_FILE))
     auto = restarted_job(run_dir)

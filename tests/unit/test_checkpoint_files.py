@@ -360,3 +360,16 @@ def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_p
     err = rundir.save_error(str(ckpt), 20, e.value, low_bytes=2**62)
     assert isinstance(err, HDETStateError) and "latest still names global_step10, complete" in str(err), err
     assert rundir.save_error(str(ckpt), 20, e.value) is e.value  # room left: torch's error is not a full disk
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_checkpoint_folder_given_as_run_dir_is_refused_naming_the_run(tmp_path, resume):
+    """Tester round 27: ``run_dir=<run>/checkpoint train.resume=true`` (the Hugging Face
+    habit of naming the checkpoint folder) started from step 0 without a word, writing into
+    the other run's checkpoint folder. Refused, naming the run's own folder."""
+    run_dir = _run_dir_with_a_run(tmp_path)
+    ckpt = run_dir / "checkpoint"
+    run = load_run_config(None, [f"run_dir={ckpt}", f"train.resume={str(resume).lower()}"])
+    with pytest.raises(HDETConfigError, match=rf"run_dir: {ckpt} is a checkpoint folder \(it holds hdet_layout.json\); "
+                                              rf"give the run's own folder, run_dir={run_dir}"):
+        rundir.start_mode(run)
