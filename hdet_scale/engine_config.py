@@ -174,15 +174,39 @@ def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str
     says, without being wrong: today a ``zero_optimization.stage`` that shards more or
     less than the engine does (:data:`ZERO_EQUIVALENT`). One line each, printed once by
     ``hdet-train`` and ``hdet-dryrun`` before the run starts. Pure."""
+    if backend == "deepspeed":
+        return []
+    notes = _adam_notes(ds, backend, prefix)
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
     stage = zero.get("stage")
-    if backend == "deepspeed" or stage is None or stage == ZERO_EQUIVALENT.get(backend):
-        return []
+    if stage is None or stage == ZERO_EQUIVALENT.get(backend):
+        return notes
     held = {3: "shards parameters, gradients and optimizer state over its shard group (as ZeRO stage 3)",
             1: "shards only the optimizer state over its shard group (as ZeRO stage 1)",
             0: "keeps the whole model, its gradients and optimizer state on every rank (as ZeRO stage 0)"}
     return [f"{prefix}zero_optimization.stage={stage} is DeepSpeed's and is not read by the {backend} backend, "
-            f"which {held[ZERO_EQUIVALENT[backend]]}"]
+            f"which {held[ZERO_EQUIVALENT[backend]]}"] + notes
+
+
+def _adam_notes(ds: dict, backend: str, prefix: str) -> list[str]:
+    """Where the same optimizer block means another optimizer than DeepSpeed builds
+    (tester round 27): DeepSpeed's ``Adam`` decays weights decoupled (AdamW;
+    ``adam_w_mode`` defaults to true), ``torch.optim.Adam`` adds the decay to the gradient
+    (L2); and a ``weight_decay`` left out is 0 in DeepSpeed's Adam / AdamW, 0.01 in
+    ``torch.optim.AdamW``."""
+    opt = ds.get("optimizer") if isinstance(ds.get("optimizer"), dict) else {}
+    kind = optimizer_class_name(opt.get("type"))
+    params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
+    wd = params.get("weight_decay")
+    notes = []
+    if kind == "Adam" and isinstance(wd, (int, float)) and wd > 0:
+        notes.append(f"{prefix}optimizer.type=Adam with weight_decay={wd}: the {backend} backend builds "
+                     "torch.optim.Adam, which adds the decay to the gradient (L2), while DeepSpeed's Adam decays "
+                     "decoupled (AdamW); write AdamW for the same optimizer on every backend")
+    if kind == "AdamW" and "weight_decay" not in params:
+        notes.append(f"{prefix}optimizer.params.weight_decay is not set: the {backend} backend's torch.optim.AdamW "
+                     "then decays by 0.01, DeepSpeed's AdamW by 0; set it for the same optimizer on every backend")
+    return notes
 
 
 #: The axes whose checks read the optimizer block (the LR's base is the schedule's peak).

@@ -438,3 +438,19 @@ def test_a_trainers_auto_values_are_explained_once():
     with pytest.raises(HDETConfigError) as e:
         check_deepspeed_values({"bf16": {"enabled": "auto"}})  # one, explained on its own line: no summary
     assert "value(s) above" not in str(e.value)
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
+def test_an_optimizer_block_that_means_another_optimizer_on_a_torch_engine_is_noted(backend):
+    """Tester round 27: one JSON, a different optimizer per backend, without a word:
+    DeepSpeed's Adam decays weights decoupled (AdamW), torch.optim.Adam as L2; a
+    weight_decay left out is 0 in DeepSpeed's AdamW and 0.01 in torch's."""
+    from hdet_scale.engine_config import engine_notes
+
+    adam = {"optimizer": {"type": "adam", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    assert any(n.startswith("deepspeed.optimizer.type=Adam with weight_decay=0.1: the " + backend) and
+               "write AdamW" in n for n in engine_notes(adam, backend)), engine_notes(adam, backend)
+    bare = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert any("weight_decay is not set" in n and "0.01" in n for n in engine_notes(bare, backend))
+    same = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+    assert engine_notes(same, backend) == [] and engine_notes(adam, "deepspeed") == []
