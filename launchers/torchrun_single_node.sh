@@ -3,7 +3,7 @@
 #
 # Usage (from the repository root, or with hdet_scale installed):
 #   GPUS=8 launchers/torchrun_single_node.sh [CONFIG.yaml] [key=value ...]
-#   launchers/torchrun_single_node.sh configs/tiny.yaml train.steps=200
+#   launchers/torchrun_single_node.sh configs/llama_1b_cluster.yaml data.path=/data/corpus train.steps=200
 #
 # Environment:
 #   GPUS   processes (GPUs) on this node; default: number of GPUs `nvidia-smi -L`

@@ -233,7 +233,10 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
         raise HDETConfigError(option_message(dashed[0]))
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}")
+        yaml_late = [o for o in bad if o.endswith((".yaml", ".yml"))]
+        first = (f"; a config file goes first: hdet-train {yaml_late[0]} key=value ..."  # tester round 27
+                 if yaml_late else "")
+        raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}{first}")
     # tester round 12: "=5" read as the key '' of the config, "train..steps=5" as "train"
     bad = [o for o in overrides if not all(o.split("=", 1)[0].split("."))]
     if bad:

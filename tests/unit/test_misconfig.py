@@ -947,3 +947,12 @@ def test_a_wandb_project_name_wandb_refuses_is_refused_before_any_rank_starts(pr
         resolve_config(block, world=2)
     check_wandb_settings(WandbConfig(enabled=True, mode="offline", project="my-project_1.2"))
     check_wandb_settings(WandbConfig(enabled=False, project=project))  # W&B off: its settings are not read
+
+
+def test_a_config_file_after_the_overrides_is_told_to_go_first(tmp_path):
+    """Tester round 27: ``hdet-train train.steps=10 run.yaml`` said only "overrides must be
+    key=value", not that the YAML goes first."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 5\n")
+    msg = _run_config_error(None, overrides=["train.steps=10", str(path)])
+    assert msg.endswith(f"got [{str(path)!r}]; a config file goes first: hdet-train {path} key=value ..."), msg
