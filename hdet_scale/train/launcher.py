@@ -155,6 +155,17 @@ def launch_local(run: dict) -> int:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
     ctx = get_context("spawn")
+    # multiprocessing's resource tracker ignores SIGINT and SIGTERM but dies of SIGHUP, which
+    # a closing terminal sends to the whole process group: "process died unexpectedly" and
+    # KeyError tracebacks after a clean stop (tester round 27). Started here with SIGHUP
+    # ignored (kept through its exec), before the queue's lock would start it.
+    from multiprocessing import resource_tracker
+
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, hup)
     errors = ctx.SimpleQueue()
     port = _free_port()
     progress = ctx.Value("q", -1, lock=False)  # rank 0's last optimizer step (stopping.note_step)
