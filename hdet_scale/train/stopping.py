@@ -98,8 +98,11 @@ def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -
                 f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0
     why = f"train.checkpoint_every={every}" if every else "train.checkpoint_every=0 saves only at the end"
-    return (f"{head} No checkpoint was saved yet ({why}): start again in {run_dir} with train.overwrite=true, "
-            "or choose another run_dir.")
+    # tester round 27: a stop before the first record left only the lock, and a plain rerun works
+    held = [n for n in ("metrics.jsonl", "summary.json", "checkpoint") if os.path.lexists(os.path.join(run_dir, n))]
+    again = (f"start again in {run_dir} with train.overwrite=true, or choose another run_dir" if held
+             else f"start again with the same command (nothing of this run is kept in {run_dir})")
+    return f"{head} No checkpoint was saved yet ({why}): {again}."
 
 
 def _restart_note() -> str:

@@ -373,3 +373,21 @@ def test_a_checkpoint_folder_given_as_run_dir_is_refused_naming_the_run(tmp_path
     with pytest.raises(HDETConfigError, match=rf"run_dir: {ckpt} is a checkpoint folder \(it holds hdet_layout.json\); "
                                               rf"give the run's own folder, run_dir={run_dir}"):
         rundir.start_mode(run)
+
+
+def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path):
+    """Tester round 27: a stop before the first step said "start again in RUN with
+    train.overwrite=true", though the run_dir held only the lock and a plain rerun works.
+    With the stopped run's metrics there, overwrite is still the way (a rerun is refused)."""
+    import signal
+
+    from hdet_scale.train.stopping import stop_message
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".hdet_run.lock").write_text("")
+    run = load_run_config(None, [f"run_dir={run_dir}"])
+    msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", None)
+    assert msg.endswith(f"start again with the same command (nothing of this run is kept in {run_dir})."), msg
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert "with train.overwrite=true" in stop_message(signal.SIGINT, run, "all 2 ranks ended", 1)
