@@ -17,11 +17,12 @@ from typing import Any
 _NOT_COMPARED = ("logging", "replicas", "sync_interval")
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: leaf}`` of a nested dict (an empty dict is a leaf)."""
     if isinstance(tree, dict) and tree:
         out: dict[str, Any] = {}
         for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: tree}
 
@@ -40,8 +41,8 @@ def config_changes(saved: Any, now: dict) -> list[str]:
     kept: nothing to say) and ``now``; a key present on one side only counts too."""
     if not isinstance(saved, dict):
         return []
-    old = {k: v for k, v in _flat(saved).items() if k.split(".")[0] not in _NOT_COMPARED}
-    new = {k: v for k, v in _flat(now).items() if k.split(".")[0] not in _NOT_COMPARED}
+    old = {k: v for k, v in flatten(saved).items() if k.split(".")[0] not in _NOT_COMPARED}
+    new = {k: v for k, v in flatten(now).items() if k.split(".")[0] not in _NOT_COMPARED}
     missing = "(not set)"
     return [f"hdet.{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r} ({_effect(k)})"
             for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]

@@ -41,6 +41,7 @@ from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, checkpoint_index, rea
 from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETStateError
+from hdet_scale.resume_changes import flatten
 from hdet_scale.train.model_config import VOCAB_SIZE
 
 RECORD_FILE = "hdet_run_config.json"
@@ -75,22 +76,13 @@ _ERRORS = {
 _DEFAULTS = {"deepspeed.bf16.enabled": False, "deepspeed.fp16.enabled": False}
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict) and tree:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def record(run: dict) -> dict[str, Any]:
     """The run's settings as ``{dotted key: JSON value}`` (``run``: a resolved run config,
     ``train.config.load_run_config``): the ``hdet`` block parsed with its defaults, and
     ``model.vocab_size`` (fixed by the byte vocabulary, recorded should it ever change)."""
     hdet = HDETConfig.from_dict(run["deepspeed"].get("hdet") or {}).to_dict()
     tree = {**run, "model": {**run["model"], "vocab_size": VOCAB_SIZE}, "deepspeed": {**run["deepspeed"], "hdet": hdet}}
-    return json.loads(json.dumps(_flatten(tree), default=str))  # the values as they read back
+    return json.loads(json.dumps(flatten(tree), default=str))  # the values as they read back
 
 
 def _read(path: str) -> dict:
