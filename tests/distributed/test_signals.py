@@ -28,6 +28,7 @@ one line says what happened and names the last checkpoint, the exit code is 128 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -53,35 +54,40 @@ def latest(run_dir) -> str | None:
 
 
 def interrupt(cmd: list[str], run_dir, sig: int, after: str | None, timeout: float = 300, meanwhile=None,
-              group: bool = False):
-    """Start ``cmd``, wait until ``checkpoint/latest`` names a checkpoint other than
-    ``after``, call ``meanwhile(process)`` if given (the run still going), send ``sig`` to the
-    started process (``group``: to its whole process group, as a closing terminal does). Returns ``(exit code, stderr, seconds from the signal until no
-    process of the launch remains, left behind, checkpoint at the signal)``."""
-    env, tag = with_marker(ENV)
+              group: bool = False, env: dict | None = None):
+    """Start ``cmd`` (``env``: added to the test environment), wait until
+    ``checkpoint/latest`` names a checkpoint other than ``after``, call
+    ``meanwhile(process)`` if given (the run still going), send ``sig`` to the started
+    process (``group``: to its whole process group, as a closing terminal does). Returns
+    ``(exit code, stderr, seconds from the signal until no process of the launch remains,
+    left behind, checkpoint at the signal)``. The command starts with SIGINT at its
+    default, as under a terminal: a test run started in the background (nohup, `cmd &` in
+    a script) inherits it ignored, and bash cannot trap a signal ignored at entry."""
+    env, tag = with_marker({**ENV, **(env or {})})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=group)
-    deadline = time.monotonic() + timeout
-    while latest(run_dir) in (None, after):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint in time"
-        time.sleep(0.2)
-    seen = latest(run_dir)
-    if meanwhile is not None:
-        meanwhile(proc)
-        assert proc.poll() is None, "the run ended before the signal"
-    t0 = time.monotonic()
-    if group:
-        import os
-
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
-    _, err = proc.communicate(timeout=STOP_S + 30)
-    while processes_with(tag) and time.monotonic() - t0 < STOP_S + 5:
-        time.sleep(0.2)
-    seconds = time.monotonic() - t0
-    return proc.returncode, err, seconds, left_behind(tag, wait_s=0), seen
+                            start_new_session=group, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + timeout
+        while latest(run_dir) in (None, after):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.2)
+        seen = latest(run_dir)
+        if meanwhile is not None:
+            meanwhile(proc)
+            assert proc.poll() is None, "the run ended before the signal"
+        t0 = time.monotonic()
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=STOP_S + 30)
+        while processes_with(tag) and time.monotonic() - t0 < STOP_S + 5:
+            time.sleep(0.2)
+        seconds = time.monotonic() - t0
+    finally:
+        leftovers = left_behind(tag, wait_s=0)  # also when an assertion above failed: nothing leaks
+    return proc.returncode, err, seconds, leftovers, seen
 
 
 def stop_lines(err: str) -> list[str]:
@@ -246,34 +252,12 @@ def test_deepspeed_hostfile_script_stops_on_a_signal_without_a_restart(tmp_path,
     running. Either must now stop the run once: exit 130 / 143, the trainer's stop line, no
     restart, nothing left behind (the deepspeed launcher replaced by a stand-in that runs the
     same module on this host: no sshd or pdsh here; DDP, 2 ranks)."""
-    import os
-
     run_dir = tmp_path / "run"
-    env, tag = with_marker({**ENV, **hostfile_standins(tmp_path), "MAX_RESTARTS": "2"})
     script = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "deepspeed_hostfile.sh")
     cmd = ["bash", script, f"run_dir={run_dir}", "nproc=2", "backend=ddp", *ARGS]
-    # SIGINT at its default, as under a terminal: a test run started in the background (nohup,
-    # `cmd &` in a script) inherits it ignored, and bash cannot trap a signal ignored at entry
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 300
-    try:
-        while latest(run_dir) is None:
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint in time"
-            time.sleep(0.2)
-        t0 = time.monotonic()
-        if to == "group":
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-        _, err = proc.communicate(timeout=STOP_S + 30)
-        while processes_with(tag) and time.monotonic() - t0 < STOP_S + 5:
-            time.sleep(0.2)
-        seconds = time.monotonic() - t0
-    finally:
-        leftovers = left_behind(tag, wait_s=0)
-    assert proc.returncode == 128 + sig, (proc.returncode, err[-3000:])
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, sig, after=None, group=to == "group",
+                                               env={**hostfile_standins(tmp_path), "MAX_RESTARTS": "2"})
+    assert rc == 128 + sig, (rc, err[-3000:])
     assert "restart" not in err and len((tmp_path / "bin" / "calls").read_text().splitlines()) == 1, err[-3000:]
     assert seconds < STOP_S and not leftovers, (seconds, leftovers)
     lines = stop_lines(err)
