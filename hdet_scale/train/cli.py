@@ -184,19 +184,29 @@ def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) ->
 SHOWN_ONCE = ("hdet.", "hdet_scale: ")
 
 
-def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
-    """Whether the user set ``nproc`` (an override, or a top-level key of the YAML)."""
-    if any(o.split("=", 1)[0].strip() == "nproc" for o in overrides):
-        return True
+_UNREAD = object()
+
+
+def _yaml_top(path: str | None) -> Any:
+    """The config file's top level as PyYAML reads it, for the notes below; ``_UNREAD``
+    when there is no file or it cannot be read (load_run_config read it already: a note is
+    not worth an error)."""
     if path is None:
-        return False
+        return _UNREAD
     try:
         import yaml
 
         with open(path) as f:
-            data = yaml.safe_load(f)
-    except Exception:  # noqa: BLE001 - load_run_config read it already; a note is not worth an error
-        return False
+            return yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return _UNREAD
+
+
+def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
+    """Whether the user set ``nproc`` (an override, or a top-level key of the YAML)."""
+    if any(o.split("=", 1)[0].strip() == "nproc" for o in overrides):
+        return True
+    data = _yaml_top(path)
     return isinstance(data, dict) and "nproc" in data
 
 
@@ -214,14 +224,8 @@ def _print_engine_notes(run: dict, path: str | None = None) -> None:
 def _empty_file_notes(path: str | None) -> list[str]:
     """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
     file) ran the packaged defaults without a word."""
-    if path is None:
-        return []
-    try:
-        import yaml
-
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except Exception:  # noqa: BLE001 - load_run_config read it already; a note is not worth an error
+    data = _yaml_top(path)
+    if data is _UNREAD:
         return []
     if data not in (None, {}):
         return []
