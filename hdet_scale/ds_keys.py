@@ -240,11 +240,31 @@ def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
 
     Returns ``(hdet_like, refused, unknown)``, one line per finding, each starting with
     ``prefix`` and the dotted key: the ``"hdet"`` look-alikes; what DeepSpeed's config
-    models refuse; keys DeepSpeed would silently ignore (and, without a key, a parse
-    DeepSpeed gave up on for another reason). ``optimizer_params``: compare
-    ``optimizer.params`` with the constructor DeepSpeed will call (off for backends that
-    build a torch optimizer themselves and check it their own way).
+    models refuse (and an optimizer block without a type); keys DeepSpeed would silently
+    ignore (and, without a key, a parse DeepSpeed gave up on for another reason).
+    ``optimizer_params``: compare ``optimizer.params`` with the constructor DeepSpeed will
+    call (off for backends that build a torch optimizer themselves and check it their own way).
     """
+    opt = ds.get("optimizer")
+    if not isinstance(opt, Mapping) or isinstance(opt.get("type"), str):
+        return _find_problems(ds, optimizer_params, prefix)
+    # DeepSpeed reads optimizer.params only through the type (get_optimizer_params) and
+    # calls .lower() on it: the parse with this block called the params unknown (which sent
+    # the user to the wrong key, tester round 27) or stopped naming no key (a number).
+    hdet_like, refused, unknown = _find_problems({k: v for k, v in ds.items() if k != "optimizer"},
+                                                 optimizer_params, prefix)
+    if opt.get("type") is None:
+        refused.append(f"{prefix}optimizer: has no \"type\"; DeepSpeed reads an optimizer block only through its "
+                       "type and would ignore this one, params included: name the optimizer's class, e.g. "
+                       "\"type\": \"AdamW\"")
+    else:
+        refused.append(f"{prefix}optimizer.type: expected the optimizer's class name as a string, e.g. \"AdamW\", "
+                       f"got {opt['type']!r}")
+    return hdet_like, refused, unknown
+
+
+def _find_problems(ds: Mapping, optimizer_params: bool, prefix: str) -> tuple[list[str], list[str], list[str]]:
+    """The lines of :func:`find_problems`, an optimizer block without a type aside."""
     hdet_like = [f"{prefix}{k}: not a key of DeepSpeed or hdet_scale; did you mean 'hdet'? hdet_scale reads the "
                  "block named exactly 'hdet'" + ("" if HDET_KEY in ds else
                                                  ": without it this config trains plain DeepSpeed, without HDET")

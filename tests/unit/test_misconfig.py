@@ -956,3 +956,31 @@ def test_a_config_file_after_the_overrides_is_told_to_go_first(tmp_path):
     path.write_text("train:\n  steps: 5\n")
     msg = _run_config_error(None, overrides=["train.steps=10", str(path)])
     assert msg.endswith(f"got [{str(path)!r}]; a config file goes first: hdet-train {path} key=value ..."), msg
+
+
+@pytest.mark.parametrize("optimizer,line", [
+    ({"params": {"lr": 1e-3}}, 'deepspeed.optimizer: has no "type"; DeepSpeed reads an optimizer block only through '
+                               'its type and would ignore this one, params included: name the optimizer\'s class, '
+                               'e.g. "type": "AdamW"'),
+    ({"type": None, "params": {"lr": 1e-3}}, 'deepspeed.optimizer: has no "type"'),
+    ({"type": 5, "params": {"lr": 1e-3}}, 'deepspeed.optimizer.type: expected the optimizer\'s class name as a '
+                                          'string, e.g. "AdamW", got 5'),
+])
+def test_an_optimizer_block_without_a_type_names_the_type(ds_keys, optimizer, line):
+    """Tester round 27: an optimizer block without ``type`` was refused as "optimizer.params:
+    unknown DeepSpeed key; valid keys: legacy_fusion, type" (DeepSpeed reads the params only
+    through the type, so its parser never asked for them), which sent the user to the params;
+    a numeric type stopped DeepSpeed's parser naming no key. Both name the type now, alone,
+    and DeepSpeed indeed builds no optimizer from such a block."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ds = packaged()
+    ds["optimizer"] = optimizer
+    if optimizer.get("type") is None:  # DeepSpeed's own reading: no optimizer, params dropped
+        plain = DeepSpeedConfig({**{k: v for k, v in ds.items() if k != "hdet"}, "train_batch_size": 8})
+        assert plain.optimizer_name is None and plain.optimizer_params is None
+    hdet_like, refused, unknown = ds_keys.find_problems(ds, prefix="deepspeed.")
+    assert (hdet_like, unknown) == ([], []) and len(refused) == 1 and refused[0].startswith(line), refused
+    with pytest.raises(HDETConfigError) as e:
+        ds_keys.check_deepspeed_keys(ds, strict=True, prefix="deepspeed.")
+    assert str(e.value).splitlines()[1:] == [f"  {refused[0]}"]
