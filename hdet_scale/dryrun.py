@@ -153,6 +153,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         raise HDETConfigError(f"--world-size: must be >= 1 (ranks), got {world_size}")
     from hdet_scale.backends.deepspeed import _load_ds_config, prepare_config
 
+    path = config
     try:
         config = _load_ds_config(config)
     except HDETConfigError:
@@ -163,8 +164,13 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         raise HDETConfigError(f"the config must be a JSON object, got {type(config).__name__}")
     # Strict, unlike the library (see hdet_scale.ds_keys): a dry run exists to find what
     # a 30-hour run would silently ignore, such as an "hdett" block or a misspelled key.
-    from hdet_scale.ds_keys import check_deepspeed_keys
+    from hdet_scale.ds_keys import check_deepspeed_keys, hf_model_type
     from hdet_scale.ds_values import check_deepspeed_values
+
+    if isinstance(path, str) and hf_model_type(config) is not None:
+        raise HDETConfigError(f"{path!r} is a Hugging Face model config (model_type {hf_model_type(config)!r}), not "
+                              f"a DeepSpeed config: give it as --hf-config {path} (the cost model), and the DeepSpeed "
+                              "JSON with the hdet block as the first argument")
 
     check_deepspeed_keys(config, strict=True, optimizer_params=backend == "deepspeed")
     if not isinstance(config.get("hdet", {}), dict):

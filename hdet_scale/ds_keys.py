@@ -425,6 +425,17 @@ def _at_most(unknown: list[str], ds: Mapping) -> list[str]:
     return unknown[:_SHOWN] + [f"and {len(rest)} more unknown keys: {', '.join(rest)}{hint}"]
 
 
+def hf_model_type(ds: Mapping) -> str | None:
+    """The ``model_type`` of a Hugging Face model ``config.json`` given where a DeepSpeed
+    config belongs (``"?"`` when it has none but ``transformers_version``); ``None`` for
+    anything holding a key of DeepSpeed's parser or the hdet block."""
+    if not any(k in ds for k in ("model_type", "transformers_version", "architectures")):
+        return None
+    if any(k in valid_top_level_keys() or k == HDET_KEY for k in ds):
+        return None
+    return str(ds.get("model_type", "?"))
+
+
 def check_deepspeed_keys(ds: Mapping, strict: bool = False, prefix: str = "",
                          optimizer_params: bool = True) -> list[str]:
     """Refuse or warn about unknown keys of the DeepSpeed config ``ds`` (see the module
@@ -437,6 +448,11 @@ def check_deepspeed_keys(ds: Mapping, strict: bool = False, prefix: str = "",
     """
     if not isinstance(ds, Mapping):
         return []
+    model_type = hf_model_type(ds)
+    if model_type is not None:  # one line, not 30 unknown keys (tester round 27)
+        raise HDETConfigError(f"invalid DeepSpeed config: {prefix or 'this file'} is a Hugging Face model config "
+                              f"(model_type {model_type!r}), not a DeepSpeed config (optimizer, zero_optimization, "
+                              "batch keys, the hdet block)")
     hdet_like, refused, unknown = find_problems(ds, optimizer_params, prefix)
     errors = hdet_like + refused + (_at_most(unknown, ds) if strict else [])
     if errors:

@@ -100,8 +100,16 @@ def load_deepspeed_json(path: str) -> dict:
     if not text.strip():
         raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
     try:
-        return loads_json_object(text, f"deepspeed_config: file {path!r}")
+        ds = loads_json_object(text, f"deepspeed_config: file {path!r}")
     except HDETConfigError:
         raise
     except ValueError as e:
         raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
+    from hdet_scale.ds_keys import hf_model_type
+
+    if hf_model_type(ds) is not None:  # one line, not 30 unknown keys (tester round 27)
+        raise HDETConfigError(f"deepspeed_config: file {path!r} is a Hugging Face model config (model_type "
+                              f"{hf_model_type(ds)!r}), not a DeepSpeed config; hdet-train's model is set by the "
+                              "model.* keys (docs/config.md), the DeepSpeed JSON holds the optimizer, batch keys "
+                              "and the hdet block")
+    return ds

@@ -454,3 +454,29 @@ def test_an_optimizer_block_that_means_another_optimizer_on_a_torch_engine_is_no
     assert any("weight_decay is not set" in n and "0.01" in n for n in engine_notes(bare, backend))
     same = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
     assert engine_notes(same, backend) == [] and engine_notes(adam, "deepspeed") == []
+
+
+def test_a_hugging_face_model_config_is_named_as_one(tmp_path, capsys):
+    """Tester round 27: a model's ``config.json`` given where the DeepSpeed JSON belongs
+    printed 23 "unknown DeepSpeed key" lines, each listing DeepSpeed's 60 keys. Now one
+    line naming the model type and where the file goes (hdet-dryrun: ``--hf-config``;
+    hdet-train: ``deepspeed_config`` holds DeepSpeed's keys, the model is ``model.*``).
+    A DeepSpeed JSON holding a stray ``model_type`` is not taken for one."""
+    transformers = pytest.importorskip("transformers")
+    from hdet_scale.train.config_files import load_deepspeed_json
+
+    path = tmp_path / "config.json"
+    transformers.LlamaConfig(num_hidden_layers=2).to_json_file(str(path))
+    assert main([str(path), "--world-size", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"hdet-dryrun: error: {str(path)!r} is a Hugging Face model config (model_type 'llama'), not a "
+                   f"DeepSpeed config: give it as --hf-config {path} (the cost model), and the DeepSpeed JSON with "
+                   "the hdet block as the first argument"), err
+    with pytest.raises(HDETConfigError, match=r"^deepspeed_config: file .* is a Hugging Face model config "
+                                              r"\(model_type 'llama'\), not a DeepSpeed config; hdet-train's model"):
+        load_deepspeed_json(str(path))
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({**ZERO3, "model_type": "llama"}))
+    assert load_deepspeed_json(str(ds))["model_type"] == "llama"  # a DeepSpeed JSON: its keys are checked later
+    assert main([str(ds), "--world-size", "4"]) == 2
+    assert "model_type: unknown DeepSpeed key" in capsys.readouterr().err
