@@ -64,7 +64,8 @@ def _to_tensor(chunks: list[bytes]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8)
 
 
-def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int) -> Corpus:
+def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int,
+                run_dir: str | None = None) -> Corpus:
     """Load a byte corpus and split it into train and validation.
 
     Args:
@@ -81,6 +82,8 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
             Files are read in order only until their split's budget is full (the last
             one is truncated), so loading a large corpus stays fast.
         seed: seed of the file split; the same seed gives the same split everywhere.
+        run_dir: the run's folder: a file of ``path`` whose real path is inside it is
+            refused (a link in a data folder into the run's own files).
 
     With two or more files the split is by file: a file goes to validation when
     ``crc32(f"{seed}\\x1f{relative_path}") / 2**32 < val_fraction``; if a split would be
@@ -119,7 +122,7 @@ def load_corpus(path: str | None, val_fraction: float, max_bytes: int, seed: int
                 "has no .py files; set data.path to a text file or folder"
             )
     else:
-        files, source = collect(str(path))
+        files, source = collect(str(path), run_dir)
 
     train_chunks, val_chunks = read_splits(files, val_fraction, max_bytes, seed, source)
     return Corpus(

@@ -292,7 +292,7 @@ def check_apart(path: str | None, run_dir: str) -> None:
                                   "the run (train.overwrite=true removes them); keep the data outside run_dir")
 
 
-def collect(path: str) -> tuple[Files, str]:
+def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
     """Resolve ``data.path`` into ``(files, source)``: the candidate files in
     concatenation order (:class:`Files`, judged text only when read) and the paths as given.
 
@@ -307,7 +307,8 @@ def collect(path: str) -> tuple[Files, str]:
             with a comma it may be part of), a broken link, a path in /proc or /sys,
             something other than a regular file or folder (a device such as
             ``/dev/null``, a FIFO, a socket), an unreadable or non-text file, or a folder
-            without any text file (its files are opened until one is text).
+            without any text file (its files are opened until one is text), or a file
+            whose real path is inside ``run_dir`` (reached through a link).
     """
     raw = path.split(",")
     parts = [p.strip() for p in raw if p.strip()]
@@ -321,6 +322,7 @@ def collect(path: str) -> tuple[Files, str]:
         raise HDETConfigError(f"data.path={path!r} names no path: give a text file or folder, or leave data.path "
                               "out (or null) to train on the built-in corpus (the Python standard library's sources)")
     files = Files([], [])
+    inside = os.path.realpath(os.path.expanduser(run_dir)).rstrip(os.sep) + os.sep if run_dir else None
     seen: set[str] = set()  # real paths: a file reached through links is read once (hard links: each)
     progress = _Progress()
     for index, part in enumerate(parts):
@@ -357,6 +359,12 @@ def collect(path: str) -> tuple[Files, str]:
             raise HDETConfigError(f"data.path: {part!r} is not a regular file but a {file_kind(st.st_mode)}: "
                                   "data.path takes text files or folders of them")
         for key, full, ident, real in entries:
+            if inside is not None and real.startswith(inside):
+                # tester round 27: check_apart compares data.path's own parts; a link in a
+                # data folder into run_dir made the run's files training data all the same
+                raise HDETConfigError(f"data.path: {full!r} leads into run_dir {run_dir!r} (real path {real!r}): "
+                                      "the run's own files (metrics, checkpoints) would be read as training data; "
+                                      "remove the link or put run_dir elsewhere")
             if real not in seen:
                 seen.add(real)
                 files.entries.append((prefix + key, full))

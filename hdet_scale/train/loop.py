@@ -149,7 +149,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               "'global')")
     d = run["data"]
     check_apart(d["path"], run["run_dir"])
-    corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"])
+    corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"], run["run_dir"])
     # the keys the config leaves out derived as DeepSpeed does (a bad one: named by the checks)
     micro, gas = batch_sizes(run["deepspeed"], world_size)
     train_windows = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], 0, world_size,

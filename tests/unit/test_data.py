@@ -395,6 +395,34 @@ def test_a_run_dir_inside_data_path_or_data_inside_run_dir_is_refused(tmp_path):
     assert os.path.exists(data)
 
 
+def test_a_link_in_a_data_folder_into_run_dir_is_refused(tmp_path):
+    """Tester round 27: check_apart compares data.path's own parts with run_dir, but a link
+    inside a data folder to the run's folder (or a file in it) made the run's metrics and
+    checkpoint files training data. Refused while the folder is walked, naming the link;
+    the same folder with the link pointing elsewhere loads, and without run_dir (the
+    library's load_corpus) it is read as before."""
+    from hdet_scale.errors import HDETConfigError
+    from hdet_scale.train.data import load_corpus
+
+    data, run_dir, other = tmp_path / "data", tmp_path / "runs" / "a", tmp_path / "other"
+    for d in (data, run_dir, other):
+        d.mkdir(parents=True)
+    (data / "a.txt").write_text("x = 1\n" * 200)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n' * 50)
+    (other / "b.txt").write_text("y = 2\n" * 200)
+    for target, name in ((run_dir, "runs"), (run_dir / "metrics.jsonl", "m.jsonl")):
+        link = data / name
+        link.symlink_to(target)
+        with pytest.raises(HDETConfigError, match=rf"data.path: '{link}.*' leads into run_dir '{run_dir}'"):
+            load_corpus(str(data), 0.3, 10**9, seed=0, run_dir=str(run_dir))
+        with_runs = load_corpus(str(data), 0.3, 10**9, seed=0)  # no run_dir: the library's reading
+        assert b'{"step": 1}' in bytes(with_runs.train.tolist()) + bytes(with_runs.val.tolist())
+        link.unlink()
+    (data / "runs").symlink_to(other)
+    c = load_corpus(str(data), 0.3, 10**9, seed=0, run_dir=str(run_dir))
+    assert c.train_files + c.val_files == 2
+
+
 # ----------------------------------------------------------------- tester round 26
 
 
