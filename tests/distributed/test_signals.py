@@ -27,6 +27,7 @@ one line says what happened and names the last checkpoint, the exit code is 128 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -263,3 +264,49 @@ def test_deepspeed_hostfile_script_stops_on_a_signal_without_a_restart(tmp_path,
     lines = stop_lines(err)
     assert len(lines) == 1 and sig.name in lines[0], err[-3000:]
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_signal_after_the_ranks_ended_leaves_the_completed_runs_exit_code(tmp_path):
+    """Tester round 27: a SIGINT that reached the launcher after its ranks had ended (the
+    run complete, summary.json written) exited 130 without a line: Python's teardown puts
+    SIGINT back to its default action, or, a moment earlier, a KeyboardInterrupt
+    traceback. The launcher's outcome is decided then: SIGINT and SIGTERM are sent every
+    10 ms from 0.3 s after the last rank is gone (the launcher's teardown lasts 0.5-0.8 s
+    more here, measured) until the launcher exits, which must exit 0 (as without the
+    signals) without a traceback or a stop line (DDP, 2 ranks). Before the fix: -2, no line."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    args = [a for a in ARGS if not a.startswith(("train.steps=", "wandb."))]
+    cmd = [*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", *args, "train.steps=30", "wandb.enabled=false"]
+    env, tag = with_marker(ENV)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    sent = 0
+    try:
+        launcher = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        while not (run_dir / "summary.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.01)
+        # the ranks (spawned children) gone: what is left is the launcher's own ending
+        def rank_alive(child) -> bool:
+            with contextlib.suppress(psutil.Error):  # gone, or a zombie the launcher has not reaped
+                return "multiprocessing.spawn" in " ".join(child.cmdline())
+            return False
+
+        while any(rank_alive(c) for c in launcher.children()):
+            time.sleep(0.005)
+        time.sleep(0.3)  # past the launcher's next look at its ranks (every 0.2 s): its loop has ended
+        while proc.poll() is None:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+                    sent += 1
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        leftovers = left_behind(tag)
+    assert proc.returncode == 0 and sent > 0, (proc.returncode, sent, err[-3000:])
+    assert "Traceback" not in err and not stop_lines(err), err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30 and not leftovers
