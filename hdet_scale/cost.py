@@ -65,7 +65,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from hdet_scale.ds_keys import RepeatedKeyError, loads_json
+from hdet_scale.ds_json import RepeatedKeyError, loads_json
 from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular

@@ -32,7 +32,8 @@ from hdet_scale.backends.common import world_size as common_world_size
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.config import HDETConfig
-from hdet_scale.ds_keys import check_deepspeed_keys, loads_json_object
+from hdet_scale.ds_json import loads_json_object
+from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.ds_values import batch_errors, check_deepspeed_values
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError

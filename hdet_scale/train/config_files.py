@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from hdet_scale.ds_keys import loads_json_object
+from hdet_scale.ds_json import loads_json_object
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 

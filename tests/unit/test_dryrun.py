@@ -211,7 +211,7 @@ def test_the_library_runs_the_value_checks():
 def test_a_key_twice_in_the_json_file_is_refused_by_the_library_and_the_dry_run(tmp_path, capsys):
     """Issue 9 S2: hdet-dryrun (and hdet_scale.initialize) read the file with json.load,
     which keeps the last "replicas" silently, while hdet-train refused it. All three now
-    read it with ds_keys.loads_json and name the file and the key; the same file without
+    read it with ds_json.loads_json and name the file and the key; the same file without
     the repetition passes."""
     from hdet_scale.backends.deepspeed import prepare_config
     from hdet_scale.train.config import load_run_config
