@@ -250,12 +250,22 @@ def _never_notes(run: dict) -> list[str]:
     """Settings that never act in a run of ``train.steps`` steps (tester round 13: said
     nothing): a sync interval, checkpoint cadence or logging cadence longer than the run, a
     schedule longer than the run (it never anneals)."""
+    from hdet_scale.config import HDETConfig
+
     steps, hdet = run["train"]["steps"], run["deepspeed"].get("hdet") or {}
     notes = []
-    sync = hdet.get("sync_interval") if isinstance(hdet, dict) else None
-    if isinstance(sync, int) and sync > steps:
-        notes.append(f"deepspeed.hdet.sync_interval={sync} > train.steps={steps}: no sync during the run (no "
-                     "auto-LR step, the replicas are averaged only by the final converge)")
+    try:  # validated already; the defaults the block leaves out count too (tester round 28)
+        cfg = HDETConfig.from_dict(hdet)
+    except Exception:  # noqa: BLE001 - a note is never worth failing a validated run
+        return notes
+    default = "" if "sync_interval" in hdet else " (the default)"
+    if cfg.replicas > 1 and cfg.sync_interval > steps:
+        notes.append(f"deepspeed.hdet.sync_interval={cfg.sync_interval}{default} > train.steps={steps}: no sync "
+                     "during the run (no auto-LR step, the replicas are averaged only by the final converge)")
+    if cfg.replicas > 1 and not any(a.spread_ratio for a in cfg.axes.values()):
+        notes.append(f"deepspeed.hdet: {cfg.replicas} replica groups but no axis has a spread (axes.<name>."
+                     "spread_ratio, e.g. deepspeed.hdet.axes.lr.spread_ratio=0.2): they train with the same "
+                     "hyperparameters, averaged every sync_interval steps, and nothing is searched")
     sched = hdet.get("schedule") if isinstance(hdet, dict) else None
     total = sched.get("total_steps") if isinstance(sched, dict) else None
     if isinstance(total, int) and not isinstance(total, bool) and total > steps:  # config.py filled and checked it

@@ -393,7 +393,16 @@ def _validate(run: dict) -> None:
         raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
     ModelConfig(**run["model"]).validate()
     check_deepspeed_values(run["deepspeed"], prefix="deepspeed.", title="invalid run config")
-    hdet = run["deepspeed"].setdefault("hdet", {})
+    if run["deepspeed"].get("hdet", {}) == {}:  # null: refused above (an object expected)
+        # tester round 28: a user's own DeepSpeed JSON without the block (or with "hdet": {})
+        # trained plain data parallelism (one replica group) without a word
+        where = run["deepspeed_config"] or "the DeepSpeed JSON"
+        raise HDETConfigError(f"deepspeed.hdet: {where} has {'an empty' if 'hdet' in run['deepspeed'] else 'no'} hdet "
+                              "block, so the run would be plain data parallelism (one replica group); hdet-train "
+                              "trains with HDET: add one, e.g. \"hdet\": {\"replicas\": 2, \"sync_interval\": 10, "
+                              "\"axes\": {\"lr\": {\"spread_ratio\": 0.2}}} (configs/deepspeed_cpu_2x2.json has a "
+                              "whole block; docs/config.md), or give it as overrides (deepspeed.hdet.replicas=2 ...)")
+    hdet = run["deepspeed"]["hdet"]
     dropout = (hdet.get("axes") or {}).get("dropout") if isinstance(hdet.get("axes"), dict) else None
     if isinstance(dropout, dict) and dropout.get("value") is None:
         dropout["value"] = run["model"]["dropout"]  # the dropout axis spreads around model.dropout

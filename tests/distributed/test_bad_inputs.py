@@ -124,6 +124,8 @@ def setup_cases(d) -> None:
     (d / "lamb.json").write_text(json.dumps({**zero3, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
     # round 27: no optimizer block (Megatron-DeepSpeed style): a KeyError in every rank
     (d / "no_optimizer.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "optimizer"}))
+    # round 28: no hdet block: plain data parallelism without a word
+    (d / "no_hdet.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "hdet"}))
     # round 5: a config path naming a FIFO blocked in open() forever, printing nothing
     os.mkfifo(d / "fifo.json")
     # round 6: hdet-dryrun's cost model on Hugging Face configs it cannot build
@@ -424,6 +426,8 @@ CASES = [
      ["deepspeed.fp16.enabled: this machine's DeepSpeed accelerator (cpu) has no fp16"], None),
     ("lamb_on_cpu_deepspeed", ["deepspeed.optimizer.type=Lamb"], {}, 2,
      ["deepspeed.optimizer.type: 'Lamb' needs DeepSpeed's FusedLamb op", "(cpu)"], None),
+    ("deepspeed_json_without_hdet", ["deepspeed_config={d}/no_hdet.json", "backend=ddp"], {}, 2,
+     ["deepspeed.hdet: {d}/no_hdet.json has no hdet block, so the run would be plain data parallelism"], None),
     ("deepspeed_json_without_optimizer", ["deepspeed_config={d}/no_optimizer.json", "train.steps=50"], {}, 2,
      ["deepspeed.optimizer: hdet-train builds the optimizer from this block, and {d}/no_optimizer.json has none"],
      None),

@@ -671,6 +671,34 @@ def test_a_schedule_longer_than_the_run_gets_a_note(tmp_path):
         assert not any("total_steps" in n for n in _never_notes(load_run_config(None, same)))
 
 
+def test_a_deepspeed_json_without_an_hdet_block_is_refused_and_a_block_that_searches_nothing_noted(tmp_path):
+    """Tester round 28: a user's DeepSpeed JSON without the hdet block, or with
+    ``"hdet": {}``, trained plain data parallelism (1 replica group) without a word, on
+    every backend; ``{"replicas": 2}`` alone trained two replica groups with no spread and
+    the default sync_interval 1000 past an 8-step run, also without a word (the note named
+    sync_interval only when it was set). The packaged config gets neither."""
+    from hdet_scale.train.cli import _never_notes
+    from hdet_scale.train.config import load_run_config, packaged
+
+    ds = json.loads(open(packaged("deepspeed.json")).read())
+    for name, block, word in (("none.json", None, "no"), ("empty.json", {}, "an empty")):
+        path = tmp_path / name
+        path.write_text(json.dumps({k: v for k, v in ds.items() if k != "hdet"} | ({} if block is None
+                                                                                    else {"hdet": block})))
+        for backend in ("deepspeed", "ddp"):
+            with pytest.raises(HDETConfigError, match=rf"^deepspeed.hdet: {path} has {word} hdet block, so the run "
+                                                      r"would be plain data parallelism \(one replica group\)"):
+                load_run_config(None, [f"deepspeed_config={path}", f"backend={backend}"])
+    (tmp_path / "r2.json").write_text(json.dumps({**ds, "hdet": {"replicas": 2}}))
+    run = load_run_config(None, [f"deepspeed_config={tmp_path / 'r2.json'}", "train.steps=8"])
+    notes = _never_notes(run)
+    assert notes[0] == ("deepspeed.hdet.sync_interval=1000 (the default) > train.steps=8: no sync during the run (no "
+                        "auto-LR step, the replicas are averaged only by the final converge)")
+    assert notes[1].startswith("deepspeed.hdet: 2 replica groups but no axis has a spread"), notes
+    assert [n for n in _never_notes(load_run_config(None, ["train.steps=100"]))
+            if n.startswith("deepspeed.hdet")] == []  # the packaged block: syncs and spreads
+
+
 # ---- overrides and interpolations of the run config (issue 9, config & dryrun round 2) ------
 
 @pytest.mark.parametrize("overrides,line", [
