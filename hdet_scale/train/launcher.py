@@ -18,6 +18,7 @@ from hdet_scale.errors import HDETConfigError, HDETStateError
 
 USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
 _REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
+PEER_LOST = 4  # a rank's exit code (the launcher's own is 1) when gloo lost a peer: peer_lost()
 REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
 
 
@@ -54,6 +55,13 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
         errors.put(str(e))
         time.sleep(_REPORT_WAIT_S)
         sys.exit(USER_ERROR)
+    except RuntimeError as e:
+        if not peer_lost(e):
+            raise
+        # tester round 28: one rank killed, and each of the others printed gloo's "Connection
+        # reset by peer" traceback. The launcher names the rank that ended first and the
+        # last checkpoint; this rank's part is only that it lost that peer.
+        sys.exit(PEER_LOST)
     if rank == 0:
         print(json.dumps(summary, indent=2), flush=True)
     # Done: every file is written and closed, every rank passed train's last barrier. The
@@ -124,6 +132,7 @@ def launch_local(run: dict) -> int:
         GRACE_S,
         completed_message,
         exit_code,
+        resume_advice,
         run_completed,
         stop_message,
     )
@@ -230,7 +239,7 @@ def launch_local(run: dict) -> int:
         codes = set(failed.values())
         if codes == {STALE_LOCK_EXIT}:
             return STALE_LOCK_EXIT  # local rank 0 named the lock
-        print(f"hdet-train: {describe_failures(failed)}", file=sys.stderr)
+        print(f"hdet-train: {describe_failures(failed)}. {resume_advice(run)}", file=sys.stderr)
         return 1
     finally:
         for s in stop_signals:
@@ -243,6 +252,14 @@ def launch_local(run: dict) -> int:
             signal.signal(s, signal.SIG_IGN)
 
 
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is gloo's error for a peer rank that went away (its connection reset
+    or closed in the middle of a collective), not a failure of this rank's own."""
+    text = str(e)
+    return "gloo" in text and any(k in text for k in (
+        "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed"))
+
+
 def describe_failures(failed: dict[int, int]) -> str:
     """``{rank: Process.exitcode}`` of the ranks that failed, in words: a negative code is
     the signal that killed the rank (the out-of-memory killer's SIGKILL, most often), a
@@ -253,6 +270,8 @@ def describe_failures(failed: dict[int, int]) -> str:
                 return f"killed by {signal.Signals(-code).name} (signal {-code})"
             except ValueError:
                 return f"killed by signal {-code}"
+        if code == PEER_LOST:
+            return "lost the connection to a rank that ended"
         return f"exit code {code}"
 
     by_kind: dict[str, list[int]] = {}
@@ -262,4 +281,6 @@ def describe_failures(failed: dict[int, int]) -> str:
     parts = [f"rank(s) {ranks} {kind}" for kind, ranks in sorted(by_kind.items(), key=lambda kv: kv[0] not in killed)]
     hint = ("; a rank killed by SIGKILL is often the out-of-memory killer's work (see dmesg), "
             "or a kill -9" if "killed by SIGKILL (signal 9)" in by_kind else "")
+    if set(failed.values()) == {PEER_LOST}:  # none ended first: the connections themselves failed
+        hint += " (no rank ended first: a network failure between the ranks?)"
     return "failed: " + ", ".join(parts) + hint

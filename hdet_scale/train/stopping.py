@@ -87,14 +87,21 @@ def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -
     ranks ended"), at which step (``step``: the last optimizer step this attempt completed,
     :func:`note_step`; ``None``: "before its first step"), and the checkpoint to resume
     from (or that there is none and what to do instead)."""
-    run_dir = run["run_dir"]
     at = f" at step {step}" if step is not None else " before its first step"
     head = f"hdet-train: stopped by {_NAMES.get(signum, signal.Signals(signum).name)}{at}; {who}."
+    return f"{head} {resume_advice(run)}"
+
+
+def resume_advice(run: dict[str, Any]) -> str:
+    """Where the last checkpoint of ``run`` is and how to continue from it (or that there
+    is none and what to do instead): the second half of :func:`stop_message`, also said
+    after a rank failed (tester round 28). Never raises."""
+    run_dir = run["run_dir"]
     saved = last_checkpoint(run_dir)
     if saved is not None:
         folder, ck_step = saved
         of = f" (step {ck_step})" if ck_step is not None else ""
-        return (f"{head} Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
+        return (f"Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
                 f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0
     why = f"train.checkpoint_every={every}" if every else "train.checkpoint_every=0 saves only at the end"
@@ -102,7 +109,7 @@ def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -
     held = [n for n in ("metrics.jsonl", "summary.json", "checkpoint") if os.path.lexists(os.path.join(run_dir, n))]
     again = (f"start again in {run_dir} with train.overwrite=true, or choose another run_dir" if held
              else f"start again with the same command (nothing of this run is kept in {run_dir})")
-    return f"{head} No checkpoint was saved yet ({why}): {again}."
+    return f"No checkpoint was saved yet ({why}): {again}."
 
 
 def _restart_note() -> str:

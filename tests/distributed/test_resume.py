@@ -94,6 +94,11 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
     run_dir = tmp_path / "run"
     proc = hdet_train([f"run_dir={run_dir}", *SHORT], env=KILL)
     assert proc.returncode == 1 and "rank(s) [3] killed by SIGKILL (signal 9)" in proc.stderr, proc.stderr[-3000:]
+    # tester round 28: the failure line names the checkpoint to resume from, and the ranks
+    # that lost their peer print no gloo traceback each
+    assert (f"Last checkpoint: {run_dir}/checkpoint/replica_*/global_step6 (step 6); continue with "
+            "train.resume=true") in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     ckpt = run_dir / "checkpoint"
     assert (ckpt / "latest").read_text() == "global_step6"
     assert json.loads((ckpt / "hdet_layout.json").read_text())["checkpoints"] == {"global_step3": 3, "global_step6": 6}
