@@ -1,4 +1,4 @@
-"""``hdet-plot RUN_DIR [--out DIR]``: PNG plots of one ``hdet-train`` run.
+"""``hdet-plot RUN_DIR [--out DIR] [--overwrite]``: PNG plots of one ``hdet-train`` run.
 
 Reads ``RUN_DIR/metrics.jsonl`` (``hdet_scale.logging.MetricsLogger``'s records; the x
 axis is always the optimizer step) and writes into ``RUN_DIR/plots/`` (or ``--out``):
@@ -22,9 +22,14 @@ one, else the summary's value is the one point (the only file read besides the m
 A plot the records cannot give (no sync yet, a single replica: no fan-out) is skipped
 with one printed line; so is a value of a plotted key that is not a number (text, a list,
 ``1e999``), one line per key naming its first line (:func:`read_records`). Uses matplotlib's ``Figure`` directly (Agg canvas), so neither
-pyplot nor the process-wide backend is touched. Exit codes: 0 done; 2 a missing, empty
-or unreadable metrics file (one ``hdet-plot: error:`` line naming it; a run_dir without one
-yet is said so).
+pyplot nor the process-wide backend is touched.
+
+The folder records whose plots it holds (``.hdet_plots.json``); another run's plots or a
+user's files there are refused before anything is written (``--overwrite`` writes
+anyway), and a re-plot removes the earlier PNGs it does not draw again: the rules are
+``hdet_scale.plot_out``'s. Exit codes: 0 done; 2 a missing, empty or unreadable metrics
+file (one ``hdet-plot: error:`` line naming it; a run_dir without one yet is said so), or
+a folder that is not the plots' to write (one line naming it and what it holds).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
+from hdet_scale.plot_out import PlotsFolder, claim
 
 _VALUE = re.compile(r"^hdet/([^/]+)/replica_(\d+)/group_(\d+)$")  # one replica's axis value
 _SYNC = re.compile(r"^hdet/(loss|fitness|weight)/replica_(\d+)$")  # per replica, at a sync
@@ -265,18 +271,27 @@ def _figure(rows: int = 1):
     return fig, [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
 
 
-def _save(fig, out_dir: str, name: str, written: list[str]) -> None:
-    path = os.path.join(out_dir, name)
+def _save(fig, folder: PlotsFolder, name: str, written: list[str]) -> None:
+    folder.add(name)  # in the folder's record before the file is there
+    path = os.path.join(folder.path, name)
     fig.savefig(path, format="png")
     written.append(path)
 
 
 def write_plots(run_dir: str, out_dir: str | None = None,
-                log: Callable[[str], None] = print) -> list[str]:
+                log: Callable[[str], None] = print, overwrite: bool = False) -> list[str]:
     """Write the run's PNGs (module docstring) into ``out_dir`` (default
     ``run_dir/plots``, created) and return their paths, in writing order. ``log`` gets
-    one line per skipped plot. Raises HDETConfigError for the metrics file
-    (:func:`read_records`); needs matplotlib (ImportError otherwise)."""
+    one line per skipped plot and per earlier PNG removed (``hdet_scale.plot_out``).
+
+    Raises:
+        HDETConfigError: the metrics file (:func:`read_records`); a folder that holds
+            another run's plots or files that are not hdet plots (``overwrite``: written
+            anyway), or that cannot be created (:func:`hdet_scale.plot_out.claim`), all
+            before anything is written.
+        ImportError: no matplotlib.
+        OSError: a PNG or the folder's record cannot be written.
+    """
     if os.path.isfile(run_dir):  # tester round 24: "<file>/metrics.jsonl: Not a directory"
         raise HDETConfigError(f"{run_dir} is a file: hdet-plot takes the run_dir that holds metrics.jsonl "
                               f"({os.path.dirname(run_dir) or '.'} here?)")
@@ -289,15 +304,8 @@ def write_plots(run_dir: str, out_dir: str | None = None,
     if not s["val"]["steps"]:
         s["val"] = _summary_val(run_dir)
     import_matplotlib()  # fail before creating the folder
-
-    out_dir = out_dir or os.path.join(run_dir, "plots")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:  # a file of that name, a read-only disk: the user's, named
-        there = os.path.lexists(out_dir) and not os.path.isdir(out_dir)
-        fix = ("a file or broken link is in its place: move it away, or write the plots elsewhere with "
-               f"hdet-plot {run_dir} --out DIR" if there else "choose a folder that can be created")
-        raise HDETConfigError(f"{out_dir}: cannot create the plots folder ({e.strerror or e}); {fix}") from None
+    folder = claim(run_dir, out_dir, overwrite)  # another run's plots, a user's files: refused here
+    folder.create()
     written: list[str] = []
     for (axis, g), f in s["fanout"].items():
         if len(f["replicas"]) < 2:
@@ -311,7 +319,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
             ax.set(title=f"{axis}, group {g}: every replica's value (grey: syncs)", xlabel="optimizer step",
                    ylabel=axis)
             ax.legend(fontsize="small")
-            _save(fig, out_dir, f"fanout_{axis}_group{g}.png", written)
+            _save(fig, folder, f"fanout_{axis}_group{g}.png", written)
         b = s["base"][(axis, g)]
         fig, (ax,) = _figure()
         ax.plot(b["steps"], b["base"], label="base (mean of replicas)", lw=1.5)
@@ -322,7 +330,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ax.set_title(f"{axis}, group {g}: {b['shown']}", fontsize="small")
         ax.set(xlabel="optimizer step", ylabel=axis)
         ax.legend(fontsize="small")
-        _save(fig, out_dir, f"base_{axis}_group{g}.png", written)
+        _save(fig, folder, f"base_{axis}_group{g}.png", written)
     if not s["fanout"]:
         log("skipped fanout_*.png and base_*.png: no per-replica values in the metrics")
     sy = s["sync"]
@@ -344,7 +352,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
                    xlabel="optimizer step", ylabel="weight", ylim=(-0.05, 1.05))
         if sy["weight_steps"]:
             bottom.legend(fontsize="x-small")
-        _save(fig, out_dir, "sync.png", written)
+        _save(fig, folder, "sync.png", written)
     if not s["train"]["steps"] and not s["val"]["steps"]:
         log("skipped loss.png: no loss in the metrics")
     else:
@@ -357,10 +365,12 @@ def write_plots(run_dir: str, out_dir: str | None = None,
             log("loss.png: no validation loss in the run (train loss only)")
         ax.set(title="loss", xlabel="optimizer step", ylabel="loss (nats/byte)")
         ax.legend(fontsize="small")
-        _save(fig, out_dir, "loss.png", written)
+        _save(fig, folder, "loss.png", written)
     if not written:  # nothing of an hdet-train run in the file: say so, not exit 0
         raise HDETConfigError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no record of an hdet-train run in it "
                               "(no hdet/* values per step): nothing to plot")
+    for path in folder.finish():
+        log(f"removed {path}: an earlier plotting's, not drawn this time")
     return written
 
 
@@ -404,12 +414,17 @@ def plot_after_run(run_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hdet-plot", description="PNG plots of an hdet-train run (its metrics.jsonl).")
+    p = argparse.ArgumentParser(prog="hdet-plot", description="PNG plots of an hdet-train run (its metrics.jsonl).",
+                                allow_abbrev=False)  # "--ou" is not "--out": the twice-check sees each
     from hdet_scale import __version__
 
     p.add_argument("--version", action="version", version=f"%(prog)s (hdet_scale) {__version__}")
     p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots)")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots); one that holds "
+                   "another run's plots or other files is refused")
+    p.add_argument("--overwrite", action="store_true", help="write into --out whatever it holds: another run's "
+                   "plots there are replaced (removed when not drawn again), a file of a plot's name is replaced, "
+                   "other files stay")
     args = p.parse_args(argv)
     given = [a for a in (sys.argv[1:] if argv is None else argv) if a == "--out" or a.startswith("--out=")]
     if len(given) > 1 or (args.out is not None and not args.out.strip()):
@@ -417,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out given twice" if len(given) > 1 else "--out: an empty folder name; leave --out out for "
                 "RUN_DIR/plots")
     try:
-        paths = write_plots(args.run_dir, args.out)
+        paths = write_plots(args.run_dir, args.out, overwrite=args.overwrite)
     except HDETConfigError as e:
         print(f"hdet-plot: error: {e}", file=sys.stderr)
         return 2

@@ -244,8 +244,10 @@ def _remove_plots(run_dir: str) -> None:
     folder = os.path.join(run_dir, "plots")
     if not os.path.isdir(folder) or os.path.islink(folder):
         return
+    from hdet_scale.plot_out import PLOT_NAME, RECORD
+
     for name in os.listdir(folder):
-        if re.fullmatch(r"(fanout_.+|base_.+|sync|loss)\.png", name):
+        if PLOT_NAME.fullmatch(name) or name == RECORD:  # the PNGs and the record of whose they are
             _remove(os.path.join(folder, name))
     with contextlib.suppress(OSError):
         os.rmdir(folder)  # only when empty

@@ -48,6 +48,11 @@ def _write(run_dir, records) -> None:
         f.writelines(json.dumps(r) + "\n" for r in records)
 
 
+def _pngs(folder) -> list[str]:
+    """The folder's entries, sorted, less hdet-plot's record of whose plots it holds."""
+    return sorted(n for n in os.listdir(folder) if n != ".hdet_plots.json")
+
+
 def test_series_equal_the_metrics():
     s = series(_records())
     f = s["fanout"][("lr", 0)]
@@ -93,7 +98,7 @@ def test_write_plots_writes_valid_pngs(tmp_path, capsys):
     paths = write_plots(str(run))
     names = ["fanout_lr_group0.png", "base_lr_group0.png", "sync.png", "loss.png"]
     assert paths == [str(run / "plots" / n) for n in names]
-    assert sorted(os.listdir(run / "plots")) == sorted(names)  # nothing else in plots/
+    assert sorted(_pngs(run / "plots")) == sorted(names)  # nothing else in plots/ (but the record of whose)
     for p in paths:
         with open(p, "rb") as f:
             assert f.read(8) == PNG_MAGIC
@@ -108,7 +113,7 @@ def test_no_sync_single_replica_val_from_summary(tmp_path, capsys):
         json.dump({"val_loss": 3.5, "steps": 6}, f)
     out = tmp_path / "out"
     assert main([str(run), "--out", str(out)]) == 0
-    assert sorted(os.listdir(out)) == ["base_lr_group0.png", "loss.png"]
+    assert _pngs(out) == ["base_lr_group0.png", "loss.png"]
     printed = capsys.readouterr().out
     assert "skipped sync.png" in printed and "skipped fanout_lr_group0.png" in printed
     assert not (run / "plots").exists()
@@ -266,3 +271,170 @@ def test_a_binary_metrics_file_is_named_as_not_json_lines(tmp_path):
     path.write_text('{"step": 1, "hdet/lo')
     with pytest.raises(HDETConfigError, match=r"holds no record \(did the run log a step\?\)"):
         read_records(str(path))
+
+
+# --- the folder the PNGs go to (hdet_scale/plot_out.py): never another run's plots, never a user's files ---
+
+RECORD = ".hdet_plots.json"
+ALL4 = ["base_lr_group0.png", "fanout_lr_group0.png", "loss.png", "sync.png"]
+
+
+def _one_replica() -> list[dict]:
+    """A run whose metrics give base_lr_group0.png and loss.png only (no sync, one replica)."""
+    return [{k: v for k, v in r.items() if "replica_1" not in k} for r in _records(syncs=False, val=False)]
+
+
+def _snapshot(folder) -> dict:
+    return {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+
+
+def _record(folder) -> dict:
+    with open(folder / RECORD) as f:
+        return json.load(f)
+
+
+def _one_line(capsys, folder) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith(f"hdet-plot: error: {folder}: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_another_runs_plots_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """Tester: ``hdet-plot p/onlyline --out runs/f1/plots`` exited 0 and replaced f1's
+    loss.png, fanout and base PNGs, leaving f1's sync.png: a folder of two runs' figures,
+    f1's lost without a word. Now exit 2 before anything is written, one line naming the
+    folder, the run whose plots it holds and the way out; also for the plots of a run made
+    before hdet-plot recorded whose plots a folder holds (PNGs, no record)."""
+    a, b = tmp_path / "f1", tmp_path / "onlyline"
+    _write(a, _records())
+    _write(b, _one_replica())
+    write_plots(str(a), log=lambda line: None)
+    for old in (False, True):
+        if old:  # f1 plotted before the record existed
+            assert _record(a / "plots")["metrics"] == os.path.realpath(a / "metrics.jsonl")
+            (a / "plots" / RECORD).unlink()
+        before = _snapshot(a / "plots")
+        assert main([str(b), "--out", str(a / "plots")]) == 2
+        err = _one_line(capsys, a / "plots")
+        assert f"the plots of run {os.path.realpath(a)}" in err and "another --out" in err and "--overwrite" in err
+        assert _snapshot(a / "plots") == before  # byte for byte, nothing added or removed
+    assert capsys.readouterr().out == ""
+
+
+def test_a_folder_of_other_files_is_refused_and_untouched(tmp_path, capsys):
+    """``hdet-plot X --out mydata`` wrote PNGs among a user's data files without a word."""
+    run, data = tmp_path / "run", tmp_path / "mydata"
+    _write(run, _records())
+    data.mkdir()
+    (data / "x.csv").write_text("1,2\n")
+    (data / "loss.png").write_bytes(b"the user's figure")
+    before = _snapshot(data)
+    assert main([str(run), "--out", str(data)]) == 2
+    err = _one_line(capsys, data)
+    assert "not hdet plots" in err and "x.csv" in err and "another --out" in err
+    assert _snapshot(data) == before
+    assert main([str(run), "--out", str(run)]) == 2  # the run_dir itself: metrics.jsonl is no plot
+    assert "metrics.jsonl" in _one_line(capsys, run)
+    assert sorted(os.listdir(run)) == ["metrics.jsonl"]
+
+
+def test_a_new_or_empty_folder_is_written_and_can_be_written_again(tmp_path, capsys):
+    run = tmp_path / "run"
+    _write(run, _records())
+    empty, new = tmp_path / "empty", tmp_path / "new" / "deeper"
+    empty.mkdir()
+    for out in (empty, new, new):  # the third: the folder holds this run's plots now
+        assert main([str(run), "--out", str(out)]) == 0
+        assert _pngs(out) == ALL4
+        record = _record(out)
+        assert record["metrics"] == os.path.realpath(run / "metrics.jsonl") and sorted(record["pngs"]) == ALL4
+    assert capsys.readouterr().err == ""
+
+
+def test_replotting_removes_the_earlier_plots_it_does_not_write_again(tmp_path):
+    """A folder never mixes two plottings: a PNG of the earlier one that this one does not
+    write (the metrics give no sync, one replica, now) goes; every other file stays."""
+    run, out = tmp_path / "run", tmp_path / "out"
+    _write(run, _records())
+    assert main([str(run)]) == 0 and main([str(run), "--out", str(out)]) == 0
+    (run / "plots" / "notes.txt").write_text("mine")
+    (out / "notes.txt").write_text("mine")
+    (out / "base_mine.png").write_bytes(b"mine, not in the record")  # the record lists what hdet-plot wrote
+    before = _snapshot(run / "plots")
+    _write(run, _one_replica())
+    for argv, folder in (([str(run)], run / "plots"), ([str(run), "--out", str(out)], out)):
+        assert main(argv) == 0
+        kept = ["base_mine.png"] if folder == out else []
+        assert _pngs(folder) == sorted(["base_lr_group0.png", "loss.png", "notes.txt", *kept])
+        assert sorted(_record(folder)["pngs"]) == ["base_lr_group0.png", "loss.png"]
+        assert (folder / "notes.txt").read_text() == "mine"
+    after = _snapshot(run / "plots")
+    assert after["base_lr_group0.png"] != before["base_lr_group0.png"] and after["loss.png"] != before["loss.png"]
+    assert (out / "base_mine.png").read_bytes() == b"mine, not in the record"
+
+
+def test_a_run_plotted_before_the_record_existed_is_plotted_again(tmp_path, capsys):
+    """``hdet-plot runs/default`` keeps working for a run whose plots/ has PNGs and no
+    record (hdet-train wrote them before this change): its own folder is always its to
+    write; an hdet-plot PNG this plotting does not write again goes, a user's file stays."""
+    run = tmp_path / "run"
+    _write(run, _records())
+    write_plots(str(run), log=lambda line: None)
+    (run / "plots" / RECORD).unlink()
+    (run / "plots" / "fanout_weight_decay_group0.png").write_bytes(b"an earlier plotting's")
+    (run / "plots" / "mine.txt").write_text("the user's")
+    for argv in ([str(run)], [str(run), "--out", str(run / "plots")]):  # the same folder, named or not
+        assert main(argv) == 0
+        assert _pngs(run / "plots") == sorted([*ALL4, "mine.txt"])
+        assert _record(run / "plots")["metrics"] == os.path.realpath(run / "metrics.jsonl")
+        (run / "plots" / RECORD).unlink()
+    assert capsys.readouterr().err == ""
+
+
+def test_overwrite_replaces_another_runs_plots_and_the_run_takes_its_folder_back(tmp_path, capsys):
+    """``--overwrite``: the way out the refusal names. The folder then holds the new run's
+    plots only (the other run's PNGs go, the user's files stay); ``hdet-train``'s end of
+    run (``plot_after_run``) always writes into its own run_dir/plots, whoever's they hold."""
+    from hdet_scale.plot import plot_after_run
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _write(a, _records())
+    _write(b, _one_replica())
+    write_plots(str(a), log=lambda line: None)
+    (a / "plots" / "mine.txt").write_text("the user's")
+    assert main([str(b), "--out", str(a / "plots"), "--overwrite"]) == 0
+    assert _pngs(a / "plots") == ["base_lr_group0.png", "loss.png", "mine.txt"]
+    assert _record(a / "plots")["metrics"] == os.path.realpath(b / "metrics.jsonl")
+    plot_after_run(str(a))
+    assert "4 plots in" in capsys.readouterr().err
+    assert _pngs(a / "plots") == sorted([*ALL4, "mine.txt"])
+    assert _record(a / "plots")["metrics"] == os.path.realpath(a / "metrics.jsonl")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "x.csv").write_text("1\n")
+    (data / "base_rates.png").write_bytes(b"the user's")
+    assert main([str(b), "--out", str(data), "--overwrite"]) == 0  # asked for: written among the user's files
+    assert _pngs(data) == ["base_lr_group0.png", "base_rates.png", "loss.png", "x.csv"]
+    assert (data / "base_rates.png").read_bytes() == b"the user's"
+
+
+def test_train_overwrite_removes_the_plots_and_their_record_but_not_a_users_file(tmp_path):
+    """``train.overwrite=true`` removes the replaced run's PNGs from run_dir/plots: the
+    record of whose plots they were goes with them (it kept the emptied folder alive), a
+    user's own file there stays, and so does the folder then."""
+    from hdet_scale.plot_out import RECORD
+    from hdet_scale.train.rundir import _remove_plots
+
+    for keep in (False, True):
+        run = tmp_path / f"run{int(keep)}"
+        _write(run, _records())
+        write_plots(str(run), log=lambda line: None)
+        assert (run / "plots" / RECORD).exists() and _pngs(run / "plots")
+        if keep:
+            (run / "plots" / "my_figure.png").write_bytes(b"mine")
+        _remove_plots(str(run))
+        if keep:
+            assert sorted(os.listdir(run / "plots")) == ["my_figure.png"]
+        else:
+            assert not (run / "plots").exists()
