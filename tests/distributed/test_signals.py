@@ -310,3 +310,39 @@ def test_a_signal_after_the_ranks_ended_leaves_the_completed_runs_exit_code(tmp_
     assert proc.returncode == 0 and sent > 0, (proc.returncode, sent, err[-3000:])
     assert "Traceback" not in err and not stop_lines(err), err[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30 and not leftovers
+
+
+@pytest.mark.parametrize("script,sig,to", [("torchrun_single_node.sh", signal.SIGINT, "group"),
+                                           ("torchrun_single_node.sh", signal.SIGTERM, "script"),
+                                           ("torchrun_multi_node.sh", signal.SIGHUP, "group")],
+                         ids=["single-node-SIGINT-to-group", "single-node-SIGTERM-to-script",
+                              "multi-node-SIGHUP-to-group"])
+def test_torchrun_scripts_stop_on_a_signal_with_one_line_and_no_restart(tmp_path, script, sig, to):
+    """A tester: Ctrl-C (SIGINT to the terminal's process group) or a SIGTERM to
+    ``launchers/torchrun_single_node.sh`` printed the trainer's stop line, then torchrun's
+    ``SignalException`` traceback, and the script exited 1. Now: exit 130 / 143 / 129, the
+    one stop line, no traceback; torchrun got the signal itself (else it counts the ranks'
+    stop as a failure and restarts them, MAX_RESTARTS=2 here): no rank's exit was a failure
+    to it and the metrics go on from step 1 once; nothing left behind (DDP, 2 ranks).
+    ``torchrun_multi_node.sh`` (one node here) starts torchrun the same way."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", script)
+    env = {"GPUS": "2", "MAX_RESTARTS": "2"}
+    if script == "torchrun_multi_node.sh":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = ["bash", path, f"run_dir={run_dir}", "backend=ddp", *ARGS]
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, sig, after=None, group=to == "group", env=env)
+    assert rc == 128 + sig, (rc, err[-3000:])
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and sig.name in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    # what torchrun logs for a rank's exit it counts as a failure, before it restarts them
+    assert "failed (exitcode" not in err, err[-3000:]
+    steps = steps_logged(run_dir)
+    assert steps == list(range(1, len(steps) + 1)), steps
