@@ -15,13 +15,15 @@ shard otherwise than, which gets a note (:func:`engine_notes`).
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from typing import Any
 
 import torch
 
 from hdet_scale.backends import BACKENDS
 from hdet_scale.config import HDETConfig
-from hdet_scale.errors import HDETConfigError
+from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train.memory import peak_host_mb
 from hdet_scale.train.model import (ModelConfig, apply_activation_checkpointing, build_model, init_model_weights,
                                     loss_fn, param_count)
@@ -117,15 +119,68 @@ class Engine:
         self.ens.save_checkpoint(path)
 
     def load(self, path: str) -> None:
+        """Load the checkpoint ``latest`` names in ``path``. First the model tensors its
+        files hold (names and shapes, read without their data) are compared with the model
+        this run built: a checkpoint of another model (a ``model.*`` setting changed while
+        the settings comparison before the start was skipped) is an
+        :class:`~hdet_scale.errors.HDETStateError` on every rank alike (one collective
+        agrees on it), naming the folder and the first differing tensors. Without it
+        DDP, fairscale and DeepSpeed failed in every rank with torch's state-dict traceback
+        (ZeRO-3, for another width: a bare tensor-size error of its flat optimizer
+        partitions), and FSDP2 loaded a smaller model from a larger checkpoint silently."""
         import warnings
 
         from hdet_scale.errors import HDETResumeWarning
 
-        with warnings.catch_warnings():
-            # hdet-train's own notice (resume_config.notice) lists every changed setting,
-            # these included, once, before any rank starts
-            warnings.simplefilter("ignore", HDETResumeWarning)
-            self.ens.load_checkpoint(path)
+        self._refuse_other_model(path)
+        try:
+            with warnings.catch_warnings():
+                # hdet-train's own notice (resume_config.notice) lists every changed setting,
+                # these included, once, before any rank starts
+                warnings.simplefilter("ignore", HDETResumeWarning)
+                self.ens.load_checkpoint(path)
+        except HDETStateError:
+            raise
+        except RuntimeError as e:
+            # what the comparison could not read (no shapes in the files) and the engine's
+            # strict load still finds; any other RuntimeError is not a mismatch: re-raised
+            if not str(e).startswith("Error(s) in loading state_dict"):
+                raise
+            lines = [line.strip() for line in str(e).splitlines()[1:3] if line.strip()]
+            raise HDETStateError(_other_model_message(path, "; ".join(line[:300] for line in lines))) from None
+
+    def _refuse_other_model(self, path: str) -> None:
+        """Raise HDETStateError on every rank when the checkpoint's model tensors differ
+        from this run's (:func:`_shape_difference`). Collective on the world group: every
+        rank calls it, so one rank that could not read its files (it then leaves them to
+        the load, which names a damaged file) never waits alone in the load's collectives."""
+        import torch.distributed as dist
+
+        from hdet_scale.backends.checkpoint_io import read_latest
+
+        t = self.scheduler.topology
+        tag = read_latest(path)
+        saved = None
+        if tag is not None:
+            saved = saved_model_shapes(self.backend, os.path.join(path, f"replica_{t.replica_index}", tag))
+        mine = _shape_difference(saved, self._built_shapes()) if saved is not None else None
+        found: list[str | None] = [None] * t.world_size
+        dist.all_gather_object(found, mine, group=t.world_group)
+        difference = next((f for f in found if f), None)
+        if difference:
+            raise HDETStateError(_other_model_message(path, difference))
+
+    def _built_shapes(self) -> dict[str, tuple[int, ...]]:
+        """This run's model tensors, ``{name: full shape}``, named as the backend's save
+        names them (:func:`saved_model_shapes`)."""
+        if self.backend == "fsdp2":
+            from hdet_scale.backends.fsdp2 import _split_model_state
+
+            params, _ = _split_model_state(self.model)  # what its save hands DCP under "model."
+            return {k: tuple(v.shape) for k, v in params.items()}  # a DTensor's shape is the full one
+        if self.backend == "deepspeed":  # ZeRO-3 partitions: ds_shape is the full shape
+            return {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in self._module.named_parameters()}
+        return {k: tuple(v.shape) for k, v in self._module.state_dict().items()}
 
     def param_count(self) -> int:
         return param_count(self._module)
@@ -139,3 +194,110 @@ def build_engine(backend: str, mcfg: ModelConfig, run: dict, hcfg: HDETConfig, l
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     return Engine(backend, mcfg, run, logger, probe)
+
+
+# ---- a checkpoint of another model -----------------------------------------------------
+# hdet-train refuses a changed model.* setting before any rank starts, from the settings
+# each save records (resume_config.py). A record without the tag (written as {"runs": {}}
+# to resume on purpose without the comparison, or a checkpoint older than the record)
+# skips that; the ranks then compare the tensors themselves before the engine's load.
+
+_SHOWN = 3  # differing tensors named per kind
+
+
+def saved_model_shapes(backend: str, folder: str) -> dict[str, tuple[int, ...]] | None:
+    """The model tensors ``{name: shape}`` that ``backend``'s checkpoint folder
+    ``replica_<r>/<tag>`` holds, read without their data (``torch.load`` memory-mapped;
+    FSDP2: DCP's ``.metadata``; DeepSpeed: the ``param_shapes`` its model-states file
+    records, ZeRO-3 keeping no shapes in the module state itself). ``None`` when they
+    cannot be read (a file missing, damaged or of another program: the load then names
+    it, not this check), or when the file read is not the size the folder's manifest
+    records (another file in its place: the load's manifest check names it exactly)."""
+    from hdet_scale.backends.manifest import MANIFEST_FILE
+
+    def read(name: str) -> str:
+        path = os.path.join(folder, name)
+        if os.path.exists(os.path.join(folder, MANIFEST_FILE)):
+            with open(os.path.join(folder, MANIFEST_FILE)) as f:
+                if json.load(f)["files"][name][0] != os.path.getsize(path):
+                    raise ValueError(f"{path} is not the file this checkpoint saved there")
+        return path
+
+    def archive(name: str) -> Any:
+        return torch.load(read(name), map_location="cpu", weights_only=True, mmap=True)
+
+    try:
+        if backend == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+
+            read(".metadata")
+            meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+            return {k[len("model."):]: tuple(v.size) for k, v in meta.items()
+                    if k.startswith("model.") and hasattr(v, "size")}
+        if backend == "deepspeed":
+            states = archive(sorted(n for n in os.listdir(folder) if n.endswith("model_states.pt"))[0])
+            if not states.get("param_shapes"):  # not saved by a ZeRO optimizer: the strict load compares
+                return None
+            shapes: dict = {}
+            for group in states["param_shapes"]:
+                shapes.update(group)
+            shapes.update(states.get("frozen_param_shapes") or {})
+        elif backend == "ddp":
+            from hdet_scale.backends.ddp import MODEL_FILE
+
+            shapes = archive(MODEL_FILE)["model"]
+        else:  # fairscale: the whole model, written by shard 0 of each replica
+            shapes = archive("model.pt")
+        return {str(k): tuple(v.shape if isinstance(v, torch.Tensor) else v) for k, v in shapes.items()}
+    except Exception:  # noqa: BLE001 - unreadable: the load reads it and names what is wrong
+        return None
+
+
+def _shape_difference(saved: dict[str, tuple[int, ...]], built: dict[str, tuple[int, ...]]) -> str | None:
+    """How the checkpoint's tensors ``saved`` differ from this run's ``built`` (the first
+    few of each kind), or ``None`` when they are the same names and shapes."""
+    extra = [k for k in saved if k not in built]
+    lacking = [k for k in built if k not in saved]
+    other = [k for k in built if k in saved and tuple(saved[k]) != tuple(built[k])]
+
+    def first(keys: list[str], show: Any = str) -> str:
+        more = f", ... ({len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else ""
+        return ", ".join(show(k) for k in keys[:_SHOWN]) + more
+
+    def shapes(k: str) -> str:
+        return f"{k}: checkpoint {list(saved[k])}, this run {list(built[k])}"
+
+    parts = []
+    if other:
+        parts.append(f"{len(other)} of another shape ({first(other, shapes)})")
+    if extra:
+        parts.append(f"{len(extra)} in the checkpoint that this run's model lacks ({first(extra)})")
+    if lacking:
+        parts.append(f"{len(lacking)} of this run's model that the checkpoint lacks ({first(lacking)})")
+    return "; ".join(parts) or None
+
+
+def _other_model_message(path: str, difference: str) -> str:
+    """The refusal of a checkpoint whose model tensors differ from this run's model:
+    where, how, and the likely cause, read from the settings record of the tag."""
+    from hdet_scale.backends.checkpoint_io import read_latest
+    from hdet_scale.train.resume_config import RECORD_FILE
+
+    tag = read_latest(path)
+    record = os.path.join(path, RECORD_FILE)
+    try:
+        with open(record) as f:
+            recorded = tag in json.load(f).get("runs", {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        recorded = False
+    if recorded:
+        cause = (f"Its model.* settings recorded in {record} are this run's, so its model files are not the ones "
+                 "that run saved (copied in from another run?): restore them, or start a new run_dir")
+    else:
+        cause = ("Likely a model.* setting (hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, "
+                 "tie_embeddings) differs from the run that saved it: the comparison of settings before a resume "
+                 f"was skipped, as {record} holds no record of {tag} (it was replaced by {{\"runs\": {{}}}}, or the "
+                 "checkpoint is older than the record). Resume with that run's model.* settings, or start a new "
+                 "run_dir")
+    return (f"train.resume: the checkpoint {path}/replica_*/{tag} holds another model than this run builds: "
+            f"{difference}. {cause}")
