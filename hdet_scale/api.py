@@ -84,10 +84,15 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     Raises:
         HDETConfigError: an unknown backend, an invalid config (every problem at once,
             before any collective, the same on every rank), ``optimizer=`` with
-            fairscale.
+            fairscale or not a function (an optimizer instance).
     """
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
+        # tester round 29: an optimizer instance was a TypeError ("'AdamW' object is not callable")
+        raise HDETConfigError(f"optimizer: expected a function params -> torch.optim.Optimizer, e.g. lambda params: "
+                              f"torch.optim.AdamW(params, lr=1e-3), got {type(optimizer).__name__!r} "
+                              "(the engine builds it over the parameters it wraps, FSDP2's shards)")
     ds = _load(config)
     if backend == "deepspeed":
         from hdet_scale.backends.deepspeed import initialize

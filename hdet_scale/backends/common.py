@@ -46,7 +46,7 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
         world: W (default: :func:`world_size`).
 
     Raises:
-        HDETConfigError: an invalid block, ``hdet.enabled`` false (these backends have no
+        HDETConfigError: a mapping with DeepSpeed keys but no ``"hdet"`` block; an invalid block, ``hdet.enabled`` false (these backends have no
             plain mode of their own: spread 0 with auto-LR off is plain data
             parallelism), ``replicas`` not dividing W, or a derived decay outside [0, 1).
     """
@@ -55,6 +55,17 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
         with open(config) as f:
             config = json.load(f)
     if isinstance(config, Mapping):
+        if "hdet" not in config:
+            from hdet_scale.ds_keys import valid_top_level_keys
+
+            # tester round 29: a DeepSpeed config without the block was read as the block
+            # itself, its keys called unknown hdet keys
+            ds_like = sorted(str(k) for k in config if k in valid_top_level_keys())
+            if ds_like:
+                raise HDETConfigError(f"hdet config: a DeepSpeed-style config (keys {', '.join(ds_like[:4])}"
+                                      f"{', ...' if len(ds_like) > 4 else ''}) without an \"hdet\" block: add one, "
+                                      "e.g. \"hdet\": {\"replicas\": 2, \"axes\": {\"lr\": {\"spread_ratio\": "
+                                      "0.2}}} (docs/config.md), or pass the hdet block itself")
         config = HDETConfig.from_dict(config["hdet"] if "hdet" in config else config)
     if not isinstance(config, HDETConfig):
         raise HDETConfigError(f"hdet config: expected an HDETConfig, a dict or a JSON path, got {type(config)}")

@@ -75,3 +75,32 @@ def test_deepspeed_initialize_without_an_optimizer_is_refused_before_any_collect
     with pytest.raises(HDETConfigError, match=r"^optimizer: HDET sets the optimizer's LR per replica, and this "
                                               r"DeepSpeed config has no 'optimizer' block and no optimizer= was given"):
         initialize(torch.nn.Linear(2, 2), ds)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "fairscale"])
+def test_a_deepspeed_config_without_an_hdet_block_is_named_as_such(backend):
+    """Tester round 29: ``prepare`` with a DeepSpeed-style config that has no ``"hdet"``
+    block read the whole config as the block ("hdet.train_micro_batch_size_per_gpu:
+    unknown key", "hdet.optimizer: unknown key"). Now one line saying the block is
+    missing; the bare block itself is still taken by the backends' resolve_config."""
+    from hdet_scale.backends.common import resolve_config
+
+    ds = {k: v for k, v in copy.deepcopy(BASE).items() if k != "hdet"}
+    with pytest.raises(HDETConfigError) as e:
+        hdet_scale.prepare(torch.nn.Linear(2, 2), ds, backend=backend)
+    assert str(e.value).startswith("hdet config: a DeepSpeed-style config (keys optimizer, "
+                                   "train_micro_batch_size_per_gpu) without an \"hdet\" block"), str(e.value)
+    assert "unknown key" not in str(e.value)
+    assert resolve_config(BASE["hdet"], world=1).replicas == 1  # the block alone
+    assert not torch.distributed.is_initialized()
+
+
+def test_an_optimizer_instance_instead_of_a_function_is_named():
+    """Tester round 29: ``prepare(..., optimizer=torch.optim.AdamW(...))`` raised "TypeError:
+    'AdamW' object is not callable" from inside prepare; the argument takes a function
+    ``params -> optimizer`` (the engine builds it over the parameters it wraps)."""
+    model = torch.nn.Linear(2, 2)
+    for bad in (torch.optim.AdamW(model.parameters()), "AdamW"):
+        with pytest.raises(HDETConfigError, match=r"^optimizer: expected a function params -> torch.optim.Optimizer"):
+            hdet_scale.prepare(model, copy.deepcopy(BASE), backend="ddp", optimizer=bad)
+    assert not torch.distributed.is_initialized()
