@@ -210,13 +210,19 @@ def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
     return isinstance(data, dict) and "nproc" in data
 
 
-def _print_engine_notes(run: dict, path: str | None = None) -> None:
+def _print_engine_notes(run: dict, path: str | None = None, overrides: list[str] | None = None) -> None:
     """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
-    than DeepSpeed would (``engines.engine_notes``), before any rank starts; and for a
-    config file ``path`` that sets nothing."""
+    than DeepSpeed would (``engines.engine_notes``), before any rank starts; for a
+    config file ``path`` that sets nothing; for a mapping override that keeps keys."""
+    from hdet_scale.train.config import packaged
+    from hdet_scale.train.config_files import load_deepspeed_json
+    from hdet_scale.train.config_merge import kept_by_merge
     from hdet_scale.train.engines import engine_notes
 
-    notes = engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run) + _never_notes(run)
+    ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
+    kept = kept_by_merge(overrides or [], load_deepspeed_json(ds_path),
+                         ds_path if run["deepspeed_config"] else "the packaged deepspeed.json")
+    notes = engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run) + _never_notes(run) + kept
     for note in _empty_file_notes(path) + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
 
@@ -342,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_extensions_dir()
             install_rank_handlers(run, announce=rank == 0)
             if rank == 0:
-                _print_engine_notes(run, path)
+                _print_engine_notes(run, path, overrides)
                 _print_resume_notice(run, quiet_errors=True)
             quiet = False
             from torch.distributed import DistNetworkError
@@ -382,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         from hdet_scale.train.run_lock import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
-        _print_engine_notes(run, path)
+        _print_engine_notes(run, path, overrides)
         _print_resume_notice(run)
         if run["backend"] == "deepspeed":
             check_extensions_dir()  # before stale_trainer_locks looks inside it

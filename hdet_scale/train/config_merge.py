@@ -29,6 +29,37 @@ def refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None
                                   f"{key}.{inner}=...), or give your own deepspeed_config file")
 
 
+def kept_by_merge(overrides: list[str], ds: dict, ds_path: str) -> list[str]:
+    """Note lines for ``deepspeed.<key>={...}`` overrides (a mapping) over an object of the
+    DeepSpeed JSON ``ds`` that has keys the mapping leaves out: overrides merge, so those
+    stay (tester round 29: ``deepspeed.hdet.axes={weight_decay: {...}}`` read as "these
+    axes only" kept the packaged lr spread without a word). Never raises."""
+    import yaml
+
+    notes = []
+    for o in overrides:
+        key, _, value = (part.strip() for part in o.partition("="))
+        if not key.startswith("deepspeed.") or not value.startswith("{"):
+            continue
+        try:
+            given = yaml.safe_load(value)
+        except yaml.YAMLError:
+            continue
+        node: Any = ds
+        for part in key.split(".")[1:]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(given, dict) or not given or not isinstance(node, dict):
+            continue
+        kept = [str(k) for k in node if k not in given]
+        if kept:
+            first = kept[0]
+            notes.append(f"override {key}={{...}} merges into {ds_path}: its {', '.join(kept)} "
+                         f"{'is' if len(kept) == 1 else 'are'} kept as there (to change {first}, set "
+                         f"{key}.{first}.<key>=..." + (", e.g. spread_ratio=0 to drop the axis)" if key.endswith(".axes")
+                                                       else ")"))
+    return notes
+
+
 def empty_over_full(given: Any, base: Any, key: str) -> tuple[str, list] | None:
     """The first ``(dotted key, kept keys)`` where ``given`` holds ``{}`` over a non-empty
     object of ``base``, or ``None``."""

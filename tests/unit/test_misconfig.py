@@ -1012,3 +1012,22 @@ def test_an_optimizer_block_without_a_type_names_the_type(ds_keys, optimizer, li
     with pytest.raises(HDETConfigError) as e:
         ds_keys.check_deepspeed_keys(ds, strict=True, prefix="deepspeed.")
     assert str(e.value).splitlines()[1:] == [f"  {refused[0]}"]
+
+
+def test_a_mapping_override_that_keeps_keys_of_the_json_gets_a_note():
+    """Tester round 29: ``'deepspeed.hdet.axes={weight_decay: {spread_ratio: 0.5}}'`` reads as
+    "these axes only", but overrides merge, so the packaged lr spread stayed without a word
+    (as ``axes={}`` did before it was refused). A note names what is kept; a mapping that
+    covers every key, a dotted override and a non-mapping value get none."""
+    from hdet_scale.train.config import packaged
+    from hdet_scale.train.config_files import load_deepspeed_json
+    from hdet_scale.train.config_merge import kept_by_merge
+
+    ds = load_deepspeed_json(packaged("deepspeed.json"))
+    assert list(ds["hdet"]["axes"]) == ["lr"]
+    notes = kept_by_merge(["deepspeed.hdet.axes={weight_decay: {spread_ratio: 0.5}}"], ds, "the packaged deepspeed.json")
+    assert notes == ["override deepspeed.hdet.axes={...} merges into the packaged deepspeed.json: its lr is kept as "
+                     "there (to change lr, set deepspeed.hdet.axes.lr.<key>=..., e.g. spread_ratio=0 to drop the axis)"]
+    assert kept_by_merge(["deepspeed.hdet.axes={lr: {spread_ratio: 0.2}, weight_decay: {spread_ratio: 0.5}}",
+                          "deepspeed.hdet.axes.weight_decay.spread_ratio=0.5", "deepspeed.hdet.replicas=2",
+                          "train.steps={a: 1}"], ds, "x") == []
