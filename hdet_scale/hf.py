@@ -59,7 +59,14 @@ from hdet_scale.backends.common import (
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.hf_config import _checkable, check_run_length, ignored_scheduler_args, resolve_auto  # noqa: F401 - resolve_auto: public here
+from hdet_scale.hf_config import (  # noqa: F401 - resolve_auto: public here
+    _checkable,
+    check_run_length,
+    check_trainer_values,
+    explain_total_steps,
+    ignored_scheduler_args,
+    resolve_auto,
+)
 from hdet_scale.hf_deepspeed import check_partitions, zero_init  # noqa: F401 - zero_init is public here
 from hdet_scale.hf_fsdp import fsdp_block
 from hdet_scale.topology import Topology
@@ -96,7 +103,9 @@ class HDETTrainer(Trainer):
     DeepSpeed config given as ``TrainingArguments(deepspeed=...)``, or of
     ``TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2, "hdet": {...}})``
     for FSDP2 through Accelerate (:mod:`hdet_scale.hf_fsdp`; every key: docs/config.md).
-    Without a block (or ``"enabled": false``) it is the plain ``Trainer``.
+    Without a block (or ``"enabled": false``) it is the plain ``Trainer``; without one
+    (no ``"hdet"`` key, ``"hdet": null``, or neither ``deepspeed=`` nor an
+    ``fsdp_config`` block) it warns so (``UserWarning``), ``"enabled": false`` is silent.
 
     Args:
         *args, **kwargs: ``Trainer``'s. The model is built whole on every rank
@@ -125,11 +134,27 @@ class HDETTrainer(Trainer):
             block; ``load_best_model_at_end`` (its load reads the engine's own layout); a
             missing ``probe`` where auto-LR scores by probe; on FSDP2, what
             :func:`hdet_scale.hf_fsdp.check_args` and ``check_enabled`` refuse (FSDP
-            off or version 1, a ``parallelism_config``).
+            off or version 1, a ``parallelism_config``); an ``hdet`` block in
+            ``fsdp_config`` while ``TrainingArguments.deepspeed`` is set (it would be
+            unused); a DeepSpeed value that disagrees with ``TrainingArguments``
+            (transformers' own list, which ``Trainer`` refuses only when training starts:
+            :func:`hdet_scale.hf_config.check_trainer_values`); a block without
+            ``schedule.total_steps`` (the message names ``"auto"``).
+
+    Warns:
+        UserWarning: no ``hdet`` block (HDET off: a plain ``Trainer`` run); ``Trainer``
+            scheduler settings the block overrides; an explicit ``total_steps`` longer
+            than the run.
     """
 
     def __init__(self, *args: Any, probe: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if (training_args is not None and getattr(training_args, "deepspeed", None)
+                and fsdp_block(training_args) is not None):
+            # the DeepSpeed config's block (or none) would be used, this one ignored
+            raise HDETConfigError("TrainingArguments.fsdp_config: its 'hdet' block is unused when "
+                                  "TrainingArguments.deepspeed is set (the DeepSpeed config's block, or none, "
+                                  "decides); put the block in the DeepSpeed JSON, or drop deepspeed= for FSDP2")
         if (training_args is not None and getattr(training_args, "hf_deepspeed_config", None) is None
                 and fsdp_block(training_args) is not None):
             hf_fsdp.check_args(training_args)  # before Trainer builds its Accelerator
@@ -148,6 +173,11 @@ class HDETTrainer(Trainer):
             if probe is not None:
                 raise HDETConfigError("HDETTrainer(probe=...): no 'hdet' block in TrainingArguments(deepspeed=...) "
                                       "or fsdp_config; add one (docs/config.md) or drop probe")
+            if block is None:
+                warnings.warn("HDETTrainer found no hdet block (looked in TrainingArguments.deepspeed's config and "
+                              "TrainingArguments.fsdp_config): this is a plain Trainer run, HDET is off; add an "
+                              "\"hdet\" block (docs/hf_trainer.md) or use transformers.Trainer", UserWarning,
+                              stacklevel=2)
             return
         if self.args.load_best_model_at_end:
             raise HDETConfigError("TrainingArguments.load_best_model_at_end: not supported with an hdet block (the "
@@ -180,15 +210,19 @@ class HDETTrainer(Trainer):
         """The config (:func:`_checkable` for a run of ``max_steps``) validated as
         :func:`hdet_scale.initialize` does: the DeepSpeed config with its block, or the
         block of ``fsdp_config``."""
-        if self._hdet_fsdp:
-            block = fsdp_block(self.args)
-            cfg = resolve_config(_checkable({"hdet": block}, max_steps), world=self.args.world_size)
-        else:
-            from hdet_scale.backends.deepspeed import prepare_config
+        try:
+            if self._hdet_fsdp:
+                block = fsdp_block(self.args)
+                cfg = resolve_config(_checkable({"hdet": block}, max_steps), world=self.args.world_size)
+            else:
+                from hdet_scale.backends.deepspeed import prepare_config
 
-            ds = self._deepspeed_config()
-            block = ds.get("hdet")
-            cfg, _ = prepare_config(_checkable(ds, max_steps), world_size=self.args.world_size)
+                check_trainer_values(self.args.hf_deepspeed_config)  # before HDET's batch check
+                ds = self._deepspeed_config()
+                block = ds.get("hdet")
+                cfg, _ = prepare_config(_checkable(ds, max_steps), world_size=self.args.world_size)
+        except HDETConfigError as e:
+            raise explain_total_steps(e) from None
         check_run_length(block, max_steps)
         return cfg
 

@@ -90,3 +90,41 @@ def ignored_scheduler_args(args: Any) -> str | None:
         return None
     return (f"TrainingArguments {', '.join(set_)}: not used with an hdet block; the LR follows hdet.schedule "
             "(name, pct_start or warmup_steps, total_steps: docs/config.md)")
+
+
+def check_trainer_values(hf_ds_config: Any) -> None:
+    """Refuse the DeepSpeed values that disagree with ``TrainingArguments`` before HDET's
+    own checks see them (tester: ``"gradient_accumulation_steps": 4`` against
+    ``TrainingArguments(gradient_accumulation_steps=2)`` was reported as a
+    ``train_batch_size`` the user never wrote, the one ``Trainer`` had filled for
+    ``"auto"``). The list is transformers' own: ``HfTrainerDeepSpeedConfig.trainer_config_process``
+    (run when ``TrainingArguments`` is built) records each explicit value that differs
+    (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+    ``train_batch_size``, the optimizer's, ...) and ``Trainer`` refuses them only when
+    training starts (``trainer_config_finalize``).
+
+    Raises:
+        HDETConfigError: one line naming each disagreement (DeepSpeed's value and
+            ``TrainingArguments``') and the fix.
+    """
+    mismatches = getattr(hf_ds_config, "mismatches", None) or ()
+    found = list(dict.fromkeys(str(m).lstrip("- ").strip() for m in mismatches))
+    if found:
+        raise HDETConfigError("TrainingArguments(deepspeed=...): the DeepSpeed config disagrees with "
+                              f"TrainingArguments ({'; '.join(found)}); set these DeepSpeed values to \"auto\" "
+                              "(Trainer fills them from TrainingArguments) or give TrainingArguments the same values")
+
+
+_NO_TOTAL_STEPS = "must be an integer >= 1 (optimizer steps in the run), got None"
+
+
+def explain_total_steps(err: HDETConfigError) -> HDETConfigError:
+    """``err`` with its ``hdet.schedule.total_steps ... got None`` line (the block sets no
+    run length) told what :class:`~hdet_scale.hf.HDETTrainer` takes instead; ``err``
+    itself when it has no such line."""
+    text = str(err)
+    if _NO_TOTAL_STEPS not in text:
+        return err
+    return HDETConfigError(text.replace(_NO_TOTAL_STEPS, "not set; with HDETTrainer write \"total_steps\": \"auto\" "
+                                        "in hdet.schedule (the Trainer's optimizer steps: TrainingArguments.max_steps, "
+                                        "or epochs x steps per epoch) or a number of optimizer steps"))

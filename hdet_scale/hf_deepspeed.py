@@ -32,14 +32,17 @@ def zero_init(args: Any, **kwargs: Any) -> Any:
     ``deepspeed.zero.Init``. Collective (the layout, on first use).
 
     Raises:
-        HDETConfigError: as :func:`build_topology`, or an invalid config.
+        HDETConfigError: as :func:`build_topology`, a DeepSpeed value that disagrees with
+            ``TrainingArguments`` (:func:`hdet_scale.hf_config.check_trainer_values`), or
+            an invalid config.
     """
     import deepspeed
 
     from hdet_scale.backends.deepspeed import zero_init as _zero_init
     from hdet_scale.hf import build_topology
-    from hdet_scale.hf_config import _checkable
+    from hdet_scale.hf_config import _checkable, check_trainer_values
 
+    check_trainer_values(args.hf_deepspeed_config)
     topology = build_topology(args)
     # Accelerate initialised torch.distributed, not DeepSpeed's comm layer, which zero.Init
     # reads (without it, its config sees a world of 1 and refuses the batch size).

@@ -1,0 +1,138 @@
+"""``HDETTrainer(...)`` at construction, in this process (gloo, world of one): what it says
+about a missing block, a DeepSpeed value that disagrees with ``TrainingArguments``, an
+``fsdp_config`` block beside a DeepSpeed config, and a block without ``total_steps``.
+
+The Trainer, Accelerate and DeepSpeed's config are the real ones; no step is trained (each
+case is decided before ``train()``, a few seconds for the module).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+import hf_workers as H  # noqa: E402
+
+from hdet_scale.errors import HDETConfigError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory):
+    """A gloo group of one rank (``TrainingArguments(deepspeed=...)`` needs one), and,
+    afterwards, Accelerate's, transformers' and DeepSpeed's process-wide state cleared and
+    the environment restored (Accelerate leaves ``ACCELERATE_USE_DEEPSPEED=true``, which
+    later spawned ranks inherit: a plain FSDP ``Trainer`` there would see DeepSpeed on)."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    store = tmp_path_factory.mktemp("hf_world") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        from accelerate.state import AcceleratorState
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        try:
+            import deepspeed.comm.comm as ds_comm
+
+            ds_comm.cdb = None
+        except ImportError:  # pragma: no cover - deepspeed layout
+            pass
+        dist.destroy_process_group()
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+
+
+def _args(tmp_path, deepspeed=None, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_steps=4, report_to=[], ddp_backend="gloo", use_cpu=True, disable_tqdm=True)
+    return TrainingArguments(deepspeed=deepspeed, **{**base, **kw})
+
+
+def _block() -> dict:
+    return {**H.hdet_block(0.2, False), "replicas": 1}
+
+
+def _trainer(args):
+    from hdet_scale.hf import HDETTrainer
+
+    return HDETTrainer(model=H.build_model(), args=args, train_dataset=H.Progressions())
+
+
+def _no_block_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "found no hdet block" in str(w.message)]
+
+
+@pytest.mark.parametrize("ds", [H.ds_config(None), {**H.ds_config(None), "hdet": None}, None],
+                         ids=["no-key", "null", "no-deepspeed"])
+def test_a_trainer_without_a_block_warns_that_hdet_is_off(world_of_one, tmp_path, ds):
+    """Tester: without an ``hdet`` block (no key, ``"hdet": null``, or no DeepSpeed config
+    nor ``fsdp_config`` block) HDETTrainer trained as a plain Trainer without a word. It
+    now warns once, naming where it looked; ``"enabled": false`` stays silent."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = _trainer(_args(tmp_path, ds))
+    assert not trainer._hdet_enabled
+    said = _no_block_warnings(record)
+    assert len(said) == 1, [str(w.message) for w in record]
+    assert "TrainingArguments.deepspeed" in said[0] and "fsdp_config" in said[0], said[0]
+    assert "plain Trainer" in said[0] and "transformers.Trainer" in said[0], said[0]
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _trainer(_args(tmp_path, {**H.ds_config(None), "hdet": {"enabled": False}}))
+    assert _no_block_warnings(record) == []
+
+
+def test_a_deepspeed_value_that_disagrees_with_training_arguments_is_named(world_of_one, tmp_path):
+    """Tester: ``"gradient_accumulation_steps": 4`` in the JSON against
+    ``TrainingArguments(gradient_accumulation_steps=2)`` was reported as a
+    ``train_batch_size`` the user never wrote (Trainer had filled its "auto"). The
+    refusal names both values and the fix."""
+    ds = {**H.ds_config(_block()), "gradient_accumulation_steps": 4}
+    with pytest.raises(HDETConfigError) as err:
+        _trainer(_args(tmp_path, ds))
+    text = str(err.value)
+    assert "gradient_accumulation_steps=4" in text and "gradient_accumulation_steps=2" in text, text
+    assert "'auto'" in text or '"auto"' in text, text
+    assert "train_batch_size" not in text, text
+    assert "\n" not in text.strip(), text
+
+
+def test_an_fsdp_config_block_beside_a_deepspeed_config_is_refused(world_of_one, tmp_path):
+    """Tester: an ``hdet`` block in ``fsdp_config`` was ignored without a word when
+    ``deepspeed=`` was given too (the DeepSpeed JSON's block, or none, was used)."""
+    for ds in (H.ds_config(_block()), H.ds_config(None)):
+        args = _args(tmp_path, copy.deepcopy(ds), fsdp_config={"hdet": _block()})
+        with pytest.raises(HDETConfigError) as err:
+            _trainer(args)
+        text = str(err.value)
+        assert "fsdp_config" in text and "TrainingArguments.deepspeed" in text and "DeepSpeed" in text, text
+
+
+@pytest.mark.parametrize("max_steps", [4, -1])
+def test_a_block_without_total_steps_is_told_about_auto(world_of_one, tmp_path, max_steps):
+    """Tester: ``"hdet": {}`` said ``total_steps ... got None``; for HDETTrainer the fix
+    is ``"total_steps": "auto"`` (the Trainer's optimizer steps) or a number."""
+    ds = H.ds_config({"replicas": 1})
+    with pytest.raises(HDETConfigError) as err:
+        _trainer(_args(tmp_path, ds, max_steps=max_steps, num_train_epochs=1))
+    text = str(err.value)
+    assert "hdet.schedule.total_steps" in text and '"total_steps": "auto"' in text, text
+    assert "max_steps" in text and "got None" not in text, text
