@@ -62,7 +62,7 @@ if [[ -z "${GPUS:-}" ]]; then
   GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
 fi
-need_int GPUS "${GPUS}" 1
+need_int GPUS "${GPUS}" 1 "processes on this node" 4096
 need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # torch's shared rendezvous store breaks restarts (a restarted rank reads the dead

@@ -264,6 +264,12 @@ def _never_notes(run: dict) -> list[str]:
         cfg = HDETConfig.from_dict(hdet)
     except Exception:  # noqa: BLE001 - a note is never worth failing a validated run
         return notes
+    if cfg.replicas == 1 and "replicas" not in hdet:
+        # tester round 30: a block from overrides only (sync_interval, auto.*) ran one
+        # replica group, plain data parallelism, without a word
+        notes.append("deepspeed.hdet.replicas=1 (the default): one replica group, so no spread, converge or "
+                     "auto-LR acts and the run is plain data parallelism; set deepspeed.hdet.replicas=2 (or more, "
+                     "dividing nproc) and a spread (deepspeed.hdet.axes.lr.spread_ratio=0.2)")
     default = "" if "sync_interval" in hdet else " (the default)"
     if cfg.replicas > 1 and cfg.sync_interval > steps:
         notes.append(f"deepspeed.hdet.sync_interval={cfg.sync_interval}{default} > train.steps={steps}: no sync "
@@ -365,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
                 raise HDETConfigError(f"environment: the process group could not start at MASTER_ADDR:MASTER_PORT = "
                                       f"{where} ({reason}); choose a free MASTER_PORT, or let torchrun choose "
                                       "(--standalone)") from None
+            except RuntimeError as e:
+                from hdet_scale.train.launcher import PEER_LOST, peer_lost
+
+                if not peer_lost(e):
+                    raise
+                # tester round 30: under torchrun, gloo's "Connection reset by peer" traceback on
+                # each rank that outlived a dead one; torchrun's own lines name the failure
+                print(f"hdet-train: rank {rank}: lost the connection to a rank that ended "
+                      f"({str(e).strip().splitlines()[0][:200]})", file=sys.stderr, flush=True)
+                return PEER_LOST
             settle(0)  # done: a signal now (the launcher ending the job) changes nothing
             if rank == 0:
                 print(json.dumps(summary, indent=2), flush=True)

@@ -75,7 +75,7 @@ class RunConfig:
 
 # The sections of the run config that hold keys of their own, with an example key for messages.
 _SECTIONS = {"model": ("hidden_size", 256), "data": ("path", "/my/corpus"), "train": ("steps", 100),
-             "wandb": ("enabled", False)}
+             "wandb": ("enabled", False), "deepspeed": ("train_micro_batch_size_per_gpu", 4)}
 
 
 def _leaf_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:

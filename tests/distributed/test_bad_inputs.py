@@ -679,8 +679,13 @@ SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLU
 
 
 @pytest.mark.parametrize("script,env,needle", [
-    ("torchrun_single_node.sh", {"GPUS": "abc"}, "torchrun_single_node.sh: GPUS=abc: expected an integer >= 1"),
-    ("torchrun_single_node.sh", {"GPUS": "1", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: expected an integer >= 0"),
+    ("torchrun_single_node.sh", {"GPUS": "abc"}, "torchrun_single_node.sh: GPUS=abc: expected an integer in [1, 4096]"),
+    ("torchrun_single_node.sh", {"GPUS": "1", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: expected an integer in [0, "),
+    # round 30: 08 was bash's "value too great for base" and a refusal; 10^20 a silent growing torchrun
+    ("torchrun_single_node.sh", {"GPUS": "99999999999999999999"}, "GPUS=99999999999999999999: expected an integer "
+                                                                  "in [1, 4096]"),
+    ("torchrun_multi_node.sh", {**MULTI_NODE, "GPUS": "99999999999999999999"}, "GPUS=99999999999999999999: "
+                                                                               "expected an integer in [1, 4096]"),
     ("torchrun_multi_node.sh", {"NNODES": "1", "NODE_RANK": "x", "MASTER_ADDR": "a"},
      "torchrun_multi_node.sh: NODE_RANK=x: expected an integer >= 0"),
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_without_slots"},

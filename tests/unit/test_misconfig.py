@@ -23,6 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import re
 import os
 import threading
 import time
@@ -1031,3 +1032,29 @@ def test_a_mapping_override_that_keeps_keys_of_the_json_gets_a_note():
     assert kept_by_merge(["deepspeed.hdet.axes={lr: {spread_ratio: 0.2}, weight_decay: {spread_ratio: 0.5}}",
                           "deepspeed.hdet.axes.weight_decay.spread_ratio=0.5", "deepspeed.hdet.replicas=2",
                           "train.steps={a: 1}"], ds, "x") == []
+
+
+def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(tmp_path):
+    """Tester round 30: ``deepspeed=[1,2]`` (or a YAML list there) was OmegaConf's "Cannot
+    merge incompatible container types" traceback, ``deepspeed=null`` ran the defaults; a
+    DeepSpeed JSON without a block plus ``deepspeed.hdet.sync_interval=2`` ran one replica
+    group (plain data parallelism) without a word: a note names the default replicas=1."""
+    from hdet_scale.train.cli import _never_notes
+    from hdet_scale.train.config import load_run_config, packaged
+
+    for value, shown in (("[1,2]", "[1, 2]"), ("[]", "[]"), ("null", "null"), ("5", "5")):
+        with pytest.raises(HDETConfigError, match=r"^deepspeed: must be a mapping of deepspeed.\* keys, e\.g\. "
+                                                  rf"deepspeed.train_micro_batch_size_per_gpu=4; got {re.escape(shown)}$"):
+            load_run_config(None, [f"deepspeed={value}"])
+    (tmp_path / "run.yaml").write_text("deepspeed: [1, 2]\n")
+    with pytest.raises(HDETConfigError, match=r"run.yaml'?: deepspeed: must be a mapping"):
+        load_run_config(str(tmp_path / "run.yaml"), [])
+    ds = json.loads(open(packaged("deepspeed.json")).read())
+    ds.pop("hdet")
+    (tmp_path / "nohdet.json").write_text(json.dumps(ds))
+    run = load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.sync_interval=2",
+                                 "train.steps=20"])
+    assert any(n.startswith("deepspeed.hdet.replicas=1 (the default): one replica group") for n in _never_notes(run))
+    run = load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.replicas=1",
+                                 "deepspeed.hdet.sync_interval=2", "train.steps=20"])
+    assert not any("replicas=1" in n for n in _never_notes(run))  # set on purpose: no note
