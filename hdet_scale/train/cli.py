@@ -213,16 +213,17 @@ def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
 def _print_engine_notes(run: dict, path: str | None = None, overrides: list[str] | None = None) -> None:
     """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
     than DeepSpeed would (``engines.engine_notes``), before any rank starts; for a
-    config file ``path`` that sets nothing; for a mapping override that keeps keys."""
+    config file ``path`` that sets nothing; for what the DeepSpeed JSON keeps under the
+    overrides (a new ``optimizer.type``, a mapping override: read once, here)."""
     from hdet_scale.train.config import packaged
     from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.config_merge import kept_by_merge
     from hdet_scale.train.engines import engine_notes
-
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
-    kept = kept_by_merge(overrides or [], load_deepspeed_json(ds_path),
-                         ds_path if run["deepspeed_config"] else "the packaged deepspeed.json")
-    notes = engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run) + _never_notes(run) + kept
+    shown = ds_path if run["deepspeed_config"] else "the packaged deepspeed.json"
+    file_ds = load_deepspeed_json(ds_path)
+    notes = (engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run, file_ds) + _never_notes(run)
+             + kept_by_merge(overrides or [], file_ds, shown))
     for note in _empty_file_notes(path) + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
 
@@ -239,16 +240,16 @@ def _empty_file_notes(path: str | None) -> list[str]:
             "the run uses the packaged defaults and the key=value overrides"]
 
 
-def _switch_notes(run: dict) -> list[str]:
+def _switch_notes(run: dict, file_ds: dict | None = None) -> list[str]:
     """What a new ``optimizer.type`` left out of the DeepSpeed JSON's params
-    (``optimizer_switch``), read again from that file."""
+    (``optimizer_switch``); ``file_ds``: that JSON as read (read here if not given)."""
     from hdet_scale.train.config import packaged
     from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.optimizer_switch import switch_note
 
     path = run["deepspeed_config"] or packaged("deepspeed.json")
-    note = switch_note(load_deepspeed_json(path), run["deepspeed"], path if run["deepspeed_config"] else
-                       "the packaged deepspeed.json")
+    note = switch_note(load_deepspeed_json(path) if file_ds is None else file_ds, run["deepspeed"],
+                       path if run["deepspeed_config"] else "the packaged deepspeed.json")
     return [note] if note else []
 
 

@@ -19,6 +19,7 @@ from hdet_scale.errors import HDETConfigError, HDETStateError
 USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
 _REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
 PEER_LOST = 4  # a rank's exit code (the launcher's own is 1) when gloo lost a peer: peer_lost()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what the launcher acts on
 REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
 
 
@@ -151,7 +152,7 @@ def launch_local(run: dict) -> int:
         def stopped(signum, frame):
             raise _Stopped(signum)
 
-        saved = {sig: signal.signal(sig, stopped) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        saved = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS
                  if signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             os.environ.update(share())
@@ -189,7 +190,6 @@ def launch_local(run: dict) -> int:
                 if p.is_alive():
                     p.kill()
 
-    stop_signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     # The ranks start with SIGINT and SIGHUP ignored (kept through exec; Python then
     # installs no KeyboardInterrupt handler): the terminal sends a Ctrl-C, or SIGHUP when it
     # closes, to every process of the job, and only this launcher acts on it, ending the
@@ -242,7 +242,7 @@ def launch_local(run: dict) -> int:
         print(f"hdet-train: {describe_failures(failed)}. {resume_advice(run)}", file=sys.stderr)
         return 1
     finally:
-        for s in stop_signals:
+        for s in STOP_SIGNALS:
             # The exit code is decided (this is hdet-train's last act): a signal arriving
             # now, a repeat after a stop (the group's copy of timeout's SIGTERM, a late
             # second Ctrl-C) or a first one after the ranks ended, must not turn it into a
