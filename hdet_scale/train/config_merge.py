@@ -11,6 +11,14 @@ from typing import Any
 from hdet_scale.errors import HDETConfigError
 
 
+def _node(ds: dict, key: str) -> Any:
+    """What ``deepspeed.<dotted key>`` names in the DeepSpeed JSON ``ds`` (``None``: nothing)."""
+    node: Any = ds
+    for part in key.split(".")[1:]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None:
     """``deepspeed.<key>={}`` where the DeepSpeed JSON has a non-empty object: overrides
     merge, so ``{}`` changes nothing (tester round 18: ``deepspeed.hdet.axes={}`` kept the
@@ -19,9 +27,7 @@ def refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None
         key, value = (part.strip() for part in o.split("=", 1))
         if not key.startswith("deepspeed.") or value.replace(" ", "") != "{}":
             continue
-        node: Any = ds
-        for part in key.split(".")[1:]:
-            node = node.get(part) if isinstance(node, dict) else None
+        node = _node(ds, key)
         if isinstance(node, dict) and node:
             inner = next(iter(node))
             raise HDETConfigError(f"override {o!r}: overrides merge into {ds_path}, so {{}} changes nothing there (it "
@@ -45,9 +51,7 @@ def kept_by_merge(overrides: list[str], ds: dict, ds_path: str) -> list[str]:
             given = yaml.safe_load(value)
         except yaml.YAMLError:
             continue
-        node: Any = ds
-        for part in key.split(".")[1:]:
-            node = node.get(part) if isinstance(node, dict) else None
+        node = _node(ds, key)
         if not isinstance(given, dict) or not given or not isinstance(node, dict):
             continue
         kept = [str(k) for k in node if k not in given]
