@@ -219,10 +219,11 @@ def _print_engine_notes(run: dict, path: str | None = None, overrides: list[str]
     from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.config_merge import kept_by_merge
     from hdet_scale.train.engines import engine_notes
+    from hdet_scale.train.run_notes import never_notes
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
     shown = ds_path if run["deepspeed_config"] else "the packaged deepspeed.json"
     file_ds = load_deepspeed_json(ds_path)
-    notes = (engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run, file_ds) + _never_notes(run)
+    notes = (engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run, file_ds) + never_notes(run)
              + kept_by_merge(overrides or [], file_ds, shown))
     for note in _empty_file_notes(path) + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
@@ -251,48 +252,6 @@ def _switch_notes(run: dict, file_ds: dict | None = None) -> list[str]:
     note = switch_note(load_deepspeed_json(path) if file_ds is None else file_ds, run["deepspeed"],
                        path if run["deepspeed_config"] else "the packaged deepspeed.json")
     return [note] if note else []
-
-
-def _never_notes(run: dict) -> list[str]:
-    """Settings that never act in a run of ``train.steps`` steps (tester round 13: said
-    nothing): a sync interval, checkpoint cadence or logging cadence longer than the run, a
-    schedule longer than the run (it never anneals)."""
-    from hdet_scale.config import HDETConfig
-
-    steps, hdet = run["train"]["steps"], run["deepspeed"].get("hdet") or {}
-    notes = []
-    try:  # validated already; the defaults the block leaves out count too (tester round 28)
-        cfg = HDETConfig.from_dict(hdet)
-    except Exception:  # noqa: BLE001 - a note is never worth failing a validated run
-        return notes
-    if cfg.replicas == 1 and "replicas" not in hdet:
-        # tester round 30: a block from overrides only (sync_interval, auto.*) ran one
-        # replica group, plain data parallelism, without a word
-        notes.append("deepspeed.hdet.replicas=1 (the default): one replica group, so no spread, converge or "
-                     "auto-LR acts and the run is plain data parallelism; set deepspeed.hdet.replicas=2 (or more, "
-                     "dividing nproc) and a spread (deepspeed.hdet.axes.lr.spread_ratio=0.2)")
-    default = "" if "sync_interval" in hdet else " (the default)"
-    if cfg.replicas > 1 and cfg.sync_interval > steps:
-        notes.append(f"deepspeed.hdet.sync_interval={cfg.sync_interval}{default} > train.steps={steps}: no sync "
-                     "during the run (no auto-LR step, the replicas are averaged only by the final converge)")
-    if cfg.replicas > 1 and not any(a.spread_ratio for a in cfg.axes.values()):
-        notes.append(f"deepspeed.hdet: {cfg.replicas} replica groups but no axis has a spread (axes.<name>."
-                     "spread_ratio, e.g. deepspeed.hdet.axes.lr.spread_ratio=0.2): they train with the same "
-                     "hyperparameters, averaged every sync_interval steps, and nothing is searched")
-    sched = hdet.get("schedule") if isinstance(hdet, dict) else None
-    total = sched.get("total_steps") if isinstance(sched, dict) else None
-    if isinstance(total, int) and not isinstance(total, bool) and total > steps:  # config.py filled and checked it
-        notes.append(f"deepspeed.hdet.schedule.total_steps={total} > train.steps={steps}: the run covers the "
-                     f"schedule's first {steps} steps only and ends before its LR anneals (leave total_steps out, "
-                     "or set it to train.steps, to run the whole schedule)")
-    every = run["train"].get("checkpoint_every")
-    if isinstance(every, int) and every >= steps:
-        notes.append(f"train.checkpoint_every={every} >= train.steps={steps}: no checkpoint before the end of the run")
-    log_every = ((hdet.get("logging") or {}).get("every") if isinstance(hdet, dict) else None)
-    if isinstance(log_every, int) and log_every > steps:
-        notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets no per-step "
-                     "record (the syncs' records only)")
-    return notes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from hdet_scale.config_checks import MAX_STEPS, seed_ok
 from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.train.config_merge import container_clash as _container_clash
 from hdet_scale.train.config_merge import empty_over_full as _empty_over_full
+from hdet_scale.train.config_merge import null_over_file_hint
 from hdet_scale.train.config_merge import refuse_empty_over_full as _refuse_empty_over_full
 from hdet_scale.train.optimizer_switch import drop_foreign_params
 from hdet_scale.errors import HDETConfigError
@@ -164,7 +165,13 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         raise HDETConfigError(f"deepspeed: {describe(e)} (merging the overrides into {ds_path})") from None
     # optimizer.type=SGD over the file's AdamW
     drop_foreign_params(ds, given, run["deepspeed"], torch_engine=run.get("backend") != "deepspeed")
-    _validate(run)
+    try:
+        _validate(run)
+    except HDETConfigError as e:
+        hint = null_over_file_hint(overrides, ds, ds_path, str(e))
+        if hint is None:
+            raise
+        raise HDETConfigError(f"{e}\n  {hint}") from None
     _hdet_logging(run, explicit_wandb)
     return run
 

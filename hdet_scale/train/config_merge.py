@@ -92,3 +92,18 @@ def container_clash(base: Any, over: Any, key: str) -> str | None:
     if b and o and b != o:
         return f"{key}: expected {b} (as in the DeepSpeed config), got {o}: {over!r}"[:400]
     return None
+
+
+def null_over_file_hint(overrides: list[str], ds: dict, ds_path: str, message: str) -> str | None:
+    """The line added to a refusal of ``deepspeed.<key>=null`` where ``<key>`` is in the
+    DeepSpeed JSON (tester round 30: ``deepspeed.gradient_clipping=null``, meant as
+    "leave it out", was "must be a number >= 0, got None", not saying how to leave it
+    out). ``message``: the refusal's text; the hint is given only for a key it names."""
+    for o in overrides:
+        key, _, value = (part.strip() for part in o.partition("="))
+        if not key.startswith("deepspeed.") or value not in ("null", "~", "Null", "NULL"):
+            continue
+        if _node(ds, key) is not None and f"{key}:" in message:
+            return (f"{key}=null sets null, it does not remove {key.split('.', 1)[1]} from {ds_path} (overrides "
+                    "merge into it): to leave the key out, give your own deepspeed_config file without it")
+    return None

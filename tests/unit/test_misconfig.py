@@ -660,7 +660,7 @@ def test_hdet_train_refuses_groups_its_optimizer_does_not_have(override, line):
 
 
 def test_a_schedule_longer_than_the_run_gets_a_note(tmp_path):
-    from hdet_scale.train.cli import _never_notes
+    from hdet_scale.train.run_notes import never_notes as _never_notes
     from hdet_scale.train.config import load_run_config
 
     run = load_run_config(None, ["train.steps=50", "deepspeed.hdet.schedule.total_steps=300"])
@@ -678,7 +678,7 @@ def test_a_deepspeed_json_without_an_hdet_block_is_refused_and_a_block_that_sear
     every backend; ``{"replicas": 2}`` alone trained two replica groups with no spread and
     the default sync_interval 1000 past an 8-step run, also without a word (the note named
     sync_interval only when it was set). The packaged config gets neither."""
-    from hdet_scale.train.cli import _never_notes
+    from hdet_scale.train.run_notes import never_notes as _never_notes
     from hdet_scale.train.config import load_run_config, packaged
 
     ds = json.loads(open(packaged("deepspeed.json")).read())
@@ -1039,7 +1039,7 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
     merge incompatible container types" traceback, ``deepspeed=null`` ran the defaults; a
     DeepSpeed JSON without a block plus ``deepspeed.hdet.sync_interval=2`` ran one replica
     group (plain data parallelism) without a word: a note names the default replicas=1."""
-    from hdet_scale.train.cli import _never_notes
+    from hdet_scale.train.run_notes import never_notes as _never_notes
     from hdet_scale.train.config import load_run_config, packaged
 
     for value, shown in (("[1,2]", "[1, 2]"), ("[]", "[]"), ("null", "null"), ("5", "5")):
@@ -1058,3 +1058,57 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
     run = load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.replicas=1",
                                  "deepspeed.hdet.sync_interval=2", "train.steps=20"])
     assert not any("replicas=1" in n for n in _never_notes(run))  # set on purpose: no note
+
+
+def test_a_probe_costing_more_than_the_training_between_syncs_gets_a_note():
+    """Tester round 30: ``train.probe_batches=100000`` was accepted without a word and every
+    sync then looked like a hang. The note starts where the probe's forward passes (about a
+    third of a trained micro-batch each) cost more than the sync interval's training:
+    packaged sync_interval 25, accumulation 1 -> more than 75."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.run_notes import never_notes
+
+    def probe_notes(*overrides):
+        run = load_run_config(None, ["train.steps=100", *overrides])
+        return [n for n in never_notes(run) if n.startswith("train.probe_batches")]
+
+    note = probe_notes("train.probe_batches=100000")
+    assert len(note) == 1 and "runs 100000 forward micro-batches per rank" in note[0] and "the 25 micro-batches" in note[0]
+    assert probe_notes("train.probe_batches=75") == []
+    assert len(probe_notes("train.probe_batches=76")) == 1
+    assert probe_notes("train.probe_batches=76", "deepspeed.gradient_accumulation_steps=4") == []  # 100 trained
+    assert probe_notes("train.probe_batches=100000", "deepspeed.hdet.auto.enabled=false") == []  # no probe runs
+    assert probe_notes("train.probe_batches=100000", "deepspeed.hdet.sync_interval=200") == []  # no sync in the run
+
+
+def test_a_data_path_named_twice_gets_a_note(tmp_path):
+    """Tester round 30: ``data.path=a,a`` read the file once without a word."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.run_notes import never_notes
+
+    (tmp_path / "a.txt").write_text("hello world\n" * 100)
+    (tmp_path / "b.txt").write_text("other text\n" * 100)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+
+    def data_notes(path):
+        return [n for n in never_notes(load_run_config(None, [f"data.path={path}"])) if n.startswith("data.path")]
+
+    assert data_notes(f"{a},{b},{a}") == [f"data.path names {str(a)!r} twice: the corpus holds each file once, at its "
+                                          "first place (to weight a file, give a copy of it)"]
+    assert len(data_notes(f"{tmp_path},{tmp_path}/")) == 1  # the same folder, spelled two ways
+    assert data_notes(f"{a},{b}") == []
+
+
+def test_null_over_a_key_of_the_deepspeed_json_says_how_to_leave_it_out():
+    """Tester round 30: ``deepspeed.gradient_clipping=null`` (meant as "leave it out") was
+    "must be a number >= 0, got None", not saying that an override cannot remove a key."""
+    from hdet_scale.train.config import load_run_config
+
+    with pytest.raises(HDETConfigError) as e:
+        load_run_config(None, ["deepspeed.gradient_clipping=null"])
+    assert "deepspeed.gradient_clipping: must be a number >= 0 (0: off), got None" in str(e.value)
+    assert ("deepspeed.gradient_clipping=null sets null, it does not remove gradient_clipping from "
+            in str(e.value)) and "give your own deepspeed_config file without it" in str(e.value)
+    with pytest.raises(HDETConfigError) as e:  # a value that is not null: no hint
+        load_run_config(None, ["deepspeed.gradient_clipping=-1"])
+    assert "sets null" not in str(e.value)

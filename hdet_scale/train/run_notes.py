@@ -1,0 +1,99 @@
+"""Notes hdet-train prints before any rank starts, for settings that are valid but act
+otherwise than a user likely meant: a setting that never acts within ``train.steps``, a
+block that trains plain data parallelism, an auto-LR probe that costs more than the
+training it steers. A note never stops a run (exit codes: ``train/cli.py``)."""
+
+from __future__ import annotations
+
+import os
+
+from hdet_scale.config import HDETConfig
+from hdet_scale.ds_values import batch_sizes
+
+
+def never_notes(run: dict) -> list[str]:
+    """Settings that never act in a run of ``train.steps`` steps (tester round 13: said
+    nothing): a sync interval, checkpoint cadence or logging cadence longer than the run, a
+    schedule longer than the run (it never anneals); an auto-LR probe that reads more
+    micro-batches at each sync than the ranks train between syncs (:func:`probe_note`); a
+    data.path that names one file or folder twice (:func:`repeated_data_note`).
+
+    Args:
+        run: the validated run config (``train.config.load_run_config``).
+
+    Returns:
+        One line per note, without the ``hdet-train: note:`` prefix; ``[]`` when the
+        ``hdet`` block cannot be read (it was validated already: a note never fails a run).
+    """
+    steps, hdet = run["train"]["steps"], run["deepspeed"].get("hdet") or {}
+    notes = []
+    try:  # validated already; the defaults the block leaves out count too (tester round 28)
+        cfg = HDETConfig.from_dict(hdet)
+    except Exception:  # noqa: BLE001 - a note is never worth failing a validated run
+        return notes
+    if cfg.replicas == 1 and "replicas" not in hdet:
+        # tester round 30: a block from overrides only (sync_interval, auto.*) ran one
+        # replica group, plain data parallelism, without a word
+        notes.append("deepspeed.hdet.replicas=1 (the default): one replica group, so no spread, converge or "
+                     "auto-LR acts and the run is plain data parallelism; set deepspeed.hdet.replicas=2 (or more, "
+                     "dividing nproc) and a spread (deepspeed.hdet.axes.lr.spread_ratio=0.2)")
+    default = "" if "sync_interval" in hdet else " (the default)"
+    if cfg.replicas > 1 and cfg.sync_interval > steps:
+        notes.append(f"deepspeed.hdet.sync_interval={cfg.sync_interval}{default} > train.steps={steps}: no sync "
+                     "during the run (no auto-LR step, the replicas are averaged only by the final converge)")
+    if cfg.replicas > 1 and not any(a.spread_ratio for a in cfg.axes.values()):
+        notes.append(f"deepspeed.hdet: {cfg.replicas} replica groups but no axis has a spread (axes.<name>."
+                     "spread_ratio, e.g. deepspeed.hdet.axes.lr.spread_ratio=0.2): they train with the same "
+                     "hyperparameters, averaged every sync_interval steps, and nothing is searched")
+    sched = hdet.get("schedule") if isinstance(hdet, dict) else None
+    total = sched.get("total_steps") if isinstance(sched, dict) else None
+    if isinstance(total, int) and not isinstance(total, bool) and total > steps:  # config.py filled and checked it
+        notes.append(f"deepspeed.hdet.schedule.total_steps={total} > train.steps={steps}: the run covers the "
+                     f"schedule's first {steps} steps only and ends before its LR anneals (leave total_steps out, "
+                     "or set it to train.steps, to run the whole schedule)")
+    every = run["train"].get("checkpoint_every")
+    if isinstance(every, int) and every >= steps:
+        notes.append(f"train.checkpoint_every={every} >= train.steps={steps}: no checkpoint before the end of the run")
+    log_every = ((hdet.get("logging") or {}).get("every") if isinstance(hdet, dict) else None)
+    if isinstance(log_every, int) and log_every > steps:
+        notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets no per-step "
+                     "record (the syncs' records only)")
+    return notes + probe_note(run, cfg) + repeated_data_note(run)
+
+
+def probe_note(run: dict, cfg: HDETConfig) -> list[str]:
+    """The auto-LR probe (``auto.fitness: probe``) evaluates ``train.probe_batches``
+    micro-batches per rank (forward only) at every sync; when that costs more than the
+    ``sync_interval x gradient_accumulation_steps`` micro-batches a rank trains between
+    syncs (a forward pass is about a third of a forward and backward: more than 3 probe
+    micro-batches per trained one), the syncs take most of the run and it looks stalled at
+    each one (tester round
+    30: ``train.probe_batches=100000`` said nothing). Bounded above by the training split
+    (a larger value is refused in ``train/loop.py``)."""
+    if cfg.replicas <= 1 or not cfg.uses_probe or cfg.sync_interval > run["train"]["steps"]:
+        return []
+    _, gas = batch_sizes(run["deepspeed"], run["nproc"])
+    probe, trained = run["train"]["probe_batches"], cfg.sync_interval * gas
+    if probe <= 3 * trained:
+        return []
+    return [f"train.probe_batches={probe}: every sync (deepspeed.hdet.sync_interval={cfg.sync_interval} steps) the "
+            f"auto-LR probe runs {probe} forward micro-batches per rank, more compute than the {trained} micro-batches "
+            "each rank trains between syncs (sync_interval x gradient_accumulation_steps, forward and backward): the "
+            "syncs will take most of the run's time and each looks like a stall (the default is 2)"]
+
+
+def repeated_data_note(run: dict) -> list[str]:
+    """``data.path`` naming the same file or folder twice (``a,a``; the same real path):
+    the corpus holds each file once, at its first place (``data_files.collect``), so a
+    repeat meant to weight a file does nothing (tester round 30: no word)."""
+    path = run["data"].get("path")
+    if not isinstance(path, str):
+        return []
+    seen: dict[str, str] = {}
+    for part in (p.strip() for p in path.split(",") if p.strip()):
+        real = os.path.realpath(os.path.expanduser(part))
+        if real in seen:
+            return [f"data.path names {part!r} twice{'' if seen[real] == part else f' (as {seen[real]!r})'}: the "
+                    "corpus holds each file once, at its first place (to weight a file, give a copy of it)"]
+        seen[real] = part
+    return []
