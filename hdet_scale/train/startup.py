@@ -38,8 +38,10 @@ killer) can still leave a lock; the next start then names it once it is 30 s old
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -348,17 +350,40 @@ def _tracking_batons() -> Iterator[None]:
         _disarm()
 
 
+def claim_naming(lock: str) -> socket.socket | bool | None:
+    """Claim the right to name the stale lock ``lock`` among the ranks one launcher started
+    (same parent process): a socket bound to an abstract name (Linux; nothing on disk,
+    gone when the process ends) made of the parent's PID and the lock's path.
+
+    Returns:
+        The bound socket (keep it open while the claim should hold) when this process is
+        the first; ``False`` when another process holds the claim; ``None`` where
+        abstract sockets do not exist (not Linux): then every rank names it.
+    """
+    import hashlib
+
+    key = hashlib.sha1(os.path.realpath(lock).encode()).hexdigest()[:16]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(f"\0hdet-stale-lock-{os.getppid()}-{key}")
+    except OSError as e:
+        sock.close()
+        return False if e.errno == errno.EADDRINUSE else None
+    return sock
+
+
 @contextlib.contextmanager
 def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0,
-                   waiting_note_s: float = 20.0) -> Iterator[None]:
+                   waiting_note_s: float = 20.0, claim_hold_s: float = 3.0) -> Iterator[None]:
     """Watch this process's start-up (the engine build) for a wait on a stale lock.
 
     A daemon thread looks every ``poll_s`` seconds at the main thread: when it waits in
     ``FileBaton.wait`` on a lock that :func:`is_stale`, the process prints
-    :func:`stale_lock_message` (every rank that finds it: the launcher may end the
-    others before they look, so up to one line per local rank) and exits with
-    :data:`STALE_LOCK_EXIT` at once (``os._exit``: the main thread is stuck, and nothing
-    was written yet). A wait on a lock a live process holds (a build in progress) is
+    :func:`stale_lock_message` and exits with :data:`STALE_LOCK_EXIT` (``os._exit``: the
+    main thread is stuck, and nothing was written yet). One rank of the launch prints it:
+    the first to find it (:func:`claim_naming`) prints, then keeps its claim for
+    ``claim_hold_s`` seconds before it exits; a rank finding it meanwhile exits silently
+    (later ones are ended by the launcher, which stops the job when the first exits). A wait on a lock a live process holds (a build in progress) is
     reported once after ``waiting_note_s``, when ``announce`` (local rank 0), and
     otherwise left alone. Inside, the locks this process creates are recorded and a
     SIGINT / SIGTERM removes them (module docstring). Call from the main thread."""
@@ -375,9 +400,13 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
                 continue
             since = since or time.monotonic()
             if is_stale(lock, stale_after_s):
-                # Every rank that finds it says so: the launcher may end the others (local
-                # rank 0 included) as soon as the first exits, before they look.
-                os.write(2, f"hdet-train: error: {stale_lock_message(lock)}\n".encode())
+                # The first rank of this launch to find it says so (any rank: the launcher may
+                # end the others, local rank 0 included, as soon as one exits, before they look);
+                # the others that find it while it holds its claim exit without repeating it.
+                claim = claim_naming(lock)
+                if claim is not False:
+                    os.write(2, f"hdet-train: error: {stale_lock_message(lock)}\n".encode())
+                    time.sleep(claim_hold_s if claim is not None else 0.0)
                 release_held_locks()  # none while waiting, as torch loads one op at a time
                 os._exit(STALE_LOCK_EXIT)
             if announce and not noted and time.monotonic() - since >= waiting_note_s:

@@ -374,3 +374,20 @@ def test_a_signal_repeated_at_once_is_one_stop_a_later_one_kills():
     assert stops.add(signal.SIGINT)  # a person's second Ctrl-C
     assert stops.received == [signal.SIGTERM, signal.SIGTERM, signal.SIGINT]
     assert 0.5 <= REPEAT_S <= 2  # shorter than a person's two key presses, longer than a loaded machine's gap
+
+
+def test_one_process_per_launch_names_a_stale_lock(tmp_path):
+    # Ranks of one launcher share a parent: the first claim wins, a second is refused while
+    # the first is held, and is free again once the holder is gone (nothing left on disk).
+    lock = str(tmp_path / "fused_adam" / "lock")
+    first = startup.claim_naming(lock)
+    assert first not in (None, False)
+    assert startup.claim_naming(lock) is False
+    other = startup.claim_naming(str(tmp_path / "cpu_adam" / "lock"))  # another lock: its own claim
+    assert other not in (None, False)
+    first.close()
+    other.close()
+    again = startup.claim_naming(lock)
+    assert again not in (None, False)
+    again.close()
+    assert not list(tmp_path.iterdir())
