@@ -151,28 +151,22 @@ class Engine:
 
     def _refuse_other_model(self, path: str) -> None:
         """Raise HDETStateError on every rank when the checkpoint's model tensors differ
-        from this run's (:func:`_shape_difference`). Collective on the world group: every
+        from this run's (``checkpoint_shapes.shape_difference``). Collective on the world group: every
         rank calls it, so one rank that could not read its files (it then leaves them to
         the load, which names a damaged file) never waits alone in the load's collectives."""
-        import torch.distributed as dist
-
         from hdet_scale.backends.checkpoint_io import read_latest
+        from hdet_scale.backends.checkpoint_shapes import agreed_difference
 
         t = self.scheduler.topology
         tag = read_latest(path)
-        saved = None
-        if tag is not None:
-            saved = saved_model_shapes(self.backend, os.path.join(path, f"replica_{t.replica_index}", tag))
-        mine = _shape_difference(saved, self._built_shapes()) if saved is not None else None
-        found: list[str | None] = [None] * t.world_size
-        dist.all_gather_object(found, mine, group=t.world_group)
-        difference = next((f for f in found if f), None)
+        folder = os.path.join(path, f"replica_{t.replica_index}", tag) if tag is not None else None
+        difference = agreed_difference(self.backend, folder, self._built_shapes(), t)
         if difference:
             raise HDETStateError(_other_model_message(path, difference))
 
     def _built_shapes(self) -> dict[str, tuple[int, ...]]:
         """This run's model tensors, ``{name: full shape}``, named as the backend's save
-        names them (:func:`saved_model_shapes`)."""
+        names them (``checkpoint_shapes.saved_model_shapes``)."""
         if self.backend == "fsdp2":
             from hdet_scale.backends.fsdp2 import _split_model_state
 
@@ -201,81 +195,6 @@ def build_engine(backend: str, mcfg: ModelConfig, run: dict, hcfg: HDETConfig, l
 # each save records (resume_config.py). A record without the tag (written as {"runs": {}}
 # to resume on purpose without the comparison, or a checkpoint older than the record)
 # skips that; the ranks then compare the tensors themselves before the engine's load.
-
-_SHOWN = 3  # differing tensors named per kind
-
-
-def saved_model_shapes(backend: str, folder: str) -> dict[str, tuple[int, ...]] | None:
-    """The model tensors ``{name: shape}`` that ``backend``'s checkpoint folder
-    ``replica_<r>/<tag>`` holds, read without their data (``torch.load`` memory-mapped;
-    FSDP2: DCP's ``.metadata``; DeepSpeed: the ``param_shapes`` its model-states file
-    records, ZeRO-3 keeping no shapes in the module state itself). ``None`` when they
-    cannot be read (a file missing, damaged or of another program: the load then names
-    it, not this check), or when the file read is not the size the folder's manifest
-    records (another file in its place: the load's manifest check names it exactly)."""
-    from hdet_scale.backends.manifest import MANIFEST_FILE
-
-    def read(name: str) -> str:
-        path = os.path.join(folder, name)
-        if os.path.exists(os.path.join(folder, MANIFEST_FILE)):
-            with open(os.path.join(folder, MANIFEST_FILE)) as f:
-                if json.load(f)["files"][name][0] != os.path.getsize(path):
-                    raise ValueError(f"{path} is not the file this checkpoint saved there")
-        return path
-
-    def archive(name: str) -> Any:
-        return torch.load(read(name), map_location="cpu", weights_only=True, mmap=True)
-
-    try:
-        if backend == "fsdp2":
-            import torch.distributed.checkpoint as dcp
-
-            read(".metadata")
-            meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-            return {k[len("model."):]: tuple(v.size) for k, v in meta.items()
-                    if k.startswith("model.") and hasattr(v, "size")}
-        if backend == "deepspeed":
-            states = archive(sorted(n for n in os.listdir(folder) if n.endswith("model_states.pt"))[0])
-            if not states.get("param_shapes"):  # not saved by a ZeRO optimizer: the strict load compares
-                return None
-            shapes: dict = {}
-            for group in states["param_shapes"]:
-                shapes.update(group)
-            shapes.update(states.get("frozen_param_shapes") or {})
-        elif backend == "ddp":
-            from hdet_scale.backends.ddp import MODEL_FILE
-
-            shapes = archive(MODEL_FILE)["model"]
-        else:  # fairscale: the whole model, written by shard 0 of each replica
-            shapes = archive("model.pt")
-        return {str(k): tuple(v.shape if isinstance(v, torch.Tensor) else v) for k, v in shapes.items()}
-    except Exception:  # noqa: BLE001 - unreadable: the load reads it and names what is wrong
-        return None
-
-
-def _shape_difference(saved: dict[str, tuple[int, ...]], built: dict[str, tuple[int, ...]]) -> str | None:
-    """How the checkpoint's tensors ``saved`` differ from this run's ``built`` (the first
-    few of each kind), or ``None`` when they are the same names and shapes."""
-    extra = [k for k in saved if k not in built]
-    lacking = [k for k in built if k not in saved]
-    other = [k for k in built if k in saved and tuple(saved[k]) != tuple(built[k])]
-
-    def first(keys: list[str], show: Any = str) -> str:
-        more = f", ... ({len(keys) - _SHOWN} more)" if len(keys) > _SHOWN else ""
-        return ", ".join(show(k) for k in keys[:_SHOWN]) + more
-
-    def shapes(k: str) -> str:
-        return f"{k}: checkpoint {list(saved[k])}, this run {list(built[k])}"
-
-    parts = []
-    if other:
-        parts.append(f"{len(other)} of another shape ({first(other, shapes)})")
-    if extra:
-        parts.append(f"{len(extra)} in the checkpoint that this run's model lacks ({first(extra)})")
-    if lacking:
-        parts.append(f"{len(lacking)} of this run's model that the checkpoint lacks ({first(lacking)})")
-    return "; ".join(parts) or None
-
 
 def _other_model_message(path: str, difference: str) -> str:
     """The refusal of a checkpoint whose model tensors differ from this run's model:

@@ -378,7 +378,28 @@ def resume_worker(ckpt_root: str) -> dict:
         lambda: load_checkpoint(model, opt, sched, os.path.join(ckpt_root, "replica_fp32")),
         (HDETStateError, AssertionError))
     out["D_seconds"] = time.monotonic() - t0
+
+    # E: a model without the head (a smaller model) loading that checkpoint: refused on every
+    # rank alike before anything is loaded (DCP alone loaded the keys it was asked for)
+    from hdet_scale.backends.fsdp2 import initialize
+    model, opt, sched = initialize(rank_tools.seeded_model(HeadlessNet, 0), _resume_hdet("replica"), make_optimizer,
+                                   shard_modules=shard_blocks, probe=probe)
+    before = local_shards(model)
+    try:
+        load_checkpoint(model, opt, sched, os.path.join(ckpt_root, "replica_fp32"))
+        out["E_error"] = None
+    except HDETStateError as e:
+        out["E_error"] = str(e)
+    out["E_unchanged"] = bool(np.array_equal(before, local_shards(model)))
     return out
+
+
+class HeadlessNet(TinyNet):
+    """TinyNet without its head: a smaller model than the one resume_worker saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.head
 
 
 # ---- 6. bad configs fail on every rank, before any collective ----------------------------

@@ -271,6 +271,18 @@ def test_resume_refuses_other_layout_before_any_collective(resume):
     rank_tools.assert_layout_refused([x["D_error"] for x in res])
 
 
+def test_resume_refuses_a_checkpoint_of_another_model_on_every_rank(resume):
+    """A model without the head loading the checkpoint of the whole TinyNet: one
+    HDETStateError on every rank naming the tensors it lacks, and nothing loaded (before:
+    DCP loaded the keys the smaller model asked for and the run went on silently)."""
+    _, res = resume
+    want = "holds another model than the one loading it: 2 in the checkpoint that this run's model lacks " \
+           "(head.weight, head.bias)"
+    for rank, x in enumerate(res):
+        assert x["E_error"] is not None and want in x["E_error"], (rank, x["E_error"])
+        assert x["E_unchanged"], rank
+
+
 # ---- 6 -------------------------------------------------------------------------------------
 
 BAD = {"replicas": "hdet.replicas", "spread_ratio": "hdet.axes.lr.spread_ratio",

@@ -69,7 +69,8 @@ def test_the_comparison_names_shapes_and_leaves_unreadable_files_to_the_load(tmp
     (``test_bad_inputs``: resume_model_file_replaced; ``test_signals``: a replaced file)."""
     import torch
 
-    from hdet_scale.train.engines import _shape_difference, saved_model_shapes
+    from hdet_scale.backends.checkpoint_shapes import saved_model_shapes
+    from hdet_scale.backends.checkpoint_shapes import shape_difference as _shape_difference
 
     saved = {"model.embed_tokens.weight": (256, 32), "model.norm.weight": (32,)}
     built = {"model.embed_tokens.weight": (256, 64), "model.norm.weight": (64,)}
