@@ -68,6 +68,10 @@ class ScheduleConfig:
 
 
 #: The schedule keys each ``schedule.name`` reads beyond ``name``, ``total_steps`` and ``max_lr``.
+#: The smallest hdet block that searches something: the example of the refusals of a
+#: config without one (hdet-train and the library say it alike).
+BLOCK_EXAMPLE = '"hdet": {"replicas": 2, "sync_interval": 10, "axes": {"lr": {"spread_ratio": 0.2}}}'
+
 SCHEDULE_READS = {"onecycle": frozenset({"pct_start", "anneal_strategy", "div_factor", "final_div_factor",
                                          "three_phase", "cycle_momentum"}),
                   "cosine": frozenset({"warmup_steps", "min_ratio"}),

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import _buckets, persistent_float_buffers
-from hdet_scale.config import HDETConfig
+from hdet_scale.config import BLOCK_EXAMPLE, HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
@@ -64,8 +64,7 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
             if ds_like:
                 raise HDETConfigError(f"hdet config: a DeepSpeed-style config (keys {', '.join(ds_like[:4])}"
                                       f"{', ...' if len(ds_like) > 4 else ''}) without an \"hdet\" block: add one, "
-                                      "e.g. \"hdet\": {\"replicas\": 2, \"axes\": {\"lr\": {\"spread_ratio\": "
-                                      "0.2}}} (docs/config.md), or pass the hdet block itself")
+                                      f"e.g. {BLOCK_EXAMPLE} (docs/config.md), or pass the hdet block itself")
         config = HDETConfig.from_dict(config["hdet"] if "hdet" in config else config)
     if not isinstance(config, HDETConfig):
         raise HDETConfigError(f"hdet config: expected an HDETConfig, a dict or a JSON path, got {type(config)}")

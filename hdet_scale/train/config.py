@@ -20,7 +20,7 @@ import yaml
 from importlib import resources
 from typing import Any
 
-from hdet_scale.config import WandbConfig
+from hdet_scale.config import BLOCK_EXAMPLE, WandbConfig
 from hdet_scale.config_checks import MAX_STEPS, seed_ok
 from hdet_scale.ds_values import check_deepspeed_values
 from hdet_scale.train.config_merge import container_clash as _container_clash
@@ -406,9 +406,8 @@ def _validate(run: dict) -> None:
         where = run["deepspeed_config"] or "the DeepSpeed JSON"
         raise HDETConfigError(f"deepspeed.hdet: {where} has {'an empty' if 'hdet' in run['deepspeed'] else 'no'} hdet "
                               "block, so the run would be plain data parallelism (one replica group); hdet-train "
-                              "trains with HDET: add one, e.g. \"hdet\": {\"replicas\": 2, \"sync_interval\": 10, "
-                              "\"axes\": {\"lr\": {\"spread_ratio\": 0.2}}} (configs/deepspeed_cpu_2x2.json has a "
-                              "whole block; docs/config.md), or give it as overrides (deepspeed.hdet.replicas=2 ...)")
+                              f"trains with HDET: add one, e.g. {BLOCK_EXAMPLE} (configs/deepspeed_cpu_2x2.json has "
+                              "a whole block; docs/config.md), or give it as overrides (deepspeed.hdet.replicas=2 ...)")
     hdet = run["deepspeed"]["hdet"]
     dropout = (hdet.get("axes") or {}).get("dropout") if isinstance(hdet.get("axes"), dict) else None
     if isinstance(dropout, dict) and dropout.get("value") is None:
