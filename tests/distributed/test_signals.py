@@ -346,3 +346,39 @@ def test_torchrun_scripts_stop_on_a_signal_with_one_line_and_no_restart(tmp_path
     assert "failed (exitcode" not in err, err[-3000:]
     steps = steps_logged(run_dir)
     assert steps == list(range(1, len(steps) + 1)), steps
+
+
+def test_scancel_of_the_slurm_script_stops_with_one_line_and_no_traceback(tmp_path):
+    """A tester: scancel (SIGTERM to every process of the job) put torchrun's
+    ``SignalException`` traceback into the job's output after the trainer's stop line.
+    ``launchers/slurm.sbatch`` now runs torchrun through ``torchrun_quiet.py``: the one stop
+    line, no traceback, no restart (MAX_RESTARTS=2), nothing left behind. SLURM is absent
+    here: ``scontrol`` and ``srun`` are stand-ins (one node, this host; srun runs its
+    command), and the signal goes to the job's whole process group as scancel's does (DDP,
+    2 ranks). The batch shell itself dies of the SIGTERM (it sets no trap; SLURM reads the
+    tasks' ends), so its exit code is -15 or 143."""
+    import socket
+
+    run_dir, bin_dir = tmp_path / "run", tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", "#!/bin/sh\necho localhost\n"),
+                       ("srun", '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NUM_NODES": "1",
+           "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(port), "GPUS_PER_NODE": "2", "MAX_RESTARTS": "2",
+           "MASTER_PORT": str(port), "HDET_REPO_DIR": repo}
+    cmd = ["bash", os.path.join(repo, "launchers", "slurm.sbatch"), f"run_dir={run_dir}", "backend=ddp", *ARGS]
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGTERM, after=None, group=True, env=env)
+    assert rc in (-signal.SIGTERM, 128 + signal.SIGTERM), (rc, err[-3000:])
+    assert seconds < STOP_S and not leftovers, (seconds, leftovers)
+    lines = stop_lines(err)
+    assert len(lines) == 1 and "SIGTERM" in lines[0], err[-3000:]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    assert "failed (exitcode" not in err, err[-3000:]  # torchrun counted no rank's stop as a failure
+    steps = steps_logged(run_dir)
+    assert steps == list(range(1, len(steps) + 1)), steps
