@@ -52,6 +52,15 @@ def _listing(names: list[str], most: int = 4) -> str:
     return ", ".join(_shown(n) for n in names[:most]) + more
 
 
+def plot_files(folder: str) -> list[str]:
+    """The names in ``folder`` that hdet-plot gives its PNGs (:data:`PLOT_NAME`), sorted;
+    ``[]`` when it is not a folder or cannot be listed. Raises nothing."""
+    try:
+        return sorted(n for n in os.listdir(folder) if _is_plot_name(n))
+    except OSError:
+        return []
+
+
 def read_record(folder: str) -> dict | None:
     """``folder``'s record: ``{"metrics": real path or None (unreadable), "pngs": set of
     PNG names}`` (a listed name that hdet-plot does not give its PNGs is dropped), or
@@ -197,6 +206,9 @@ def _refusal(path: str, names: list[str], record: dict | None) -> str:
     owner = os.path.dirname(record["metrics"]) if record is not None else _run_of(path)
     if owner is not None and (record is not None or len(pngs) == len(names)):
         how = "" if record is not None else "; plotted before hdet-plot recorded whose plots a folder holds"
+        others = [n for n in names if n not in pngs]  # tester round 31: a user's notes.txt was counted a plot
+        held = (f"{len(pngs)} plot(s): {_listing(pngs)}" if pngs else "no PNG left") + (
+            f"; and {len(others)} other file(s): {_listing(others)}" if others else "")
         return (f"{path}: the folder holds the plots of run {_shown(owner)} ({held}{how}); hdet-plot never "
                 f"replaces another run's plots: {replace}")
     if len(pngs) == len(names):

@@ -119,7 +119,24 @@ def start_mode(run: dict) -> str:
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); continue it with "
                               "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
                               "train.overwrite=true to replace it")
+    if not held and not t["overwrite"] and t.get("plots", True):
+        _refuse_plots_in_the_way(run_dir)
     return "replace" if held else "fresh"
+
+
+def _refuse_plots_in_the_way(run_dir: str) -> None:
+    """A new run in a ``run_dir`` whose ``plots`` folder already holds files of the names
+    the run gives its plots at the end (tester round 31: a user's own ``plots/loss.png``
+    was replaced without a word; ``hdet-plot`` refuses the same folder)."""
+    from hdet_scale.plot_out import plot_files
+
+    folder = os.path.join(run_dir, "plots")
+    found = plot_files(folder)
+    if found:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise HDETConfigError(f"run_dir: {folder} already holds {shown}, of the names this run gives its plots at "
+                              "its end (it would replace them): move them away, choose another run_dir, set "
+                              "train.plots=false, or train.overwrite=true to replace them")
 
 
 def _no_latest(ckpt: str) -> str:

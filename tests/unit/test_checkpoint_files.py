@@ -391,3 +391,29 @@ def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path)
     assert msg.endswith(f"start again with the same command (nothing of this run is kept in {run_dir})."), msg
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert "with train.overwrite=true" in stop_message(signal.SIGINT, run, "all 2 ranks ended", 1)
+
+
+def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_path, monkeypatch):
+    """Tester round 31: a new run in a run_dir holding no run but a user's own
+    ``plots/loss.png`` replaced it at the end without a word. Refused before the start
+    (the launcher's validate calls start_mode), naming the file and the ways on; a user's
+    other files there (notes.txt) are no obstacle, nor is the folder with train.plots=false
+    or train.overwrite=true."""
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    run_dir = tmp_path / "proj"
+    (run_dir / "plots").mkdir(parents=True)
+    (run_dir / "plots" / "notes.txt").write_text("my notes")
+
+    def mode(*overrides):
+        return rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", *overrides]))
+
+    assert mode() == "fresh"  # a file of another name is never touched by the plots
+    (run_dir / "plots" / "loss.png").write_bytes(b"MY OWN LOSS PLOT")
+    with pytest.raises(HDETConfigError) as e:
+        mode()
+    assert str(e.value) == (f"run_dir: {run_dir}/plots already holds loss.png, of the names this run gives its plots "
+                            "at its end (it would replace them): move them away, choose another run_dir, set "
+                            "train.plots=false, or train.overwrite=true to replace them")
+    assert mode("train.plots=false") == "fresh" and mode("train.overwrite=true") == "fresh"
+    assert (run_dir / "plots" / "loss.png").read_bytes() == b"MY OWN LOSS PLOT"

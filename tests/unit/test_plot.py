@@ -319,6 +319,14 @@ def test_another_runs_plots_folder_is_refused_and_left_as_it_was(tmp_path, capsy
         err = _one_line(capsys, a / "plots")
         assert f"the plots of run {os.path.realpath(a)}" in err and "another --out" in err and "--overwrite" in err
         assert _snapshot(a / "plots") == before  # byte for byte, nothing added or removed
+    # tester round 31: a user's file beside the plots (recorded, as the trainer writes them)
+    # was counted as one of them
+    write_plots(str(a), log=lambda line: None)
+    (a / "plots" / "notes.txt").write_text("my notes")
+    assert main([str(b), "--out", str(a / "plots")]) == 2
+    err = _one_line(capsys, a / "plots")
+    pngs = sorted(n for n in os.listdir(a / "plots") if n.endswith(".png"))
+    assert f"({len(pngs)} plot(s): " in err and "; and 1 other file(s): notes.txt)" in err, err
     assert capsys.readouterr().out == ""
 
 
