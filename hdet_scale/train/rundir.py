@@ -326,7 +326,8 @@ def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_
         return error
     tag = read_latest(path)
     kept = (f"latest still names {tag}, complete; free space, then train.resume=true continues from it" if tag
-            else "no checkpoint is complete yet; free space, then start again")
+            else "no checkpoint is complete yet, so nothing can be resumed; free space, then start the run over "
+            "with train.overwrite=true (the same run_dir holds this attempt's files), or choose another run_dir")
     left = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
     reason = " ".join(str(error).split())[:200]
     return HDETStateError(f"checkpoint: the save of step {step} into {path} failed, the disk is full ({left}; "

@@ -354,6 +354,19 @@ def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_p
     assert isinstance(err, HDETStateError), err
     assert f"the save of step 20 into {ckpt} failed, the disk is full" in str(err)
     assert "no checkpoint is complete yet" in str(err)
+    # tester round 31: the advice was "free space, then start again", which the run_dir's
+    # files of this attempt then refused (and train.resume=true too): it names the way that
+    # is taken, train.overwrite=true, held here to start_mode on that attempt's run_dir
+    assert "start the run over with train.overwrite=true" in str(err), err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+
+    def mode(*overrides):
+        return rundir.start_mode(load_run_config(None, [f"run_dir={tmp_path}", *overrides]))
+
+    for refused in ((), ("train.resume=true",)):
+        with pytest.raises(HDETConfigError):
+            mode(*refused)
+    assert mode("train.overwrite=true") == "replace"
     (ckpt / "latest").write_text("global_step10")
     with pytest.raises(RuntimeError) as e:
         torch.save({"w": torch.zeros(10**6)}, "/dev/full")
