@@ -298,9 +298,11 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
 
     Each comma-separated item is a file, whose key is its name, or a folder, whose regular
     non-hidden files (linked files and folders followed, :func:`_folder_files`) are keyed
-    by their path relative to it, in sorted order; with several items each key is prefixed
-    by the item's index (``"1:"``). A file reached twice (the same real path: through
-    links, or a folder named twice) keeps its first place only.
+    by their path relative to it, in sorted order; when several items add files, each key is
+    prefixed by the item's place among those (``"1:"``). A file reached twice (the same real
+    path: through links, a folder named twice, a file of a folder named before) keeps its
+    first place only, and an item that adds no file changes no key: the split is then the
+    one without it.
 
     Raises:
         HDETConfigError: naming the part of ``data.path`` that names nothing (and the path
@@ -325,11 +327,9 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
     inside = os.path.realpath(os.path.expanduser(run_dir)).rstrip(os.sep) + os.sep if run_dir else None
     seen: set[str] = set()  # real paths: a file reached through links is read once (hard links: each)
     progress = _Progress()
+    added: list[list[tuple[str, str, tuple[int, int]]]] = []  # per item: the files it adds
     for index, part in enumerate(parts):
         p = pathlib.Path(part).expanduser()
-        # Prefix keys with the argument index when several paths are given, so that
-        # equal relative paths under different folders hash differently.
-        prefix = f"{index}:" if len(parts) > 1 else ""
         try:
             st = os.stat(p)
         except FileNotFoundError:
@@ -358,6 +358,7 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
         else:
             raise HDETConfigError(f"data.path: {part!r} is not a regular file but a {file_kind(st.st_mode)}: "
                                   "data.path takes text files or folders of them")
+        new: list[tuple[str, str, tuple[int, int]]] = []
         for key, full, ident, real in entries:
             if inside is not None and real.startswith(inside):
                 # tester round 27: check_apart compares data.path's own parts; a link in a
@@ -367,6 +368,16 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
                                       "remove the link or put run_dir elsewhere")
             if real not in seen:
                 seen.add(real)
-                files.entries.append((prefix + key, full))
-                files.ids.append(ident)
+                new.append((key, full, ident))
+        added.append(new)
+    # Keys are prefixed by the item's place among the items that add files, when several
+    # do, so that equal relative paths under different folders hash differently. An item
+    # that adds nothing (a repeat, a file of an earlier folder) changes no key, hence not
+    # the split (tester round 31: data.path=docs,docs moved files between the splits).
+    adding = [item for item in added if item]
+    for place, item in enumerate(adding):
+        prefix = f"{place}:" if len(adding) > 1 else ""
+        for key, full, ident in item:
+            files.entries.append((prefix + key, full))
+            files.ids.append(ident)
     return files, ",".join(parts)

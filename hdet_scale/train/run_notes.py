@@ -83,17 +83,21 @@ def probe_note(run: dict, cfg: HDETConfig) -> list[str]:
 
 
 def repeated_data_note(run: dict) -> list[str]:
-    """``data.path`` naming the same file or folder twice (``a,a``; the same real path):
-    the corpus holds each file once, at its first place (``data_files.collect``), so a
-    repeat meant to weight a file does nothing (tester round 30: no word)."""
+    """``data.path`` naming a file or folder again (``a,a``; the same real path), or a path
+    inside a folder named before it: the corpus holds each file once, at its first place,
+    and such an item changes nothing, the split included (``data_files.collect``), so a
+    repeat meant to weight a file does nothing (tester rounds 30, 31)."""
     path = run["data"].get("path")
     if not isinstance(path, str):
         return []
     seen: dict[str, str] = {}
     for part in (p.strip() for p in path.split(",") if p.strip()):
         real = os.path.realpath(os.path.expanduser(part))
-        if real in seen:
-            return [f"data.path names {part!r} twice{'' if seen[real] == part else f' (as {seen[real]!r})'}: the "
-                    "corpus holds each file once, at its first place (to weight a file, give a copy of it)"]
+        folder = next((seen[d] for d in seen if os.path.isdir(d) and real.startswith(d.rstrip(os.sep) + os.sep)), None)
+        if real in seen or folder is not None:
+            what = (f"names {part!r} twice{'' if seen.get(real, part) == part else f' (as {seen[real]!r})'}"
+                    if real in seen else f"names {part!r} after {folder!r}, which holds it")
+            return [f"data.path {what}: the corpus holds each file once, at its first place, and the run is the same "
+                    "as without the repeat (to weight a file, give a copy of it)"]
         seen[real] = part
     return []

@@ -497,3 +497,25 @@ def test_a_path_with_a_comma_is_named_when_its_parts_do_not_exist(tmp_path):
     with pytest.raises(HDETConfigError) as err:  # an ordinary missing path gets no such note
         load_corpus(str(tmp_path / "nope"), 0.1, 1000, seed=0)
     assert "a path with a comma" not in str(err.value)
+
+
+def test_an_item_that_adds_no_file_leaves_the_split_as_without_it(tmp_path):
+    """Tester round 31: ``data.path=docs,docs`` (and ``docs,docs/config.md``) read each file
+    once but moved files between the splits (every key got its item's index as a prefix
+    once there were two items): 173808 / 6304 train / val bytes became 160281 / 19831. An
+    item that adds no file now changes no key; the split is bit-equal to the folder alone.
+    Two items that both add files still hash apart (a.txt in two folders)."""
+    (tmp_path / "d").mkdir()
+    names = _make_tree(tmp_path / "d", n=12)
+    alone = load_corpus(str(tmp_path / "d"), 0.3, 10**9, seed=5)
+    assert 1 <= alone.val_files < len(names)
+    for path in (f"{tmp_path / 'd'},{tmp_path / 'd'}", f"{tmp_path / 'd'},{tmp_path / 'd' / names[0]}",
+                 f"{tmp_path / 'd'},{tmp_path / 'd'},{tmp_path / 'd'}/"):
+        again = load_corpus(path, 0.3, 10**9, seed=5)
+        assert torch.equal(again.train, alone.train) and torch.equal(again.val, alone.val), path
+        assert (again.train_files, again.val_files) == (alone.train_files, alone.val_files)
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "extra.txt").write_text("extra text " * 20)
+    both = load_corpus(f"{tmp_path / 'd'},{tmp_path / 'd'},{tmp_path / 'e'}", 0.3, 10**9, seed=5)
+    without = load_corpus(f"{tmp_path / 'd'},{tmp_path / 'e'}", 0.3, 10**9, seed=5)
+    assert torch.equal(both.train, without.train) and torch.equal(both.val, without.val)

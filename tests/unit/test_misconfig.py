@@ -1094,9 +1094,14 @@ def test_a_data_path_named_twice_gets_a_note(tmp_path):
         return [n for n in never_notes(load_run_config(None, [f"data.path={path}"])) if n.startswith("data.path")]
 
     assert data_notes(f"{a},{b},{a}") == [f"data.path names {str(a)!r} twice: the corpus holds each file once, at its "
-                                          "first place (to weight a file, give a copy of it)"]
+                                          "first place, and the run is the same as without the repeat (to weight a "
+                                          "file, give a copy of it)"]
     assert len(data_notes(f"{tmp_path},{tmp_path}/")) == 1  # the same folder, spelled two ways
-    assert data_notes(f"{a},{b}") == []
+    # tester round 31: a file of a folder named before it (no note before)
+    assert data_notes(f"{tmp_path},{a}") == [f"data.path names {str(a)!r} after {str(tmp_path)!r}, which holds it: the "
+                                             "corpus holds each file once, at its first place, and the run is the "
+                                             "same as without the repeat (to weight a file, give a copy of it)"]
+    assert data_notes(f"{a},{b}") == [] and data_notes(f"{a},{tmp_path}") == []  # the folder adds b.txt
 
 
 def test_null_over_a_key_of_the_deepspeed_json_says_how_to_leave_it_out():
