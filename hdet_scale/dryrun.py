@@ -85,6 +85,17 @@ def _with_first(first: str, error: str | None) -> str:
     return "invalid config:\n  " + "\n  ".join([first] + _body(error))
 
 
+def _empty(path: object) -> bool:
+    """Whether the file ``path`` holds nothing but whitespace. Raises nothing."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):  # never a FIFO's open
+        return False
+    try:
+        with open(path, "rb") as f:
+            return not f.read(1 << 16).strip() and os.path.getsize(path) <= 1 << 16
+    except OSError:
+        return False
+
+
 def _yaml_hint(path: object, error: Exception) -> str:
     """A hint when ``path`` failed as JSON and looks like YAML (by its name, or a first
     line ``key: ...``): most likely an ``hdet-train`` run config; empty otherwise."""
@@ -158,7 +169,13 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         config = _load_ds_config(config)
     except HDETConfigError:
         raise  # a key given twice: the message names the file and the key already
+    except UnicodeDecodeError as e:  # tester round 31: random bytes in a .yaml were called YAML
+        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: it is not UTF-8 text (byte {e.start}): is "
+                              "it the right file?") from None
     except (OSError, ValueError, TypeError) as e:
+        if _empty(config):  # an empty .yaml was called YAML too
+            raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: the file is empty; it must hold a "
+                                  "DeepSpeed JSON object") from None
         raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}{_yaml_hint(config, e)}") from None
     if not isinstance(config, dict):
         raise HDETConfigError(f"the config must be a JSON object, got {type(config).__name__}")

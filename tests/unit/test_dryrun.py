@@ -374,6 +374,14 @@ def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
     (tmp_path / "cut.json").write_text('{"hdet": ')
     assert main([str(tmp_path / "cut.json"), "--world-size", "4"]) == 2
     assert "YAML" not in capsys.readouterr().err
+    # tester round 31: random bytes, or nothing, in a .yaml were "this looks like YAML" too
+    (tmp_path / "bin.yaml").write_bytes(bytes([0xAA, 0x00, 0xFF]) * 100)
+    (tmp_path / "empty.yaml").write_text("  \n")
+    for name, what in (("bin.yaml", "it is not UTF-8 text (byte 0): is it the right file?"),
+                       ("empty.yaml", "the file is empty; it must hold a DeepSpeed JSON object")):
+        assert main([str(tmp_path / name), "--world-size", "4"]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot read the DeepSpeed JSON {str(tmp_path / name)!r}: {what}" in err and "YAML" not in err, err
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "ddp"])
