@@ -118,6 +118,10 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    second = next((o for o in overrides if "=" not in o and o.endswith((".yaml", ".yml"))), None)
+    if path is not None and second is not None:  # tester round 31: "a config file goes first" (it was)
+        raise HDETConfigError(f"two config files, {path!r} and {second!r}: hdet-train reads one (hdet-train "
+                              "CONFIG.yaml key=value ...); merge them, or give the second's settings as key=value")
     explicit_wandb: set = set()  # the wandb.* keys the user sets (they win over the hdet block's)
     cfg, merging = None, None  # merging: which input a value error came from
     try:

@@ -1117,3 +1117,19 @@ def test_null_over_a_key_of_the_deepspeed_json_says_how_to_leave_it_out():
     with pytest.raises(HDETConfigError) as e:  # a value that is not null: no hint
         load_run_config(None, ["deepspeed.gradient_clipping=-1"])
     assert "sets null" not in str(e.value)
+
+
+def test_two_config_files_are_named_as_two(tmp_path):
+    """Tester round 31: ``hdet-train empty.yaml list.yaml`` said "a config file goes first:
+    hdet-train list.yaml key=value", where a config file was first already."""
+    from hdet_scale.train.config import load_run_config
+
+    (tmp_path / "a.yaml").write_text("train: {steps: 10}\n")
+    (tmp_path / "b.yaml").write_text("train: {steps: 20}\n")
+    with pytest.raises(HDETConfigError) as e:
+        load_run_config(str(tmp_path / "a.yaml"), [str(tmp_path / "b.yaml"), "train.plots=false"])
+    assert str(e.value) == (f"two config files, {str(tmp_path / 'a.yaml')!r} and {str(tmp_path / 'b.yaml')!r}: "
+                            "hdet-train reads one (hdet-train CONFIG.yaml key=value ...); merge them, or give the "
+                            "second's settings as key=value")
+    with pytest.raises(HDETConfigError, match="a config file goes first: hdet-train b.yaml"):  # no file first: as before
+        load_run_config(None, ["train.steps=5", "b.yaml"])
