@@ -391,3 +391,36 @@ def test_one_process_per_launch_names_a_stale_lock(tmp_path):
     assert again not in (None, False)
     again.close()
     assert not list(tmp_path.iterdir())
+
+
+STOP_WHILE_CHECKING = """
+import os, signal, sys, time
+import hdet_scale.train.config as config
+read = config.load_run_config
+def load_run_config(*args):  # the signal arrives while the config is read and checked
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(30)  # a stop must not wait for this
+    return read(*args)
+config.load_run_config = load_run_config
+from hdet_scale.train.cli import main
+sys.exit(main(["train.steps=5", "run_dir={run_dir}"]))
+"""
+
+
+def test_sigterm_or_sighup_while_the_config_is_checked_gives_the_stop_line(tmp_path):
+    """Tester round 31: a SIGTERM to hdet-train within its first second or so (reading and
+    checking the config, before the local launcher's handlers) ended it with 143 and no
+    line. Now the line the launcher prints a moment later, and 128 + the signal, at once
+    (within 25 s of the start, where the check it interrupts takes 30); nothing is left in
+    run_dir. (In a child process: before the fix the signal killed it.)"""
+    import subprocess
+    import sys
+
+    for sig in ("SIGTERM", "SIGHUP"):
+        run_dir = tmp_path / sig
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", STOP_WHILE_CHECKING.format(sig=sig, run_dir=run_dir)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, proc.stderr[-2000:])
+        assert proc.stderr.strip() == f"hdet-train: stopped by {sig} before any rank started", proc.stderr
+        assert time.monotonic() - t0 < 25 and not run_dir.exists()  # at once, not after the 30 s check
