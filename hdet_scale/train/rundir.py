@@ -126,12 +126,17 @@ def start_mode(run: dict) -> str:
 
 def _refuse_plots_in_the_way(run_dir: str) -> None:
     """A new run in a ``run_dir`` whose ``plots`` folder already holds files of the names
-    the run gives its plots at the end (tester round 31: a user's own ``plots/loss.png``
-    was replaced without a word; ``hdet-plot`` refuses the same folder)."""
-    from hdet_scale.plot_out import plot_files
+    the run gives its plots at the end, other than the plots its record
+    (``plot_out.RECORD``) lists as drawn from this run_dir's metrics (tester round 31: a
+    user's own ``plots/loss.png`` was replaced without a word; ``hdet-plot`` refuses the
+    same folder)."""
+    from hdet_scale.plot_out import plot_files, read_record
 
     folder = os.path.join(run_dir, "plots")
     found = plot_files(folder)
+    record = read_record(folder) if found else None
+    if record and record["metrics"] == os.path.realpath(os.path.join(run_dir, "metrics.jsonl")):
+        found = [n for n in found if n not in record["pngs"]]  # an earlier run's plots here, recorded as such
     if found:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
         raise HDETConfigError(f"run_dir: {folder} already holds {shown}, of the names this run gives its plots at "

@@ -36,6 +36,10 @@ def test_default_job_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "plots").mkdir(parents=True)
     (run_dir / "plots" / "sync.png").write_bytes(b"an earlier run's plot")  # replaced, not kept
+    # recorded as an earlier run's in this run_dir (a user's own file of that name: refused
+    # before the start, tests/unit/test_checkpoint_files.py)
+    (run_dir / "plots" / ".hdet_plots.json").write_text(
+        json.dumps({"metrics": os.path.realpath(run_dir / "metrics.jsonl"), "pngs": ["sync.png"]}))
     (run_dir / "plots" / "mine.txt").write_text("the user's")  # not ours: stays
     proc = hdet_train([f"run_dir={run_dir}", *SHORT[:-1], "train.plots=true"], timeout=400)
     check_run(run_dir, proc, "deepspeed")

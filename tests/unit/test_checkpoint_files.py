@@ -430,3 +430,13 @@ def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_p
                             "train.plots=false, or train.overwrite=true to replace them")
     assert mode("train.plots=false") == "fresh" and mode("train.overwrite=true") == "fresh"
     assert (run_dir / "plots" / "loss.png").read_bytes() == b"MY OWN LOSS PLOT"
+    # an earlier run's plots in this run_dir, recorded as drawn from its metrics: replaced
+    # by this run's, as before (the record is what hdet-train and hdet-plot write with them)
+    from hdet_scale.plot_out import RECORD
+
+    record = {"metrics": os.path.realpath(run_dir / "metrics.jsonl"), "pngs": ["loss.png"]}
+    (run_dir / "plots" / RECORD).write_text(json.dumps(record))
+    assert mode() == "fresh"
+    (run_dir / "plots" / "sync.png").write_bytes(b"not listed")
+    with pytest.raises(HDETConfigError, match=r"plots already holds sync.png, of the names"):
+        mode()
