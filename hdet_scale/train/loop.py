@@ -4,8 +4,9 @@ Flow: validate everything (no communication) -> the backend's engine (``engines.
 DeepSpeed ZeRO-3, FSDP2, DDP or fairscale OSS, chosen by the ``backend`` key) -> train,
 handing every step's loss to the HDET scheduler, a checkpoint every
 ``train.checkpoint_every`` steps -> final converge -> validation loss -> checkpoint and
-``summary.json``. How a run starts in its ``run_dir`` (fresh, resumed, refused) and the
-fault-injection hook: ``rundir.py``.
+``summary.json``. How a run starts in its ``run_dir`` (fresh, resumed, refused):
+``rundir.py``; its checkpoints: ``run_checkpoint.py``; the fault-injection hook:
+``fault_hook.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import MetricsLogger, check_wandb_settings, json_safe
 from hdet_scale.param_groups import check_group_count
-from hdet_scale.train import fault_hook, rundir
+from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus, unigram_entropy
 from hdet_scale.train.data_files import check_apart
 from hdet_scale.autolr import build_schedule, check_additive_floors
@@ -332,7 +333,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     # accumulation 1 over micro-batch k * m, so the two runs compute the same step.
     batches = ByteBatches(corpus.train, d["seq_len"], micro * gas, run["seed"], rank, world)
     if resuming:
-        rundir.load(engine, ckpt)
+        run_checkpoint.load(engine, ckpt)
         # Every rank loaded before rank 0 trims: a load that fails on another rank (rank 0's
         # own went through) must leave the stopped run's records as they were. A failed rank
         # never arrives; the launcher ends the waiting ones.
@@ -375,7 +376,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # step, the RNG is saved per rank: a resume from here continues this run exactly.
         if every and sched.step_count % every == 0 and sched.step_count < steps:  # the last: below
             t0 = time.perf_counter()
-            rundir.save(engine, ckpt, keep, run, logger.run_id)
+            run_checkpoint.save(engine, ckpt, keep, run, logger.run_id)
             saving = time.perf_counter() - t0
             checkpoint_s += saving
             t_last += saving  # tokens/s counts training time only
@@ -391,7 +392,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
     if run["train"]["checkpoint"]:
-        rundir.save(engine, ckpt, keep, run, logger.run_id)
+        run_checkpoint.save(engine, ckpt, keep, run, logger.run_id)
     device = engine.device if dist.get_backend() != "gloo" else "cpu"
     memory = every_rank({"peak_host_mb": peak_host_mb(),  # per global rank, MiB
                          "peak_host_mb_after_model": engine.model_built_mb,

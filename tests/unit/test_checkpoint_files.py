@@ -14,7 +14,7 @@ import pytest
 from hdet_scale.backends.checkpoint_io import commit, prune, read_latest, retire_tag
 from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.train import fault_hook, rundir
+from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.config import load_run_config
 
 REPLICAS = 2
@@ -350,7 +350,7 @@ def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_p
         with open("/dev/full", "w") as f:
             f.write("x")
     assert e.value.errno == errno_mod.ENOSPC
-    err = rundir.save_error(str(ckpt), 20, e.value)
+    err = run_checkpoint.save_error(str(ckpt), 20, e.value)
     assert isinstance(err, HDETStateError), err
     assert f"the save of step 20 into {ckpt} failed, the disk is full" in str(err)
     assert "no checkpoint is complete yet" in str(err)
@@ -370,9 +370,9 @@ def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_p
     (ckpt / "latest").write_text("global_step10")
     with pytest.raises(RuntimeError) as e:
         torch.save({"w": torch.zeros(10**6)}, "/dev/full")
-    err = rundir.save_error(str(ckpt), 20, e.value, low_bytes=2**62)
+    err = run_checkpoint.save_error(str(ckpt), 20, e.value, low_bytes=2**62)
     assert isinstance(err, HDETStateError) and "latest still names global_step10, complete" in str(err), err
-    assert rundir.save_error(str(ckpt), 20, e.value) is e.value  # room left: torch's error is not a full disk
+    assert run_checkpoint.save_error(str(ckpt), 20, e.value) is e.value  # room left: torch's error is not a full disk
 
 
 @pytest.mark.parametrize("resume", [True, False])

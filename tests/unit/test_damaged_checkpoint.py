@@ -116,7 +116,7 @@ def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
 
     from hdet_scale.backends import fsdp2
     from hdet_scale.errors import HDETStateError
-    from hdet_scale.train import rundir
+    from hdet_scale.train import run_checkpoint
 
     _world_of_one(tmp_path)
     try:
@@ -127,7 +127,7 @@ def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
         with torch.no_grad():
             for p in engine.model.parameters():
                 p.zero_()
-        rundir.load(engine, str(ckpt))
+        run_checkpoint.load(engine, str(ckpt))
         assert all(torch.equal(a, p.full_tensor()) for a, p in zip(saved, engine.model.parameters()))
         folder = ckpt / "replica_0" / tag
         for name, where in (("hdet_shard_0.pt", 200), ("__0_0.distcp", 200), ("__0_0.distcp", "middle")):
@@ -137,11 +137,11 @@ def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
             _flip(victim, start, 64)
             assert damaged_files(str(folder)) == [], name  # the start-up check cannot see it
             with pytest.raises(HDETStateError) as err:
-                rundir.load(engine, str(ckpt))
+                run_checkpoint.load(engine, str(ckpt))
             assert f"has a damaged file: {victim} (" in str(err.value), (name, str(err.value))
             assert "weights_only" not in str(err.value)
             victim.write_bytes(intact)
-        rundir.load(engine, str(ckpt))
+        run_checkpoint.load(engine, str(ckpt))
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,119 @@
+"""An hdet-train checkpoint during the run: saved (its settings recorded first, the newest
+``train.keep_checkpoints`` kept; a full disk named as such) and loaded (a file that still
+fails after the checks named with the folder and the engine's reason). Where the run
+starts from, and what a resume keeps: ``rundir.py``."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+import re
+import shutil
+from typing import Any
+
+from hdet_scale.backends.checkpoint_io import prune_checkpoints, read_latest
+from hdet_scale.errors import HDETStateError
+from hdet_scale.train import resume_config
+
+
+def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_id: str | None = None) -> None:
+    """The backend's checkpoint of ``engine`` (``engines.py`` ``save``: atomic, ``latest``
+    moves last), then keep the newest ``keep``. Collective. With ``run``, rank 0 first
+    records its settings for the save's tag (``resume_config.save_record``: what a later
+    resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues."""
+    sched = engine.scheduler
+    if run is not None and sched.topology.rank == 0:
+        # the tag every backend's save takes by default (checkpoints.checkpoint_target)
+        resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
+    try:
+        engine.save(path)
+    except (OSError, RuntimeError) as e:
+        raise save_error(path, sched.step_count, e) from None
+    prune_checkpoints(path, sched.topology, keep)
+
+
+LOW_SPACE_BYTES = 64 * 2**20  # below this after a failed save, the failure is called a full disk
+
+
+def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_SPACE_BYTES) -> BaseException:
+    """What a failed save of step ``step`` into ``path`` raises: an :class:`HDETStateError`
+    naming a full disk (``ENOSPC``, or less than ``low_bytes`` left on ``path``'s device:
+    torch's writer says "unexpected pos" or "iostream error" without an errno), the free
+    space and the checkpoint ``latest`` still names (tester round 26: two tracebacks and no
+    word of the disk); ``error`` itself otherwise."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        free = None
+    full = getattr(error, "errno", None) == errno.ENOSPC or (free is not None and free < low_bytes)
+    if not full:
+        return error
+    tag = read_latest(path)
+    kept = (f"latest still names {tag}, complete; free space, then train.resume=true continues from it" if tag
+            else "no checkpoint is complete yet, so nothing can be resumed; free space, then start the run over "
+            "with train.overwrite=true (the same run_dir holds this attempt's files), or choose another run_dir")
+    left = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    reason = " ".join(str(error).split())[:200]
+    return HDETStateError(f"checkpoint: the save of step {step} into {path} failed, the disk is full ({left}; "
+                          f"{type(error).__name__}: {reason}); {kept}")
+
+
+def load(engine: Any, path: str) -> None:
+    """The backend's load of the checkpoint ``latest`` names in ``path``. Its files were
+    checked before any rank started (``checkpoints.check_resumable``: structure) and by the
+    load itself (``checkpoint_io.verify_checksums``: each archive's CRC-32s); a load that
+    still fails on a file is reported with the folder and the engine's reason.
+
+    Raises:
+        HDETStateError: the engine could not read the checkpoint (the file or folder and
+            the engine's own error); also for ``torch.distributed.checkpoint``'s
+            ``CheckpointException`` (FSDP2), a ``BaseException`` that wraps each rank's
+            error, when one of those is a damaged file's.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        engine.load(path)
+    except HDETStateError:
+        raise
+    except CheckpointException as e:
+        # DCP gathers every shard rank's exception and raises this on all of them alike.
+        inner = [exc for exc, _ in e.failures.values() if _is_file_error(exc)]
+        if not inner:
+            raise
+        raise _load_error(engine, path, inner[0]) from e
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as e:
+        if not _is_file_error(e):
+            raise
+        raise _load_error(engine, path, e) from e
+
+
+def _is_file_error(e: BaseException) -> bool:
+    """Whether ``e`` is what reading a damaged checkpoint file raises. torch.load's
+    damaged-archive error is a RuntimeError ("PytorchStreamReader ..."); other RuntimeErrors
+    here are a peer's failure seen in a collective: not a file's fault."""
+    if isinstance(e, RuntimeError):
+        return "PytorchStreamReader" in str(e)
+    return isinstance(e, (OSError, ValueError, KeyError, EOFError, pickle.UnpicklingError))
+
+
+def _load_error(engine: Any, path: str, e: BaseException) -> HDETStateError:
+    """The message for a checkpoint that failed to load with ``e``. A damaged file was
+    already named by the check every backend's load runs first
+    (``checkpoint_io.verify_checksums``); what fails here is a file that passed it (another
+    archive in its place, another run's state), so the message names the folders and the
+    engine's reason."""
+    tag = read_latest(path)
+    return HDETStateError(f"train.resume: could not load the checkpoint {path}/replica_*/{tag}: {type(e).__name__}: "
+                          f"{_engine_reason(e)[:500]}")
+
+
+def _engine_reason(e: BaseException) -> str:
+    """The engine's error on one line, without torch.load's advice to retry with
+    ``weights_only=False``: for a damaged file that advice is wrong, and unpickling an
+    untrusted file with it can run arbitrary code."""
+    text = " ".join(str(e).split())
+    if "Weights only load failed" in text:
+        match = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation| Please file|$)", text)
+        return "the file could not be unpickled" + (f" ({match.group(1).strip()})" if match else "")
+    return text
