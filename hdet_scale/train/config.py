@@ -248,6 +248,11 @@ def _parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
         first = (f"; a config file goes first: hdet-train {yaml_late[0]} key=value ..."  # tester round 27
                  if yaml_late else "")
         raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}{first}")
+    spaced = next((o for o in overrides if o.split("=", 1)[0] != o.split("=", 1)[0].strip()), None)
+    if spaced is not None:  # tester round 32: "train.steps = 30" was "train.steps : unknown key"
+        key, value = (part.strip() for part in spaced.split("=", 1))
+        raise HDETConfigError(f"override {spaced!r}: spaces around the key; write {key}={value} (no spaces around "
+                              "'=')")
     # tester round 12: "=5" read as the key '' of the config, "train..steps=5" as "train"
     bad = [o for o in overrides if not all(o.split("=", 1)[0].split("."))]
     if bad:

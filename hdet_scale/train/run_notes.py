@@ -1,7 +1,8 @@
 """Notes hdet-train prints before any rank starts, for settings that are valid but act
 otherwise than a user likely meant: a setting that never acts within ``train.steps``, a
 block that trains plain data parallelism, an auto-LR probe that costs more than the
-training it steers. A note never stops a run (exit codes: ``train/cli.py``)."""
+training it steers, a value read otherwise than given. A note never stops a run (exit
+codes: ``train/cli.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def never_notes(run: dict) -> list[str]:
     nothing): a sync interval, checkpoint cadence or logging cadence longer than the run, a
     schedule longer than the run (it never anneals); an auto-LR probe that reads more
     micro-batches at each sync than the ranks train between syncs (:func:`probe_note`); a
-    data.path that names one file or folder twice (:func:`repeated_data_note`).
+    data.path that names one file or folder twice (:func:`repeated_data_note`); values that
+    are not read as given (:func:`unread_notes`).
 
     Args:
         run: the validated run config (``train.config.load_run_config``).
@@ -58,7 +60,7 @@ def never_notes(run: dict) -> list[str]:
     if isinstance(log_every, int) and log_every > steps:
         notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets no per-step "
                      "record (the syncs' records only)")
-    return notes + probe_note(run, cfg) + repeated_data_note(run)
+    return notes + probe_note(run, cfg) + repeated_data_note(run) + unread_notes(run, cfg)
 
 
 def probe_note(run: dict, cfg: HDETConfig) -> list[str]:
@@ -101,3 +103,37 @@ def repeated_data_note(run: dict) -> list[str]:
                     "as without the repeat (to weight a file, give a copy of it)"]
         seen[real] = part
     return []
+
+
+def unread_notes(run: dict, cfg: HDETConfig) -> list[str]:
+    """Values the run reads otherwise than given, or not at all (tester round 32: each was
+    silent): ``optimizer.params.lr`` beside ``hdet.schedule.max_lr`` (the schedule sets
+    the LR of every step from max_lr); ``train.eval_batches`` not a multiple of the ranks
+    (each rank evaluates ``eval_batches // ranks``, at least 1); ``train.probe_batches``
+    without the probe (``auto.fitness`` other than ``probe``, or auto-LR off);
+    ``train.resume=true`` where nothing is to resume (a new run from step 0: a run_dir
+    mistyped, or relative to another working directory)."""
+    from hdet_scale.train.config import TrainConfig
+    from hdet_scale.train.rundir import RUN_FILES
+
+    notes, t = [], run["train"]
+    lr = ((run["deepspeed"].get("optimizer") or {}).get("params") or {}).get("lr")
+    max_lr = cfg.schedule.max_lr if cfg.schedule is not None else None
+    if lr is not None and max_lr is not None and any(m != lr for m in (max_lr if isinstance(max_lr, list) else [max_lr])):
+        notes.append(f"deepspeed.optimizer.params.lr={lr} has no effect on the LR: deepspeed.hdet.schedule.max_lr="
+                     f"{max_lr} sets the peak of the schedule, which sets the LR of every step (change max_lr, or "
+                     "leave it out to peak at optimizer.params.lr)")
+    world = int(os.environ.get("WORLD_SIZE") or run["nproc"])  # under torchrun: its ranks, not nproc
+    per_rank = max(1, t["eval_batches"] // world)
+    if per_rank * world != t["eval_batches"]:
+        notes.append(f"train.eval_batches={t['eval_batches']}: the validation loss reads {per_rank * world} "
+                     f"micro-batches ({per_rank} on each of the {world} ranks: a multiple of the ranks)")
+    if t["probe_batches"] != TrainConfig.probe_batches and not cfg.uses_probe:
+        why = (f"deepspeed.hdet.auto.fitness={cfg.auto.fitness}" if cfg.auto_can_move else "auto-LR does not run")
+        notes.append(f"train.probe_batches={t['probe_batches']} has no effect: {why} (the probe is read only with "
+                     "auto.fitness=probe)")
+    run_dir = run["run_dir"]
+    if t["resume"] and not any(os.path.lexists(os.path.join(run_dir, n)) for n in RUN_FILES):
+        notes.append(f"train.resume=true: {os.path.abspath(run_dir)} holds no run to resume (no checkpoint), so this "
+                     f"is a new run from step 0 (a relative run_dir is read from the working directory {os.getcwd()})")
+    return notes

@@ -1077,7 +1077,8 @@ def test_a_probe_costing_more_than_the_training_between_syncs_gets_a_note():
     assert probe_notes("train.probe_batches=75") == []
     assert len(probe_notes("train.probe_batches=76")) == 1
     assert probe_notes("train.probe_batches=76", "deepspeed.gradient_accumulation_steps=4") == []  # 100 trained
-    assert probe_notes("train.probe_batches=100000", "deepspeed.hdet.auto.enabled=false") == []  # no probe runs
+    assert probe_notes("train.probe_batches=100000", "deepspeed.hdet.auto.enabled=false") == [  # no probe runs
+        "train.probe_batches=100000 has no effect: auto-LR does not run (the probe is read only with auto.fitness=probe)"]
     assert probe_notes("train.probe_batches=100000", "deepspeed.hdet.sync_interval=200") == []  # no sync in the run
 
 
@@ -1133,3 +1134,51 @@ def test_two_config_files_are_named_as_two(tmp_path):
                             "second's settings as key=value")
     with pytest.raises(HDETConfigError, match="a config file goes first: hdet-train b.yaml"):  # no file first: as before
         load_run_config(None, ["train.steps=5", "b.yaml"])
+
+
+def test_values_read_otherwise_than_given_get_a_note(tmp_path, monkeypatch):
+    """Tester round 32, each accepted without a word: optimizer.params.lr beside
+    hdet.schedule.max_lr (the run peaked at max_lr); train.eval_batches=19 on 4 ranks
+    (evaluated 16: its val_loss equal to eval_batches=16's); train.probe_batches with
+    auto.fitness=train_loss (no probe runs); train.resume=true on a run_dir holding no run
+    (a new run from step 0). Each set as intended (or left at its default) gets none."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.run_notes import never_notes
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+    def notes(*overrides):
+        return never_notes(load_run_config(None, ["train.steps=100", f"run_dir={tmp_path / 'run'}", *overrides]))
+
+    assert notes() == []
+    got = notes("deepspeed.hdet.schedule.max_lr=0.01", "deepspeed.optimizer.params.lr=0.001")
+    assert got == ["deepspeed.optimizer.params.lr=0.001 has no effect on the LR: deepspeed.hdet.schedule.max_lr=0.01 "
+                   "sets the peak of the schedule, which sets the LR of every step (change max_lr, or leave it out to "
+                   "peak at optimizer.params.lr)"]
+    assert notes("deepspeed.hdet.schedule.max_lr=0.003") == []  # equal to the packaged lr: nothing lost
+    assert notes("train.eval_batches=19") == ["train.eval_batches=19: the validation loss reads 16 micro-batches (4 on "
+                                              "each of the 4 ranks: a multiple of the ranks)"]
+    assert notes("train.eval_batches=2") == ["train.eval_batches=2: the validation loss reads 4 micro-batches (1 on "
+                                             "each of the 4 ranks: a multiple of the ranks)"]
+    assert notes("train.eval_batches=8") == [] and notes("train.eval_batches=6", "nproc=2") == []
+    assert notes("train.probe_batches=50", "deepspeed.hdet.auto.fitness=train_loss") == [
+        "train.probe_batches=50 has no effect: deepspeed.hdet.auto.fitness=train_loss (the probe is read only with "
+        "auto.fitness=probe)"]
+    assert notes("train.probe_batches=50") == []  # the probe reads them
+    assert notes("train.resume=true") == [
+        f"train.resume=true: {tmp_path / 'run'} holds no run to resume (no checkpoint), so this is a new run from "
+        f"step 0 (a relative run_dir is read from the working directory {os.getcwd()})"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    assert notes("train.resume=true") == []  # a run there: resumed or refused (start_mode), no note
+
+
+def test_an_override_with_spaces_around_its_key_says_so():
+    """Tester round 32: ``hdet-train "train.steps = 30"`` said "train.steps : unknown key"."""
+    from hdet_scale.train.config import load_run_config
+
+    for given in ("train.steps = 30", "train.steps =30", " train.steps=30"):
+        with pytest.raises(HDETConfigError) as e:
+            load_run_config(None, [given])
+        assert str(e.value) == f"override {given!r}: spaces around the key; write train.steps=30 (no spaces around '=')"
+    assert load_run_config(None, ["train.steps= 30"])["train"]["steps"] == 30  # a value's space: YAML drops it
