@@ -6,13 +6,15 @@ and runs offline unless credentials are configured, so a run never needs the net
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-from typing import Any
+import resource
+from typing import Any, Callable
 
 from hdet_scale.config import WandbConfig
-from hdet_scale.errors import HDETConfigError
+from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.wandb_charts import ReplicaSeries
 
 
@@ -79,6 +81,40 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
                               f"when a key is configured, else offline), or {prefix}enabled=false")
 
 
+def file_size_limit() -> int | None:
+    """This process's file size limit in bytes (``RLIMIT_FSIZE``, ``ulimit -f``); ``None``:
+    unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def write_failure(error: BaseException) -> str | None:
+    """What stopped a write that raised ``error``, in words, when it is a full disk
+    (``ENOSPC``), a disk quota (``EDQUOT``) or a file size limit (``EFBIG``: this
+    process's ``ulimit -f``, or the file system's own); ``None`` otherwise."""
+    code = getattr(error, "errno", None)
+    if code == errno.EFBIG:
+        limit = file_size_limit()
+        return (f"a file reached the file size limit of this process (ulimit -f: {limit} bytes)" if limit is not None
+                else "a file reached the largest size its file system takes")
+    if code == errno.EDQUOT:
+        return "the disk quota is exceeded"
+    if code == errno.ENOSPC:
+        return "the disk is full"
+    return None
+
+
+def write_fix(cause: str) -> str:
+    """What to do first about ``cause`` (:func:`write_failure`'s words)."""
+    if "ulimit -f" in cause:
+        return "raise the limit (ulimit -f unlimited)"
+    if "quota" in cause:
+        return "free space within the quota (or have it raised)"
+    if "its file system" in cause:
+        return "write to another file system"
+    return "free space"
+
+
 def json_safe(value: Any, nonfinite: Any = str) -> Any:
     """``value`` (nested dicts / lists) with every NaN / inf float replaced by
     ``nonfinite(x)``: JSON has none. Metrics keep them readable (``"nan"``); a summary
@@ -116,12 +152,15 @@ class MetricsLogger:
             a new run. Unused when the user's own run is open. The file is opened at the first record, not here: a trainer can
             check its run folder on every rank after building the logger and before the
             first collective, and no rank sees a file another rank just created.
+        advice: the way on that a failed write of the JSONL file (:meth:`log`) names, asked
+            for when it fails (hdet-train: the checkpoint to resume from, or none).
     """
 
     def __init__(self, jsonl: str | None = None, wandb: WandbConfig | None = None,
                  config: dict | None = None, enabled: bool = True, append: bool = True,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, advice: Callable[[], str] | None = None) -> None:
         self.enabled = enabled
+        self._advice = advice
         self._file = None
         self._wandb_run = None
         self._defined: set[str] = set()  # key namespaces given hdet/step as x axis (user's run)
@@ -168,15 +207,24 @@ class MetricsLogger:
         return self._wandb_run.id if self._wandb_run is not None and self._own_run else None
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
-        """Write one record. ``step``: optimizer step (W&B's x axis)."""
+        """Write one record. ``step``: optimizer step (W&B's x axis).
+
+        Raises:
+            HDETStateError: the JSONL file could not be written for a full disk, a disk
+                quota or a file size limit (:func:`write_failure`), naming the file, the
+                cause and ``advice`` (tester round 32: rank 0's OSError traceback).
+        """
         if not self.enabled:
             return
-        if self._file is None and self._jsonl:
-            os.makedirs(os.path.dirname(os.path.abspath(self._jsonl)), exist_ok=True)
-            self._file = open(self._jsonl, "a" if self._append else "w", buffering=1)
-        if self._file is not None:
-            out = {"step": step, **record} if step is not None else dict(record)
-            self._file.write(json.dumps(json_safe(out)) + "\n")
+        try:
+            if self._file is None and self._jsonl:
+                os.makedirs(os.path.dirname(os.path.abspath(self._jsonl)), exist_ok=True)
+                self._file = open(self._jsonl, "a" if self._append else "w", buffering=1)
+            if self._file is not None:
+                out = {"step": step, **record} if step is not None else dict(record)
+                self._file.write(json.dumps(json_safe(out)) + "\n")
+        except OSError as e:
+            raise self._write_error(e) from None
         if self._wandb_run is not None:
             scalars = {k: v for k, v in record.items() if isinstance(v, (int, float))}
             if "hdet/sync" in record and step is not None:
@@ -194,6 +242,26 @@ class MetricsLogger:
                 # ours and the user's would fight over the counter).
                 self._wandb_run.log(scalars)
 
+    def _write_error(self, error: OSError) -> BaseException:
+        """What a failed write of the JSONL file raises: :class:`HDETStateError` for a full
+        disk, a quota or a file size limit; ``error`` itself otherwise."""
+        cause = write_failure(error)
+        if cause is None:
+            return error
+        path = self._jsonl
+        if self._file is not None:
+            # the line left in its buffer would fail again at close(), with this error said
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        self._jsonl = None  # nothing more is written
+        reason = " ".join(str(error).split())[:200]
+        advice = f" {self._advice()}" if self._advice is not None else ""
+        return HDETStateError(f"metrics: writing {path} failed, {cause} ({type(error).__name__}: {reason}); "
+                              f"{write_fix(cause)} first.{advice}")
+
     def _define(self, scalars: dict[str, Any]) -> None:
         for prefix in sorted({k.split("/")[0] for k in scalars if "/" in k} - self._defined):
             if not self._defined:
@@ -207,8 +275,14 @@ class MetricsLogger:
                 self._wandb_run.summary[k] = v
 
     def close(self) -> None:
+        """Raises:
+            HDETStateError: as :meth:`log`, for the last flush of the JSONL file.
+        """
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                raise self._write_error(e) from None
             self._file = None
         self._jsonl = None  # a closed logger writes nothing more
         if self._wandb_run is not None:

@@ -147,24 +147,33 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
                              f"as a complete checkpoint of this folder (complete: {listed}); write one of those tags "
                              f"into it")
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
-    if missing:
-        raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}")
+    if missing:  # a deleted folder: the older checkpoints may be whole (tester round 32)
+        raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}; "
+                             f"{_other_checkpoints(load_dir, saved, tag, replicas)}or start a new run_dir")
     # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
     lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
             if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
     if lost:
-        raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}")
+        raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}; "
+                             f"{_other_checkpoints(load_dir, saved, tag, replicas)}or start a new run_dir")
     required = tag in manifested(saved)
     damaged = [p for r in range(replicas) for p in damaged_files(os.path.join(load_dir, f"replica_{r}", tag))]
     damaged += [p for r in range(replicas)
                 if (p := listing_problem(os.path.join(load_dir, f"replica_{r}", tag), required))]
     if damaged:
-        older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
-        listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
-        hint = f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
-                             f"{hint}or start a new run_dir")
+                             f"{_other_checkpoints(load_dir, saved, tag, replicas)}or start a new run_dir")
     return tag
+
+
+def _other_checkpoints(load_dir: str, saved: dict, tag: str, replicas: int) -> str:
+    """The advice to resume from another complete checkpoint than ``tag`` (those the
+    layout ``saved`` lists whose replica folders are all there), ending in ", "; empty
+    when there is none."""
+    older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag
+             and all(os.path.isdir(os.path.join(load_dir, f"replica_{r}", t)) for r in range(replicas))}
+    listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
+    return f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
 
 
 def _hdet_state_path(rdir: str, topology: Topology) -> str:

@@ -5,7 +5,6 @@ starts from, and what a resume keeps: ``rundir.py``."""
 
 from __future__ import annotations
 
-import errno
 import pickle
 import re
 import shutil
@@ -13,6 +12,7 @@ from typing import Any
 
 from hdet_scale.backends.checkpoint_io import prune_checkpoints, read_latest
 from hdet_scale.errors import HDETStateError
+from hdet_scale.logging import file_size_limit, write_failure, write_fix
 from hdet_scale.train import resume_config
 
 
@@ -38,23 +38,32 @@ LOW_SPACE_BYTES = 64 * 2**20  # below this after a failed save, the failure is c
 def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_SPACE_BYTES) -> BaseException:
     """What a failed save of step ``step`` into ``path`` raises: an :class:`HDETStateError`
     naming a full disk (``ENOSPC``, or less than ``low_bytes`` left on ``path``'s device:
-    torch's writer says "unexpected pos" or "iostream error" without an errno), the free
-    space and the checkpoint ``latest`` still names (tester round 26: two tracebacks and no
-    word of the disk); ``error`` itself otherwise."""
+    torch's writer says "unexpected pos" or "iostream error" without an errno), a disk
+    quota (``EDQUOT``) or the file size limit (``EFBIG``; torch's errno-less error too while
+    this process has a finite ``ulimit -f``: tester round 32), the free space and the
+    checkpoint ``latest`` still names (tester round 26: two tracebacks and no word of the
+    disk); ``error`` itself otherwise."""
     try:
         free = shutil.disk_usage(path).free
     except OSError:
         free = None
-    full = getattr(error, "errno", None) == errno.ENOSPC or (free is not None and free < low_bytes)
-    if not full:
+    cause = write_failure(error)
+    limit = file_size_limit()
+    errno_less = isinstance(error, RuntimeError) and getattr(error, "errno", None) is None  # torch's writer
+    if cause is None and limit is not None and errno_less:
+        cause = f"a file reached the file size limit of this process (ulimit -f: {limit} bytes)"
+    if cause is None and free is not None and free < low_bytes:
+        cause = "the disk is full"
+    if cause is None:
         return error
+    fix = write_fix(cause)
     tag = read_latest(path)
-    kept = (f"latest still names {tag}, complete; free space, then train.resume=true continues from it" if tag
-            else "no checkpoint is complete yet, so nothing can be resumed; free space, then start the run over "
+    kept = (f"latest still names {tag}, complete; {fix}, then train.resume=true continues from it" if tag
+            else f"no checkpoint is complete yet, so nothing can be resumed; {fix}, then start the run over "
             "with train.overwrite=true (the same run_dir holds this attempt's files), or choose another run_dir")
     left = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
-    reason = " ".join(str(error).split())[:200]
-    return HDETStateError(f"checkpoint: the save of step {step} into {path} failed, the disk is full ({left}; "
+    reason = " ".join(str(error).split())[:200]  # an OSError's may name its file
+    return HDETStateError(f"checkpoint: the save of step {step} into {path} failed, {cause} ({left}; "
                           f"{type(error).__name__}: {reason}); {kept}")
 
 

@@ -108,8 +108,24 @@ def resume_advice(run: dict[str, Any]) -> str:
     # tester round 27: a stop before the first record left only the lock, and a plain rerun works
     held = [n for n in ("metrics.jsonl", "summary.json", "checkpoint") if os.path.lexists(os.path.join(run_dir, n))]
     again = (f"start again in {run_dir} with train.overwrite=true, or choose another run_dir" if held
-             else f"start again with the same command (nothing of this run is kept in {run_dir})")
+             else f"start again with the same command (no checkpoint or metrics of this run were written in "
+             f"{run_dir}{_wandb_left(run_dir)})")
     return f"No checkpoint was saved yet ({why}): {again}."
+
+
+def _wandb_left(run_dir: str) -> str:
+    """What W&B keeps in ``run_dir`` after a stop before the first record: its run folder
+    (the newest of ``run_dir/wandb``, W&B's folder with the default ``wandb.dir``), which
+    a rerun does not mind and which is the user's to keep (tester round 32: the stop line
+    said "nothing of this run is kept" next to it). Never raises."""
+    folder = os.path.join(run_dir, "wandb")
+    try:
+        runs = [e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)
+                and e.name.startswith(("offline-run-", "run-"))]
+        newest = max(runs, key=os.path.getmtime, default=None)
+    except OSError:
+        return ""
+    return f"; W&B's run folder {newest} stays" if newest else ""
 
 
 def _restart_note() -> str:

@@ -257,6 +257,42 @@ def test_a_replica_folder_copied_from_another_place_is_refused_before_loading(tm
     assert listing_problem(folder(1, "global_step8", {}), True) is None  # an older save's manifest: not recorded
 
 
+def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_from(tmp_path):
+    """Tester round 32: with a replica folder of latest's tag deleted, train.resume=true
+    said only "has no folder for replica(s) [0, 1] at tag 'global_step20'", while a damaged
+    file's message names the older complete checkpoints and how to resume from one. Both
+    say it now (and a lost HDET state file too); a checkpoint whose own folders are gone is
+    not offered."""
+    import shutil
+
+    from hdet_scale.backends.checkpoints import check_resumable
+    from hdet_scale.errors import HDETStateError
+
+    ckpt = tmp_path / "checkpoint"
+    for step in (5, 10, 20):
+        save(ckpt, step)
+        for r in range(REPLICAS):  # the second shard's file, which save() leaves out
+            (ckpt / f"replica_{r}" / f"global_step{step}" / "hdet_shard_1.pt").write_bytes(b"x")
+    advice = ("resume from another complete checkpoint by writing its tag into latest (global_step10 (step 10)), "
+              "or start a new run_dir")
+    (ckpt / "replica_1" / "global_step20" / "hdet_shard_0.pt").unlink()
+    shutil.rmtree(ckpt / "replica_0" / "global_step5")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert str(err.value) == (f"checkpoint {ckpt} is incomplete: missing replica_1/global_step20/hdet_shard_0.pt; "
+                              f"{advice}"), err.value
+    for r in range(REPLICAS):
+        shutil.rmtree(ckpt / f"replica_{r}" / "global_step20")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert str(err.value) == (f"checkpoint {ckpt} has no folder for replica(s) [0, 1] at tag 'global_step20'; "
+                              f"{advice}"), err.value
+    shutil.rmtree(ckpt / "replica_1" / "global_step10")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert str(err.value).endswith("at tag 'global_step20'; or start a new run_dir"), err.value
+
+
 def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
     """Tester round 13: ``train.resume=true`` into a run_dir a running job holds was told
     to start over (its checkpoint not written yet). The launcher now asks the lock first,
@@ -375,6 +411,67 @@ def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_p
     assert run_checkpoint.save_error(str(ckpt), 20, e.value) is e.value  # room left: torch's error is not a full disk
 
 
+_SAVE_UNDER_A_LIMIT = r"""
+import json, sys
+
+import torch
+
+from hdet_scale.train import run_checkpoint
+
+ckpt = sys.argv[1]
+out = {}
+try:
+    torch.save({"w": torch.zeros(10**5)}, ckpt + "/model.pt")  # torch's writer: no errno
+except RuntimeError as e:
+    out["torch"] = str(run_checkpoint.save_error(ckpt, 30, e))
+try:
+    with open(ckpt + "/state.bin", "wb") as f:
+        f.write(b"x" * 20000)
+except OSError as e:
+    out["efbig"] = [e.errno, str(run_checkpoint.save_error(ckpt, 30, e))]
+print(json.dumps(out))
+"""
+
+
+def test_a_save_stopped_by_the_file_size_limit_or_a_quota_is_named(tmp_path):
+    """Tester round 32: under ``ulimit -f`` the final save failed in every rank with torch's
+    "unexpected pos" RuntimeError (no errno) and a traceback; a quota (EDQUOT) and EFBIG were
+    not recognised either. Each is one HDETStateError naming the cause, the folder and the
+    way on. The limit is real here: a child process under RLIMIT_FSIZE (Python ignores
+    SIGXFSZ, so the write fails with EFBIG)."""
+    import errno as errno_mod
+    import resource
+    import subprocess
+    import sys
+
+    from hdet_scale.errors import HDETStateError
+
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("global_step20")
+    limit = 8192
+    child = subprocess.run([sys.executable, "-c", _SAVE_UNDER_A_LIMIT, str(ckpt)], capture_output=True, text=True,
+                           timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert child.returncode == 0, child.stderr
+    out = json.loads(child.stdout)
+    named = f"the file size limit of this process (ulimit -f: {limit} bytes)"
+    for msg in (out["torch"], out["efbig"][1]):
+        assert msg.startswith(f"checkpoint: the save of step 30 into {ckpt} failed, a file reached {named}"), msg
+        assert msg.endswith("latest still names global_step20, complete; raise the limit (ulimit -f unlimited), "
+                            "then train.resume=true continues from it"), msg
+    assert out["efbig"][0] == errno_mod.EFBIG, out
+    (ckpt / "latest").unlink()
+    quota = OSError(errno_mod.EDQUOT, "Disk quota exceeded", str(ckpt / "model.pt"))
+    err = run_checkpoint.save_error(str(ckpt), 30, quota)
+    assert isinstance(err, HDETStateError), err
+    assert f"into {ckpt} failed, the disk quota is exceeded" in str(err) and "model.pt" in str(err), err
+    assert "no checkpoint is complete yet" in str(err) and "start the run over with train.overwrite=true" in str(err)
+    # without a finite limit here, torch's errno-less error with room left is not ours to name
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY
+    other = RuntimeError("unexpected pos 704 vs 598")
+    assert run_checkpoint.save_error(str(ckpt), 30, other) is other
+
+
 @pytest.mark.parametrize("resume", [True, False])
 def test_a_checkpoint_folder_given_as_run_dir_is_refused_naming_the_run(tmp_path, resume):
     """Tester round 27: ``run_dir=<run>/checkpoint train.resume=true`` (the Hugging Face
@@ -401,7 +498,17 @@ def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path)
     (run_dir / ".hdet_run.lock").write_text("")
     run = load_run_config(None, [f"run_dir={run_dir}"])
     msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", None)
-    assert msg.endswith(f"start again with the same command (nothing of this run is kept in {run_dir})."), msg
+    assert msg.endswith(f"start again with the same command (no checkpoint or metrics of this run were written "
+                        f"in {run_dir})."), msg
+    # tester round 32: W&B's offline run folder of the stopped attempt stays, and is named
+    (run_dir / "wandb" / "offline-run-20250101_000000-old").mkdir(parents=True)
+    os.utime(run_dir / "wandb" / "offline-run-20250101_000000-old", (1, 1))
+    (run_dir / "wandb" / "offline-run-20250102_000000-abc").mkdir()
+    (run_dir / "wandb" / "debug.log").write_text("")
+    msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", None)
+    assert msg.endswith(f"start again with the same command (no checkpoint or metrics of this run were written in "
+                        f"{run_dir}; W&B's run folder {run_dir}/wandb/offline-run-20250102_000000-abc stays)."), msg
+    assert "nothing of this run is kept" not in msg
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert "with train.overwrite=true" in stop_message(signal.SIGINT, run, "all 2 ranks ended", 1)
 
