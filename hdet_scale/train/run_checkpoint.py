@@ -20,13 +20,28 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
     """The backend's checkpoint of ``engine`` (``engines.py`` ``save``: atomic, ``latest``
     moves last), then keep the newest ``keep``. Collective. With ``run``, rank 0 first
     records its settings for the save's tag (``resume_config.save_record``: what a later
-    resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues."""
+    resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues.
+
+    Raises:
+        HDETStateError: a full disk, a quota or a file size limit stopped the record or the
+            save (:func:`save_error`; inside FSDP2's ``CheckpointException`` too).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
     sched = engine.scheduler
-    if run is not None and sched.topology.rank == 0:
-        # the tag every backend's save takes by default (checkpoints.checkpoint_target)
-        resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
     try:
+        if run is not None and sched.topology.rank == 0:
+            # the tag every backend's save takes by default (checkpoints.checkpoint_target)
+            resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
         engine.save(path)
+    except CheckpointException as e:
+        # DCP (FSDP2) gathers every rank's failure and raises this on all of them alike: a
+        # full disk inside it is named as one too
+        for inner, _ in e.failures.values():
+            named = save_error(path, sched.step_count, inner)
+            if named is not inner:
+                raise named from None
+        raise
     except (OSError, RuntimeError) as e:
         raise save_error(path, sched.step_count, e) from None
     prune_checkpoints(path, sched.topology, keep)

@@ -547,3 +547,40 @@ def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_p
     (run_dir / "plots" / "sync.png").write_bytes(b"not listed")
     with pytest.raises(HDETConfigError, match=r"plots already holds sync.png, of the names"):
         mode()
+
+
+def test_a_full_disk_under_the_settings_record_or_inside_dcps_exception_is_named(tmp_path, monkeypatch):
+    """A save's first write is rank 0's settings record, and FSDP2's DCP wraps every rank's
+    failure in a CheckpointException: a full disk or quota in either was a raw traceback
+    (only the engine's own OSError / RuntimeError was named)."""
+    import errno as errno_mod
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from hdet_scale.errors import HDETStateError
+    from hdet_scale.train import resume_config
+
+    sched = SimpleNamespace(step_count=20, topology=SimpleNamespace(rank=0))
+
+    def record_fails(*args, **kwargs):
+        raise OSError(errno_mod.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(resume_config, "save_record", record_fails)
+    engine = SimpleNamespace(scheduler=sched, save=lambda path: None)
+    with pytest.raises(HDETStateError, match=r"failed, the disk quota is exceeded .*train.overwrite=true"):
+        run_checkpoint.save(engine, str(tmp_path), 2, run={"train": {}})
+    monkeypatch.undo()
+
+    def dcp_fails(path):
+        raise CheckpointException("save", {0: (OSError(errno_mod.ENOSPC, "No space left on device"), None)})
+
+    engine = SimpleNamespace(scheduler=sched, save=dcp_fails)
+    with pytest.raises(HDETStateError, match=r"the save of step 20 into .* failed, the disk is full"):
+        run_checkpoint.save(engine, str(tmp_path), 2)
+
+    def dcp_other(path):
+        raise CheckpointException("save", {0: (ValueError("not a disk problem"), None)})
+
+    with pytest.raises(CheckpointException):  # anything else: DCP's own exception, as before
+        run_checkpoint.save(SimpleNamespace(scheduler=sched, save=dcp_other), str(tmp_path), 2)
