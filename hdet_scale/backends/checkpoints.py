@@ -168,10 +168,8 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
 
 def _other_checkpoints(load_dir: str, saved: dict, tag: str, replicas: int) -> str:
     """The advice to resume from another complete checkpoint than ``tag`` (those the
-    layout ``saved`` lists whose replica folders are all there), ending in ", "; empty
-    when there is none."""
-    older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag
-             and all(os.path.isdir(os.path.join(load_dir, f"replica_{r}", t)) for r in range(replicas))}
+    layout ``saved`` lists), ending in ", "; empty when there is none."""
+    older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
     listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
     return f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
 
