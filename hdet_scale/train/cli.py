@@ -25,6 +25,7 @@ from typing import Any
 
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train.launcher import USER_ERROR as _USER_ERROR  # the exit code of a user error
+from hdet_scale.train.launcher import StoppedBeforeStart, raise_stop
 
 
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -276,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         if not launched:  # SIGINT is KeyboardInterrupt already
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 if signal.getsignal(sig) is signal.SIG_DFL:
-                    signal.signal(sig, _stop_while_checking)
+                    # tester round 31: a SIGTERM in the first second or so (the config read
+                    # and checked) ended hdet-train with 143 and no line
+                    signal.signal(sig, raise_stop)
         quiet = launched and int(os.environ["RANK"]) != 0  # an integer: _started_by_launcher checked it
         if launched:
             from hdet_scale.train import refusals
@@ -389,31 +392,16 @@ def main(argv: list[str] | None = None) -> int:
             print("hdet-train: stopped by SIGINT (Ctrl-C) during start-up, before the first step",
                   file=sys.stderr)
         return 128 + signal.SIGINT
-    except _StoppedWhileChecking as e:
-        name = signal.Signals(e.signum).name
-        print(f"hdet-train: stopped by {name} before any rank started", file=sys.stderr)
+    except StoppedBeforeStart as e:
+        print(e.line(), file=sys.stderr)
         return 128 + e.signum
     finally:
         for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is _stop_while_checking:
+            if signal.getsignal(sig) is raise_stop:
                 signal.signal(sig, signal.SIG_DFL)  # launch_local sets its own
     from hdet_scale.train.launcher import launch_local
 
     return launch_local(run)
-
-
-class _StoppedWhileChecking(BaseException):
-    """SIGTERM or SIGHUP while hdet-train (not a rank) reads and checks the config."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop_while_checking(signum: int, frame: Any) -> None:
-    # tester round 31: a SIGTERM in the first second or so (the config read and checked,
-    # before the launcher's own handlers) ended hdet-train with 143 and no line
-    raise _StoppedWhileChecking(signum)
 
 
 if __name__ == "__main__":

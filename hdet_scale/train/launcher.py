@@ -121,6 +121,25 @@ def _end(procs: list, grace: float) -> None:
             p.join(timeout=5)
 
 
+class StoppedBeforeStart(BaseException):
+    """A stop signal before any rank started (:func:`raise_stop`); a BaseException, so that
+    no ``except Exception`` on the way (DeepSpeed's cpuinfo query swallows those) keeps it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    def line(self) -> str:
+        """The one line hdet-train prints for it."""
+        name = signal.Signals(self.signum).name
+        return f"hdet-train: stopped by {name}{' (Ctrl-C)' if name == 'SIGINT' else ''} before any rank started"
+
+
+def raise_stop(signum: int, frame: Any) -> None:
+    """A signal handler for the moments before any rank starts: raise :class:`StoppedBeforeStart`."""
+    raise StoppedBeforeStart(signum)
+
+
 def launch_local(run: dict) -> int:
     """Start ``run["nproc"]`` local ranks (spawned, gloo), wait for them and return the
     exit code ``hdet-train`` ends with (module docstring of ``hdet_scale.train.cli``):
@@ -146,21 +165,13 @@ def launch_local(run: dict) -> int:
 
         # tester round 27: Ctrl-C in the cpuinfo subprocess's wait (a second or two) was a
         # KeyboardInterrupt traceback, a SIGTERM an exit without a word
-        class _Stopped(BaseException):  # not an Exception: share() swallows those
-            pass
-
-        def stopped(signum, frame):
-            raise _Stopped(signum)
-
-        saved = {sig: signal.signal(sig, stopped) for sig in STOP_SIGNALS
+        saved = {sig: signal.signal(sig, raise_stop) for sig in STOP_SIGNALS
                  if signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             os.environ.update(share())
-        except _Stopped as e:
-            name = signal.Signals(e.args[0]).name
-            print(f"hdet-train: stopped by {name}{' (Ctrl-C)' if name == 'SIGINT' else ''} before any rank started",
-                  file=sys.stderr, flush=True)
-            return 128 + e.args[0]
+        except StoppedBeforeStart as e:
+            print(e.line(), file=sys.stderr, flush=True)
+            return 128 + e.signum
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
