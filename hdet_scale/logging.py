@@ -88,31 +88,32 @@ def file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def write_failure(error: BaseException) -> str | None:
-    """What stopped a write that raised ``error``, in words, when it is a full disk
-    (``ENOSPC``), a disk quota (``EDQUOT``) or a file size limit (``EFBIG``: this
-    process's ``ulimit -f``, or the file system's own); ``None`` otherwise."""
+def size_limit_failure() -> tuple[str, str] | None:
+    """``(what stopped a write, what to do first)`` for this process's finite file size
+    limit; ``None`` without one."""
+    limit = file_size_limit()
+    if limit is None:
+        return None
+    return (f"a file reached the file size limit of this process (ulimit -f: {limit} bytes)",
+            "raise the limit (ulimit -f unlimited)")
+
+
+def write_failure(error: BaseException) -> tuple[str, str] | None:
+    """``(what stopped a write that raised error, what to do first)``, in words, when it is
+    a full disk (``ENOSPC``), a disk quota (``EDQUOT``) or a file size limit (``EFBIG``:
+    this process's ``ulimit -f``, or the file system's own); ``None`` otherwise."""
     code = getattr(error, "errno", None)
     if code == errno.EFBIG:
-        limit = file_size_limit()
-        return (f"a file reached the file size limit of this process (ulimit -f: {limit} bytes)" if limit is not None
-                else "a file reached the largest size its file system takes")
+        return size_limit_failure() or ("a file reached the largest size its file system takes",
+                                        "write to another file system")
     if code == errno.EDQUOT:
-        return "the disk quota is exceeded"
+        return "the disk quota is exceeded", "free space within the quota (or have it raised)"
     if code == errno.ENOSPC:
-        return "the disk is full"
+        return DISK_FULL
     return None
 
 
-def write_fix(cause: str) -> str:
-    """What to do first about ``cause`` (:func:`write_failure`'s words)."""
-    if "ulimit -f" in cause:
-        return "raise the limit (ulimit -f unlimited)"
-    if "quota" in cause:
-        return "free space within the quota (or have it raised)"
-    if "its file system" in cause:
-        return "write to another file system"
-    return "free space"
+DISK_FULL = ("the disk is full", "free space")
 
 
 def json_safe(value: Any, nonfinite: Any = str) -> Any:
@@ -245,9 +246,10 @@ class MetricsLogger:
     def _write_error(self, error: OSError) -> BaseException:
         """What a failed write of the JSONL file raises: :class:`HDETStateError` for a full
         disk, a quota or a file size limit; ``error`` itself otherwise."""
-        cause = write_failure(error)
-        if cause is None:
+        failure = write_failure(error)
+        if failure is None:
             return error
+        cause, fix = failure
         path = self._jsonl
         if self._file is not None:
             # the line left in its buffer would fail again at close(), with this error said
@@ -260,7 +262,7 @@ class MetricsLogger:
         reason = " ".join(str(error).split())[:200]
         advice = f" {self._advice()}" if self._advice is not None else ""
         return HDETStateError(f"metrics: writing {path} failed, {cause} ({type(error).__name__}: {reason}); "
-                              f"{write_fix(cause)} first.{advice}")
+                              f"{fix} first.{advice}")
 
     def _define(self, scalars: dict[str, Any]) -> None:
         for prefix in sorted({k.split("/")[0] for k in scalars if "/" in k} - self._defined):

@@ -12,7 +12,7 @@ from typing import Any
 
 from hdet_scale.backends.checkpoint_io import prune_checkpoints, read_latest
 from hdet_scale.errors import HDETStateError
-from hdet_scale.logging import file_size_limit, write_failure, write_fix
+from hdet_scale.logging import DISK_FULL, size_limit_failure, write_failure
 from hdet_scale.train import resume_config
 
 
@@ -62,16 +62,12 @@ def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_
         free = shutil.disk_usage(path).free
     except OSError:
         free = None
-    cause = write_failure(error)
-    limit = file_size_limit()
     errno_less = isinstance(error, RuntimeError) and getattr(error, "errno", None) is None  # torch's writer
-    if cause is None and limit is not None and errno_less:
-        cause = f"a file reached the file size limit of this process (ulimit -f: {limit} bytes)"
-    if cause is None and free is not None and free < low_bytes:
-        cause = "the disk is full"
-    if cause is None:
+    failure = (write_failure(error) or (size_limit_failure() if errno_less else None)
+               or (DISK_FULL if free is not None and free < low_bytes else None))
+    if failure is None:
         return error
-    fix = write_fix(cause)
+    cause, fix = failure
     tag = read_latest(path)
     kept = (f"latest still names {tag}, complete; {fix}, then train.resume=true continues from it" if tag
             else f"no checkpoint is complete yet, so nothing can be resumed; {fix}, then start the run over "
