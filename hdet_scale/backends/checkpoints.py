@@ -149,24 +149,24 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
     if missing:  # a deleted folder: the older checkpoints may be whole (tester round 32)
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}; "
-                             f"{_other_checkpoints(load_dir, saved, tag, replicas)}or start a new run_dir")
+                             f"{_other_checkpoints(saved, tag)}or start a new run_dir")
     # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
     lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
             if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
     if lost:
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}; "
-                             f"{_other_checkpoints(load_dir, saved, tag, replicas)}or start a new run_dir")
+                             f"{_other_checkpoints(saved, tag)}or start a new run_dir")
     required = tag in manifested(saved)
     damaged = [p for r in range(replicas) for p in damaged_files(os.path.join(load_dir, f"replica_{r}", tag))]
     damaged += [p for r in range(replicas)
                 if (p := listing_problem(os.path.join(load_dir, f"replica_{r}", tag), required))]
     if damaged:
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
-                             f"{_other_checkpoints(load_dir, saved, tag, replicas)}or start a new run_dir")
+                             f"{_other_checkpoints(saved, tag)}or start a new run_dir")
     return tag
 
 
-def _other_checkpoints(load_dir: str, saved: dict, tag: str, replicas: int) -> str:
+def _other_checkpoints(saved: dict, tag: str) -> str:
     """The advice to resume from another complete checkpoint than ``tag`` (those the
     layout ``saved`` lists), ending in ", "; empty when there is none."""
     older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
