@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import re
 import sys
 import warnings
 from typing import Any, Callable
@@ -85,34 +83,6 @@ def _with_first(first: str, error: str | None) -> str:
     return "invalid config:\n  " + "\n  ".join([first] + _body(error))
 
 
-def _empty(path: object) -> bool:
-    """Whether the file ``path`` holds nothing but whitespace. Raises nothing."""
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):  # never a FIFO's open
-        return False
-    try:
-        with open(path, "rb") as f:
-            return not f.read(1 << 16).strip() and os.path.getsize(path) <= 1 << 16
-    except OSError:
-        return False
-
-
-def _yaml_hint(path: object, error: Exception) -> str:
-    """A hint when ``path`` failed as JSON and looks like YAML (by its name, or a first
-    line ``key: ...``): most likely an ``hdet-train`` run config; empty otherwise."""
-    if not isinstance(error, ValueError) or not isinstance(path, (str, os.PathLike)):
-        return ""
-    looks = os.fspath(path).endswith((".yaml", ".yml"))
-    if not looks:
-        try:
-            with open(path, encoding="utf-8") as f:
-                first = next((line for line in f if line.strip() and not line.lstrip().startswith("#")), "")
-            looks = re.match(r"^[A-Za-z_][\w.-]*\s*:(\s|$)", first) is not None
-        except (OSError, ValueError):
-            return ""
-    return ("; this looks like YAML (an hdet-train run config?); hdet-dryrun reads a DeepSpeed JSON (the file "
-            "hdet-train's deepspeed_config= names)") if looks else ""
-
-
 def _listed(count: int, item: Callable[[int], str], gap: str) -> list[str]:
     """``item(i)`` for each ``i < count``; beyond :data:`_LISTED`, the first few, then
     ``gap`` formatted with the number left out, then the last."""
@@ -151,6 +121,19 @@ def _per_replica(replicas: int, value: Callable[[float], float]) -> str:
     return "[" + ", ".join(shown) + "]" + (f" ({replicas} replicas)" if replicas > _LISTED else "")
 
 
+def _schedule_line(cfg: Any, config: dict, schedule: Any) -> str:
+    # the peak LR a run starts from was not printed (tester round 33)
+    from hdet_scale.engine_config import peak_lr
+    from hdet_scale.schedules import summary
+
+    peak, source = peak_lr(cfg, config)
+    if isinstance(peak, list) and peak:
+        peak, source = peak[0], source + "[0], parameter group 0"
+    if not isinstance(peak, (int, float)) or isinstance(peak, bool):
+        return f"schedule {cfg.schedule.name}: peak LR is the optimizer's default (no {source} in the file)"
+    return f"{summary(schedule, float(peak))} (peak from {source})"
+
+
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",
              cost: dict | None = None, build_groups: bool = False) -> str:
     """The dry-run report; ``total_steps`` fills ``hdet.schedule.total_steps`` when the
@@ -162,21 +145,11 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         raise HDETConfigError(f"--backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if world_size < 1:
         raise HDETConfigError(f"--world-size: must be >= 1 (ranks), got {world_size}")
-    from hdet_scale.backends.deepspeed import _load_ds_config, prepare_config
+    from hdet_scale.backends.deepspeed import prepare_config
+    from hdet_scale.ds_json import read_for_check
 
     path = config
-    try:
-        config = _load_ds_config(config)
-    except HDETConfigError:
-        raise  # a key given twice: the message names the file and the key already
-    except UnicodeDecodeError as e:  # tester round 31: random bytes in a .yaml were called YAML
-        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: it is not UTF-8 text (byte {e.start}): is "
-                              "it the right file?") from None
-    except (OSError, ValueError, TypeError) as e:
-        if _empty(config):  # an empty .yaml was called YAML too
-            raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: the file is empty; it must hold a "
-                                  "DeepSpeed JSON object") from None
-        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}{_yaml_hint(config, e)}") from None
+    config = read_for_check(config)
     if not isinstance(config, dict):
         raise HDETConfigError(f"the config must be a JSON object, got {type(config).__name__}")
     # Strict, unlike the library (see hdet_scale.ds_keys): a dry run exists to find what
@@ -312,6 +285,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             warn = drowning_warning(cfg, gamma) if name == "lr" else None
             if warn:
                 lines.append(f"  warning: {warn}")
+    lines.append(_schedule_line(cfg, config, schedule))
     lines.append(f"sync every {cfg.sync_interval} optimizer steps; gradient sharing: {cfg.gradient_sharing}")
     a = cfg.auto
     if a.enabled and not cfg.auto_can_move:  # no meta-update count or reach: nothing would move (warning above)

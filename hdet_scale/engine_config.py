@@ -115,6 +115,15 @@ def _deepspeed_only(ds: dict, backend: str, prefix: str) -> list[str]:
     return errors
 
 
+def peak_lr(hcfg: HDETConfig, ds: dict) -> tuple[object, str]:
+    """The LR schedule's peak as the file sets it and the key it comes from:
+    ``hdet.schedule.max_lr``, else ``optimizer.params.lr`` (a number, a per-group list,
+    or ``None`` when neither is given and the optimizer's default applies)."""
+    if hcfg.schedule.max_lr is not None:
+        return hcfg.schedule.max_lr, "hdet.schedule.max_lr"
+    return ((ds.get("optimizer") or {}).get("params") or {}).get("lr"), "optimizer.params.lr"
+
+
 def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int], float]:
     """``{(axis, 0): value}`` of the one parameter group ``hdet-train`` builds, as the
     file sets it, for the checks that need the optimizer's values before it exists
@@ -125,7 +134,7 @@ def axis_bases(hcfg: HDETConfig, ds: dict, backend: str) -> dict[tuple[str, int]
     number is left out (its own check names it)."""
     params = (ds.get("optimizer") or {}).get("params") or {}
     kind = optimizer_class_name((ds.get("optimizer") or {}).get("type"))
-    peak = hcfg.schedule.max_lr if hcfg.schedule.max_lr is not None else params.get("lr")
+    peak = peak_lr(hcfg, ds)[0]
     decay = params.get("weight_decay")
     if decay is None:
         default = inspect.signature(OPTIMIZERS[kind]).parameters.get("weight_decay") if kind in OPTIMIZERS else None

@@ -70,6 +70,11 @@ class OneCycle:
             start_step = end_step
         raise AssertionError("unreachable")
 
+    def peak_step(self) -> int:
+        """The first optimizer step at (or, when ``pct_start * total_steps`` is not a whole
+        number, nearest after) the peak: the end of the first phase."""
+        return max(math.ceil(self.pct_start * self.total_steps - 1), 0)
+
     def value(self, step: int, peak: float) -> float:
         initial = peak / self.div_factor
         points = {"initial": initial, "max": peak, "min": initial / self.final_div_factor}
@@ -106,6 +111,10 @@ class Cosine:
     def floor(self, peak: float) -> float:
         return peak * self.min_ratio
 
+    def peak_step(self) -> int:
+        """The first optimizer step at the peak: the warm-up's last."""
+        return max(self.warmup_steps - 1, 0)
+
 
 @dataclass(frozen=True)
 class Constant:
@@ -128,5 +137,21 @@ class Constant:
         ``autolr.lr_lower_bound`` (``peak / auto.max_factor``)."""
         return peak
 
+    def peak_step(self) -> int:
+        """The first optimizer step at the peak: the warm-up's last."""
+        return max(self.warmup_steps - 1, 0)
+
 
 Schedule = OneCycle | Cosine | Constant
+
+
+def summary(schedule: Schedule, peak: float) -> str:
+    """One line for ``hdet-dryrun``: the shared LR at step 0, at its peak and at the end
+    (the last optimizer step, ``total_steps - 1``), in the optimizer's units, for a
+    parameter group whose peak is ``peak``."""
+    name = {OneCycle: "onecycle", Cosine: "cosine", Constant: "constant"}[type(schedule)]
+    last = schedule.total_steps - 1
+    top = min(schedule.peak_step(), last)
+    return (f"schedule {name} over {schedule.total_steps} optimizer steps: LR {schedule.value(0, peak):.4g} at step "
+            f"0, peak {schedule.value(top, peak):.4g} at step {top}, {schedule.value(last, peak):.4g} at the last "
+            f"step ({last})")

@@ -488,3 +488,44 @@ def test_a_hugging_face_model_config_is_named_as_one(tmp_path, capsys):
     assert load_deepspeed_json(str(ds))["model_type"] == "llama"  # a DeepSpeed JSON: its keys are checked later
     assert main([str(ds), "--world-size", "4"]) == 2
     assert "model_type: unknown DeepSpeed key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule,source", [
+    ({"name": "onecycle", "total_steps": 1000}, "optimizer.params.lr"),
+    ({"name": "onecycle", "total_steps": 1000, "max_lr": 2e-3, "pct_start": 0.25}, "hdet.schedule.max_lr"),
+    ({"name": "cosine", "total_steps": 1000, "warmup_steps": 100}, "optimizer.params.lr"),
+])
+def test_the_schedule_line_gives_the_peak_lr_and_its_source(schedule, source):
+    """Tester round 33: the report did not say which peak LR a run starts from. The LRs
+    printed are held to torch's OneCycleLR (onecycle) and to the nanoGPT formulas (cosine)."""
+    import math
+    import re
+
+    import torch
+
+    text = describe({**ZERO3, "hdet": {**BLOCK, "schedule": schedule}}, world_size=8)
+    line = next(line for line in text.splitlines() if line.startswith("schedule "))
+    found = re.search(r"LR (\S+) at step 0, peak (\S+) at step (\d+), (\S+) at the last step \(999\) "
+                      rf"\(peak from {re.escape(source)}\)", line)
+    assert found, line
+    start, top, top_step, end = float(found[1]), float(found[2]), int(found[3]), float(found[4])
+    peak = schedule.get("max_lr", 1e-3)
+    if schedule["name"] == "onecycle":
+        opt = torch.optim.SGD([torch.zeros(1)], lr=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=1000,
+                                                    pct_start=schedule.get("pct_start", 0.3), cycle_momentum=False)
+        lrs = []
+        for _ in range(1000):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        expected = (lrs[0], max(lrs), lrs.index(max(lrs)), lrs[-1])
+    else:  # linear warm-up to the peak at step warmup - 1, half cosine to peak * min_ratio (0.1)
+        expected = (peak / 100, peak, 99, peak * 0.1 + (peak - peak * 0.1) / 2 * (math.cos(math.pi * 899 / 900) + 1))
+    assert (start, top, top_step, end) == pytest.approx(expected, rel=1e-3)  # printed to 4 significant digits
+
+
+def test_a_file_without_a_peak_lr_says_the_optimizers_default_is_used():
+    cfg = {**ZERO3, "optimizer": {"type": "AdamW", "params": {}}}
+    assert "schedule onecycle: peak LR is the optimizer's default (no optimizer.params.lr in the file)" \
+        in describe(cfg, world_size=8)
