@@ -42,6 +42,7 @@ from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, build_engine, check_engine_config
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, check_buildable, loss_fn
+from hdet_scale.train.run_notes import eval_overlap_note
 from hdet_scale.train.startup import watch_op_locks
 from hdet_scale.train.stopping import note_step, resume_advice
 
@@ -180,6 +181,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               f"the validation split ({len(corpus.val)} bytes, data.val_fraction="
                               f"{d['val_fraction']}) has {val.num_windows}: at most {most}, or a larger "
                               "data.val_fraction")
+    for note in eval_overlap_note(run, asked, len(corpus.val)) if isinstance(micro, int) else []:
+        warnings.warn(f"hdet_scale: {note}", UserWarning, stacklevel=1)  # printed once: cli._validate_once
     fault_hook.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike
     rundir.check_writable(run["run_dir"])  # before any rank starts, not four tracebacks later
     if run["wandb"]["enabled"]:

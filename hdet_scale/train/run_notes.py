@@ -137,3 +137,19 @@ def unread_notes(run: dict, cfg: HDETConfig) -> list[str]:
         notes.append(f"train.resume=true: {os.path.abspath(run_dir)} holds no run to resume (no checkpoint), so this "
                      f"is a new run from step 0 (a relative run_dir is read from the working directory {os.getcwd()})")
     return notes
+
+
+def eval_overlap_note(run: dict, windows: int, val_bytes: int) -> list[str]:
+    """The validation loss reads ``windows`` evenly spaced windows of ``data.seq_len + 1``
+    bytes (``data.ByteBatches.eval_batches``); when they hold more bytes than the
+    validation split they overlap, and the loss rests on that split's ``val_bytes`` only
+    (tester round 33: a 3 kB split was read 8 times over without a word). Fewer windows
+    than the split has are checked in ``loop.validate``."""
+    d = run["data"]
+    read = windows * (d["seq_len"] + 1)
+    if read <= val_bytes:
+        return []
+    return [f"train.eval_batches={run['train']['eval_batches']}: the validation loss reads {windows} windows of "
+            f"data.seq_len+1={d['seq_len'] + 1} bytes from a validation split of {val_bytes} bytes (data.val_fraction="
+            f"{d['val_fraction']}): they overlap, each byte is read about {read / val_bytes:.1f} times, and the loss "
+            f"rests on those {val_bytes} bytes (a larger data.val_fraction or more data for a steadier one)"]

@@ -1182,3 +1182,36 @@ def test_an_override_with_spaces_around_its_key_says_so():
             load_run_config(None, [given])
         assert str(e.value) == f"override {given!r}: spaces around the key; write train.steps=30 (no spaces around '=')"
     assert load_run_config(None, ["train.steps= 30"])["train"]["steps"] == 30  # a value's space: YAML drops it
+
+
+def test_a_validation_split_read_over_and_over_gets_a_note(tmp_path):
+    """Tester round 33: a small validation split was evaluated on overlapping windows
+    (each byte read about 8 times) without a word. The note gives the counts the loop
+    reads (16 eval batches over 4 ranks x 8 windows of 129 bytes = 16512 bytes); a split
+    larger than that gets none."""
+    import random
+
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    rng = random.Random(0)
+
+    def warned(size):
+        data = tmp_path / f"corpus_{size}.txt"
+        data.write_text("".join(rng.choice("abcdefgh \n") for _ in range(size)))
+        run = load_run_config(None, [f"data.path={data}", "data.val_fraction=0.1", "train.steps=100",
+                                     f"run_dir={tmp_path / 'run'}", "wandb.enabled=false"])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            validate(run, 4, build_model=False)
+        return run, [str(w.message) for w in seen if "validation loss reads" in str(w.message)]
+
+    run, got = warned(20_000)
+    val = len(__import__("hdet_scale.train.data", fromlist=["load_corpus"]).load_corpus(
+        run["data"]["path"], 0.1, run["data"]["max_bytes"], run["seed"], run["run_dir"]).val)
+    assert 1000 < val < 16512  # the split the note must name, counted independently
+    assert got == [f"hdet_scale: train.eval_batches=16: the validation loss reads 128 windows of data.seq_len+1=129 "
+                   f"bytes from a validation split of {val} bytes (data.val_fraction=0.1): they overlap, each byte is "
+                   f"read about {16512 / val:.1f} times, and the loss rests on those {val} bytes (a larger "
+                   "data.val_fraction or more data for a steadier one)"]
+    assert warned(400_000)[1] == []  # 40 kB of validation bytes hold the 16512 read
