@@ -206,7 +206,13 @@ def launch_local(run: dict) -> int:
     # closes, to every process of the job, and only this launcher acts on it, ending the
     # ranks with SIGTERM (stopping.py). Between two starts the launcher listens, so a
     # signal while many ranks start stops the starting.
-    signal.signal(signal.SIGTERM, on_signal)
+    # A stop signal ignored when hdet-train started stays ignored, as Python and bash leave
+    # it: `nohup hdet-train &` goes on when the terminal closes (SIGHUP), a script's
+    # background job is not stopped by the terminal's Ctrl-C (SIGINT). Before, the launcher
+    # took both over and the terminal's close stopped a nohup run.
+    taken = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    if signal.SIGTERM in taken:
+        signal.signal(signal.SIGTERM, on_signal)
     try:
         for p in procs:
             if received:
@@ -214,8 +220,8 @@ def launch_local(run: dict) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
             p.start()
-            signal.signal(signal.SIGINT, on_signal)
-            signal.signal(signal.SIGHUP, on_signal)
+            for sig in taken - {signal.SIGTERM}:
+                signal.signal(sig, on_signal)
         while any(p.is_alive() for p in procs) and not received:
             if not errors.empty():  # a rank's bad input (_rank_main): end all ranks now
                 break

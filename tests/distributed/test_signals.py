@@ -54,19 +54,25 @@ def latest(run_dir) -> str | None:
         return None
 
 
+def _start_as_from_a_terminal(ignored: tuple = ()) -> None:
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+
+
 def interrupt(cmd: list[str], run_dir, sig: int, after: str | None, timeout: float = 300, meanwhile=None,
-              group: bool = False, env: dict | None = None):
+              group: bool = False, env: dict | None = None, ignored: tuple = ()):
     """Start ``cmd`` (``env``: added to the test environment), wait until
     ``checkpoint/latest`` names a checkpoint other than ``after``, call
     ``meanwhile(process)`` if given (the run still going), send ``sig`` to the started
     process (``group``: to its whole process group, as a closing terminal does). Returns
     ``(exit code, stderr, seconds from the signal until no process of the launch remains,
-    left behind, checkpoint at the signal)``. The command starts with SIGINT at its
-    default, as under a terminal: a test run started in the background (nohup, `cmd &` in
-    a script) inherits it ignored, and bash cannot trap a signal ignored at entry."""
+    left behind, checkpoint at the signal)``. The command starts with SIGINT and SIGHUP at
+    their defaults, as under a terminal (``ignored``: these ignored instead): a test run
+    started in the background (nohup, `cmd &` in a script) inherits them ignored, and bash
+    cannot trap a signal ignored at entry, nor does hdet-train take one over."""
     env, tag = with_marker({**ENV, **(env or {})})
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=group, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            start_new_session=group, preexec_fn=lambda: _start_as_from_a_terminal(ignored))
     try:
         deadline = time.monotonic() + timeout
         while latest(run_dir) in (None, after):
@@ -199,6 +205,21 @@ def test_sighup_to_the_launcher_stops_like_sigterm(tmp_path):
     lines = stop_lines(err)
     assert len(lines) == 1 and "SIGHUP" in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err
     assert "Traceback" not in err and "resource_tracker" not in err, err
+
+
+def test_under_nohup_a_closing_terminal_does_not_stop_the_run(tmp_path):
+    """``nohup hdet-train &``: SIGHUP is ignored from the start, so a closing terminal must
+    not stop the run (the launcher took SIGHUP over and stopped it with exit 129). The run
+    gets SIGHUP in its whole process group after its first checkpoint and ends as an
+    uninterrupted run does: exit 0, no stop line, every step logged, summary.json written
+    (DDP, 2 ranks, 30 steps)."""
+    run_dir = tmp_path / "run"
+    args = [a for a in ARGS if not a.startswith("train.steps=")]
+    cmd = [*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", *args, "train.steps=30"]
+    rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGHUP, after=None, group=True,
+                                               ignored=(signal.SIGHUP,))
+    assert rc == 0 and not stop_lines(err) and not leftovers, (rc, err[-3000:], leftovers)
+    assert steps_logged(run_dir) == list(range(1, 31)) and (run_dir / "summary.json").exists()
 
 
 @pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
