@@ -235,7 +235,7 @@ def launch_local(run: dict) -> int:
         if received:
             _end(procs, GRACE_S)
             if run_completed(run, started):  # the ranks were past the last file: nothing to resume
-                print(completed_message(received[0], run), file=sys.stderr, flush=True)
+                print(completed_message(received[0], run, started), file=sys.stderr, flush=True)
                 return 0
             step = progress.value if progress.value >= 0 else None
             print(stop_message(received[0], run, f"all {n} ranks ended", step), file=sys.stderr, flush=True)
@@ -253,6 +253,10 @@ def launch_local(run: dict) -> int:
             print(f"hdet-train: error: {msg}", file=sys.stderr)
         if messages:  # a rank's bad input came first; the other ranks ended because it did
             return USER_ERROR
+        if run_completed(run, started):  # a rank lost during the plots or the last barrier
+            line = describe_failures(failed, hint=False).removeprefix("failed: ")
+            print(completed_message(line, run, started), file=sys.stderr, flush=True)
+            return 0
         codes = set(failed.values())
         if codes == {STALE_LOCK_EXIT}:
             return STALE_LOCK_EXIT  # local rank 0 named the lock
@@ -277,10 +281,11 @@ def peer_lost(e: BaseException) -> bool:
         "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed"))
 
 
-def describe_failures(failed: dict[int, int]) -> str:
+def describe_failures(failed: dict[int, int], hint: bool = True) -> str:
     """``{rank: Process.exitcode}`` of the ranks that failed, in words: a negative code is
     the signal that killed the rank (the out-of-memory killer's SIGKILL, most often), a
-    positive one its exit status. The ranks the first failure took down are listed after it."""
+    positive one its exit status. The ranks the first failure took down are listed after
+    it. ``hint``: add what a SIGKILL most often is."""
     def one(code: int) -> str:
         if code < 0:
             try:
@@ -296,8 +301,8 @@ def describe_failures(failed: dict[int, int]) -> str:
         by_kind.setdefault(one(code), []).append(rank)
     killed = [k for k in by_kind if k.startswith("killed")]
     parts = [f"rank(s) {ranks} {kind}" for kind, ranks in sorted(by_kind.items(), key=lambda kv: kv[0] not in killed)]
-    hint = ("; a rank killed by SIGKILL is often the out-of-memory killer's work (see dmesg), "
+    why = ("; a rank killed by SIGKILL is often the out-of-memory killer's work (see dmesg), "
             "or a kill -9" if "killed by SIGKILL (signal 9)" in by_kind else "")
     if set(failed.values()) == {PEER_LOST}:  # none ended first: the connections themselves failed
-        hint += " (no rank ended first: a network failure between the ranks?)"
-    return "failed: " + ", ".join(parts) + hint
+        why += " (no rank ended first: a network failure between the ranks?)"
+    return "failed: " + ", ".join(parts) + (why if hint else "")

@@ -178,11 +178,31 @@ def run_completed(run: dict[str, Any], since: float) -> bool:
         return False
 
 
-def completed_message(signum: int, run: dict[str, Any]) -> str:
-    """The line for a signal that came after the run completed (:func:`run_completed`)."""
-    name = _NAMES.get(signum, signal.Signals(signum).name)
-    return (f"hdet-train: {name} came after the run completed ({os.path.join(run['run_dir'], 'summary.json')} "
-            "written, final checkpoint saved): nothing is lost and nothing is left to resume.")
+def completed_message(what: int | str, run: dict[str, Any], since: float | None = None) -> str:
+    """The line for a stop that came after the run completed (:func:`run_completed`):
+    ``what`` is the signal, or what ended the ranks in words (``launcher.describe_failures``:
+    tester round 34, a rank killed during the end-of-run plots was reported as a failed
+    run, exit 1, with advice to resume that was then refused). ``since``: this attempt's
+    start (``time.time()``), to tell whether the end-of-run plots were written (a stop
+    during them leaves none: the line names ``hdet-plot``). Never raises."""
+    what = f"{_NAMES.get(what, signal.Signals(what).name)} came" if isinstance(what, int) else what
+    return (f"hdet-train: {what} after the run completed ({os.path.join(run['run_dir'], 'summary.json')} "
+            f"written, final checkpoint saved): nothing is lost and nothing is left to resume"
+            f"{_plots_left(run, since)}.")
+
+
+def _plots_left(run: dict[str, Any], since: float | None) -> str:
+    """``"; ... hdet-plot RUN_DIR ..."`` when the run was to write its plots
+    (``train.plots``) and none in ``run_dir/plots`` is from this attempt; else ``""``."""
+    if since is None or not run.get("train", {}).get("plots"):
+        return ""
+    folder = os.path.join(run["run_dir"], "plots")
+    try:
+        fresh = any(e.name.endswith(".png") and e.stat().st_mtime >= since - _MTIME_SLACK_S
+                    for e in os.scandir(folder))
+    except OSError:
+        fresh = False
+    return "" if fresh else f"; its plots were not written: hdet-plot {run['run_dir']} writes them"
 
 
 def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
@@ -207,7 +227,7 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
             os._exit(_outcome)
         if run_completed(run, since):  # between summary.json and train's return: done
             if announce:
-                os.write(2, (completed_message(signum, run) + "\n").encode())
+                os.write(2, (completed_message(signum, run, since) + "\n").encode())
             os._exit(0)
         if announce:
             os.write(2, (stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",

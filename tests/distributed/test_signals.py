@@ -333,6 +333,40 @@ def test_a_signal_after_the_ranks_ended_leaves_the_completed_runs_exit_code(tmp_
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30 and not leftovers
 
 
+def test_a_rank_killed_after_the_run_completed_is_not_a_failed_run(tmp_path):
+    """Tester round 34: rank 1 killed with SIGKILL while rank 0 wrote the end-of-run plots
+    (summary.json and the final checkpoint written, rank 1 at the last barrier) was
+    reported as a failed run, exit 1, with advice to resume that was then refused
+    ("nothing is left to do"). Now as a signal in that window: exit 0, one line naming the
+    rank and that the run completed, no resume advice; the summary is the full run's
+    (DDP, 2 ranks, 30 steps, plots on: rank 0 plots for seconds, rank 1 waits)."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    args = [a for a in ARGS if not a.startswith(("train.steps=", "wandb.", "train.plots="))]
+    cmd = [*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", *args, "train.steps=30", "wandb.enabled=false",
+           "train.plots=true"]
+    env, tag = with_marker(ENV)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "summary.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.01)
+        ranks = sorted((c for c in psutil.Process(proc.pid).children()
+                        if "multiprocessing.spawn" in " ".join(c.cmdline())), key=lambda c: c.pid)
+        assert len(ranks) == 2 and ranks[1].is_running(), ranks  # rank 1 (started second) waits at the barrier
+        ranks[1].kill()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        leftovers = left_behind(tag)
+    assert proc.returncode == 0 and not leftovers, (proc.returncode, err[-3000:], leftovers)
+    lines = [line for line in err.splitlines() if "after the run completed" in line]
+    assert len(lines) == 1 and lines[0].startswith("hdet-train: rank(s) [1] killed by SIGKILL (signal 9)"), err[-3000:]
+    assert "resume=true" not in err and "failed" not in err and "Traceback" not in err, err[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30
+
+
 @pytest.mark.parametrize("script,sig,to", [("torchrun_single_node.sh", signal.SIGINT, "group"),
                                            ("torchrun_single_node.sh", signal.SIGTERM, "script"),
                                            ("torchrun_multi_node.sh", signal.SIGHUP, "group")],

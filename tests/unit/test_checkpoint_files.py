@@ -579,3 +579,29 @@ def test_a_full_disk_under_the_settings_record_or_inside_dcps_exception_is_named
 
     with pytest.raises(CheckpointException):  # anything else: DCP's own exception, as before
         run_checkpoint.save(SimpleNamespace(scheduler=sched, save=dcp_other), str(tmp_path), 2)
+
+
+def test_a_stop_after_the_run_completed_names_hdet_plot_when_its_plots_were_not_written(tmp_path):
+    """Tester round 34: a SIGINT during the end-of-run plots said "nothing is lost" and
+    exited 0, and plots/ was never written; the line now names hdet-plot. A plot of this
+    attempt (newer than its start) or train.plots=false: no such words."""
+    import time
+
+    from hdet_scale.train.stopping import completed_message
+
+    run = {"run_dir": str(tmp_path), "train": {"plots": True}}
+    since = time.time()
+    line = completed_message(2, run, since)
+    assert line == (f"hdet-train: SIGINT (Ctrl-C) came after the run completed ({tmp_path / 'summary.json'} written, "
+                    f"final checkpoint saved): nothing is lost and nothing is left to resume; its plots were not "
+                    f"written: hdet-plot {tmp_path} writes them.")
+    (tmp_path / "plots").mkdir()
+    old = tmp_path / "plots" / "loss.png"
+    old.write_bytes(b"png")
+    os.utime(old, (since - 3600,) * 2)  # an earlier attempt's plot does not count
+    assert "hdet-plot" in completed_message(2, run, since)
+    (tmp_path / "plots" / "lr.png").write_bytes(b"png")
+    assert completed_message(2, run, since).endswith("nothing is left to resume.")
+    assert "hdet-plot" not in completed_message(2, {**run, "train": {"plots": False}}, since)
+    assert completed_message("rank(s) [1] killed by SIGKILL (signal 9)", run, since).startswith(
+        "hdet-train: rank(s) [1] killed by SIGKILL (signal 9) after the run completed (")
