@@ -5,6 +5,8 @@ starts from, and what a resume keeps: ``rundir.py``."""
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
 import re
 import shutil
@@ -50,6 +52,52 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
 LOW_SPACE_BYTES = 64 * 2**20  # below this after a failed save, the failure is called a full disk
 
 
+def _not_writable(error: BaseException, path: str) -> tuple[str, str] | None:
+    """``(cause, fix)`` for a save refused by permissions (``EACCES``, ``EPERM``) or a
+    read-only file system (``EROFS``): changed during the run (a resume into a read-only
+    checkpoint folder is refused before any rank starts, :func:`check_resume_writable`)."""
+    code = getattr(error, "errno", None)
+    if code == errno.EROFS:
+        return "its file system is read-only", f"make {path} writable (or copy the run to another run_dir)"
+    if code in (errno.EACCES, errno.EPERM):
+        return ("a file or folder there is not writable", f"make {path} writable (chmod -R u+w {path}), or copy "
+                "the run to another run_dir")
+    return None
+
+
+def check_resume_writable(run_dir: str, ckpt: str) -> None:
+    """Before a resume starts any rank: what the resumed run writes must be writable
+    (tester round 34: a read-only ``checkpoint/`` failed with a traceback at the first save,
+    51 s in, and a read-only ``metrics.jsonl`` was silently replaced by a writable copy).
+    Checked: ``run_dir``, its ``metrics.jsonl``, ``summary.json`` and ``plots``, and the
+    checkpoint folder with its entries (``latest``, the layout, the settings record, the
+    ``replica_*`` folders). Read-only: no write permission bit at all (also for root,
+    whom the kernel lets write anyway: the user marked it so) or ``os.access`` denies it.
+
+    Raises:
+        HDETStateError: naming every read-only path (the first three, and a count), and
+            the fix.
+    """
+    def read_only(p: str) -> bool:
+        try:
+            return not os.stat(p).st_mode & 0o222 or not os.access(p, os.W_OK)
+        except OSError:
+            return False  # gone, or a dangling link: the save replaces it
+
+    paths = [run_dir, *(os.path.join(run_dir, n) for n in ("metrics.jsonl", "summary.json", "plots")), ckpt]
+    try:
+        paths += sorted(e.path for e in os.scandir(ckpt))
+    except OSError:
+        pass
+    bad = [p for p in paths if read_only(p)]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise HDETStateError(f"train.resume: {', '.join(bad[:3])}{more} {'is' if len(bad) == 1 else 'are'} read-only, "
+                             "and the resumed run appends to metrics.jsonl, saves into the checkpoint folder and "
+                             f"rewrites summary.json and the plots: make them writable (chmod -R u+w {run_dir}), or "
+                             "copy the run to another run_dir and resume there")
+
+
 def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_SPACE_BYTES) -> BaseException:
     """What a failed save of step ``step`` into ``path`` raises: an :class:`HDETStateError`
     naming a full disk (``ENOSPC``, or less than ``low_bytes`` left on ``path``'s device:
@@ -63,7 +111,7 @@ def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_
     except OSError:
         free = None
     errno_less = isinstance(error, RuntimeError) and getattr(error, "errno", None) is None  # torch's writer
-    failure = (write_failure(error) or (size_limit_failure() if errno_less else None)
+    failure = (write_failure(error) or _not_writable(error, path) or (size_limit_failure() if errno_less else None)
                or (DISK_FULL if free is not None and free < low_bytes else None))
     if failure is None:
         return error

@@ -20,7 +20,7 @@ from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.logging import check_wandb_settings
 from hdet_scale.param_groups import check_group_count
-from hdet_scale.train import fault_hook, rundir
+from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus
 from hdet_scale.train.data_files import check_apart
 from hdet_scale.autolr import build_schedule, check_additive_floors
@@ -184,6 +184,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                     f"deepspeed.hdet.replicas={hcfg.replicas}; or use another run_dir)") if "written by" in str(e) else ""
             raise HDETStateError(f"train.resume: {e}{this}") from None
         rundir.check_resume_config(run)  # a changed model shape...: refused here, naming every key
+        run_checkpoint.check_resume_writable(run["run_dir"], ckpt)
         saved = read_layout(ckpt)
         if saved.get("total_steps") not in (None, hcfg.schedule.total_steps):
             raise HDETStateError(f"train.resume: the checkpoint's schedule has total_steps={saved['total_steps']}, "

@@ -370,6 +370,13 @@ CASES = [
     ("resume_hdet_state_cut", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["replica_0/global_step10/hdet_shard_1.pt", "truncated"],
      _ckpt(damage=lambda c: cut(c / "replica_0/global_step10/hdet_shard_1.pt", 50))),
+    # round 34: a read-only checkpoint folder failed at the first save, 51 s in, with a
+    # traceback; a read-only metrics.jsonl was replaced by a writable copy without a word
+    ("resume_checkpoint_read_only", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["train.resume: {run}/checkpoint is read-only", "chmod -R u+w {run}"], _ckpt(damage=lambda c: os.chmod(c, 0o555))),
+    ("resume_metrics_read_only", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["train.resume: {run}/metrics.jsonl is read-only", "appends to metrics.jsonl"],
+     _ckpt(damage=lambda c: os.chmod(c.parent / "metrics.jsonl", 0o444))),
     ("resume_replica_folder_lost", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["no folder for replica(s) [1]"], _ckpt(damage=lambda c: shutil.rmtree(c / "replica_1"))),
     ("resume_rank_state_lost", ["run_dir={run}", "train.resume=true"], {}, 2,

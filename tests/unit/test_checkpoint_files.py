@@ -605,3 +605,43 @@ def test_a_stop_after_the_run_completed_names_hdet_plot_when_its_plots_were_not_
     assert "hdet-plot" not in completed_message(2, {**run, "train": {"plots": False}}, since)
     assert completed_message("rank(s) [1] killed by SIGKILL (signal 9)", run, since).startswith(
         "hdet-train: rank(s) [1] killed by SIGKILL (signal 9) after the run completed (")
+
+
+def test_a_save_refused_by_permissions_is_one_line_naming_the_folder(tmp_path):
+    """Tester round 34: a save into a folder the run may not write (made read-only during
+    the run; a resume into one is refused before any rank starts) ended in a
+    PermissionError traceback. A real EACCES here: creating a file in sysfs, which refuses
+    it even to root."""
+    from hdet_scale.errors import HDETStateError
+
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("global_step10")
+    with pytest.raises(PermissionError) as e:
+        open("/sys/hdet_save_test", "w")
+    err = run_checkpoint.save_error(str(ckpt), 20, e.value)
+    assert isinstance(err, HDETStateError), err
+    assert str(err).startswith(f"checkpoint: the save of step 20 into {ckpt} failed, a file or folder there is not "
+                               "writable (")
+    assert f"latest still names global_step10, complete; make {ckpt} writable (chmod -R u+w {ckpt})" in str(err)
+
+
+def test_a_resume_into_read_only_files_is_refused_before_it_starts(tmp_path):
+    """The check behind the resume_*_read_only rows of tests/distributed/test_bad_inputs.py:
+    every path the resumed run writes, by its mode bits (root writes anyway: the user
+    marked it read-only) and os.access; writable ones pass."""
+    from hdet_scale.errors import HDETStateError
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint"
+    (ckpt / "replica_0").mkdir(parents=True)
+    for name in ("metrics.jsonl", "summary.json"):
+        (run / name).write_text("{}\n")
+    (ckpt / "latest").write_text("global_step5")
+    run_checkpoint.check_resume_writable(str(run), str(ckpt))  # all writable: no error
+    for path in (run / "summary.json", ckpt / "latest", ckpt / "replica_0"):
+        os.chmod(path, 0o555 if path.is_dir() else 0o444)
+    with pytest.raises(HDETStateError) as e:
+        run_checkpoint.check_resume_writable(str(run), str(ckpt))
+    assert str(e.value).startswith(f"train.resume: {run}/summary.json, {ckpt}/latest, {ckpt}/replica_0 are "
+                                   "read-only, and the resumed run appends"), str(e.value)
