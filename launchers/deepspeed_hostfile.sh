@@ -10,7 +10,7 @@
 #   HOSTFILE     hostfile with lines `<host> slots=<gpus>` (default: launchers/hostfile
 #                next to this script).
 #   NNODES       use the first NNODES hosts (default: all hosts in HOSTFILE).
-#   GPUS         GPUs per node (default: the slots of the first host in HOSTFILE).
+#   GPUS         GPUs per node, 1..4096 (default: the slots of the first host in HOSTFILE).
 #   MASTER_ADDR  address of the first node (default: inferred by deepspeed).
 #   MASTER_PORT  port (default 29500).
 #   MAX_RESTARTS reruns after a failure (default 3; 0: none). The deepspeed launcher has no
@@ -18,12 +18,13 @@
 #                reruns it with train.resume=true: the run continues from its newest
 #                checkpoint (set train.checkpoint_every). A failure before the first
 #                checkpoint is then refused (exit 2: run_dir holds the failed attempt's
-#                metrics; replace them with train.overwrite=true). Exit code 2 (bad
-#                config, a refused run_dir, a host ssh cannot reach, no pdsh) is never
-#                retried, nor a stop: SIGINT / SIGTERM / SIGHUP to this script are passed
-#                to the launcher's process group, and the script exits with the run's
-#                code (130 / 143 / 129) once it has ended. A train.resume=... of yours
-#                is replaced by train.resume=true on a restart.
+#                metrics; replace them with train.overwrite=true). At most 1000000.
+#                Exit codes 2 (bad config, a refused run_dir, a host ssh cannot reach, no
+#                pdsh) and 3 (a stale DeepSpeed op build lock: README, Troubleshooting)
+#                are never retried, nor a stop: SIGINT / SIGTERM / SIGHUP to this script
+#                are passed to the launcher's process group, and the script exits with
+#                the run's code (130 / 143 / 129) once it has ended. A train.resume=...
+#                of yours is replaced by train.resume=true on a restart.
 # Env vars needed on remote hosts (NCCL_*, PYTHONPATH, ...) go in ~/.deepspeed_env or
 # ./.deepspeed_env as KEY=VALUE lines (DeepSpeed exports them via pdsh).
 #
@@ -44,15 +45,14 @@ if [[ -z "${GPUS:-}" ]]; then
 fi
 MASTER_PORT="${MASTER_PORT:-29500}"
 # Checked here, not inside the deepspeed launcher (tester round 20: a host line without
-# slots= gave "--num_gpus: invalid int value: ''"): exit 2 naming the variable.
-need_int() {  # NAME VALUE MIN WHERE
-  [[ "$2" =~ ^[0-9]+$ && "$2" -ge "$3" ]] || {
-    echo "$(basename "$0"): $1=${2:-<empty>}: expected an integer >= $3${4:+ ($4)}" >&2; exit 2; }
-}
-need_int GPUS "${GPUS}" 1 "set GPUS, or give the first host of ${HOSTFILE} slots=<gpus>"
+# slots= gave "--num_gpus: invalid int value: ''"): exit 2 naming the variable. The same
+# check and bounds as the torchrun scripts (need_int.sh: GPUS=08 is 8, 10^20 is refused).
+source "${SCRIPT_DIR}/need_int.sh"
+need_int GPUS "${GPUS}" 1 "set GPUS, or give the first host of ${HOSTFILE} slots=<gpus>" 4096
 need_int NNODES "${NNODES}" 1 "hosts in ${HOSTFILE}"
-need_int MASTER_PORT "${MASTER_PORT}" 1
-need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
+need_int MASTER_PORT "${MASTER_PORT}" 1 "" 65535
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+need_int MAX_RESTARTS "${MAX_RESTARTS}" 0 "" "${MAX_RESTARTS_LIMIT}"
 
 # What the deepspeed launcher needs before it starts a rank, checked here once (tester
 # round 22: without passwordless ssh its RuntimeError traceback came back at every one of
@@ -76,7 +76,6 @@ if [[ -n "${MASTER_ADDR:-}" ]]; then
   args+=(--master_addr "${MASTER_ADDR}")
 fi
 
-MAX_RESTARTS="${MAX_RESTARTS:-3}"
 # A stop (Ctrl-C, a scheduler's SIGTERM, a closed terminal) ends the job and is never
 # retried (tester round 25: Ctrl-C restarted the run, and a SIGTERM to this script left
 # the training running). The launcher runs in its own process group (set -m) so that this
@@ -106,7 +105,10 @@ while true; do
   if (( stopped && rc != 0 )); then
     exit "${stopped}"  # the multi-node launcher ends by sys.exit(1) after killing the ranks: say why
   fi
-  if (( rc == 0 || rc == 2 || rc == 129 || rc == 130 || rc == 143 || attempt >= MAX_RESTARTS )); then
+  # 2 (bad input) and 3 (a stale DeepSpeed op build lock, cleared only by removing it):
+  # hdet-train's exit codes that every attempt would repeat, so no retry (a tester: 3 was
+  # retried). torchrun cannot be told a code; there a restart repeats a 2 at once (refusals.py).
+  if (( rc == 0 || rc == 2 || rc == 3 || rc == 129 || rc == 130 || rc == 143 || attempt >= MAX_RESTARTS )); then
     exit "${rc}"  # done, refused, or a rank stopped by a signal sent to it (not a failure): no retry
   fi
   attempt=$((attempt + 1))

@@ -25,8 +25,8 @@
 #                not restarted: the script exits 130 / 143 / 129 once every rank has ended.
 #
 # Checked before torchrun starts (exit 2, one line naming the variable): NNODES >= 1,
-# 0 <= NODE_RANK < NNODES, GPUS >= 1, MASTER_PORT in [1, 65535], MAX_RESTARTS >= 0,
-# MASTER_ADDR set.
+# 0 <= NODE_RANK < NNODES, GPUS in [1, 4096], MASTER_PORT in [1, 65535], MAX_RESTARTS in
+# [0, 1000000], MASTER_ADDR set.
 #
 # All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`
 # (console script `hdet-train`): an optional YAML config, then key=value overrides.
@@ -35,17 +35,7 @@ set -euo pipefail
 # Checked here, not inside torchrun (tester round 20: GPUS=abc, GPUS=0 or MAX_RESTARTS=-1
 # were torchrun's tracebacks; tester round 26: MASTER_PORT=abc / 99999 too, and NODE_RANK=5
 # with NNODES=1 was accepted silently): exit 2 naming the variable, as hdet-train's own errors.
-need_int() {  # NAME VALUE MIN [WHERE] [MAX]
-  local ok=0 expected=">= $3"
-  if [[ "$2" =~ ^[0-9]{1,18}$ ]] && (( 10#$2 >= $3 )); then  # 10#: 08 is 8, not bad octal
-    ok=1
-    [[ -z "${5:-}" ]] || (( 10#$2 <= $5 )) || ok=0
-  fi
-  (( ok )) && return 0
-  [[ -z "${5:-}" ]] || expected="in [$3, $5]"
-  echo "$(basename "$0"): $1=${2:-<empty>}: expected an integer ${expected}${4:+ ($4)}" >&2
-  exit 2
-}
+source "$(dirname "${BASH_SOURCE[0]}")/need_int.sh"
 need_int NNODES "${NNODES:-}" 1 "number of nodes; required"
 need_int NODE_RANK "${NODE_RANK:-}" 0 "this node's index, 0..NNODES-1; required"
 if (( 10#${NODE_RANK} >= 10#${NNODES} )); then
@@ -63,7 +53,7 @@ if [[ -z "${GPUS:-}" ]]; then
   [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
 fi
 need_int GPUS "${GPUS}" 1 "processes on this node" 4096
-need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0
+need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0 "" "${MAX_RESTARTS_LIMIT}"  # the same bound in every launcher
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # torch's shared rendezvous store breaks restarts (a restarted rank reads the dead
 # attempt's addresses: pytorch issue 135712).

@@ -27,15 +27,9 @@ if [[ -z "${GPUS:-}" ]]; then
 fi
 # Checked here, not inside torchrun (tester round 20: GPUS=abc, GPUS=0 or MAX_RESTARTS=-1
 # were torchrun's tracebacks): exit 2 naming the variable, as hdet-train's own errors.
-need_int() {  # NAME VALUE MIN MAX
-  # 10#: 08 is 8, not bad octal; the bound: tester round 30's GPUS=99999999999999999999
-  # made torchrun build its worker list for 98 % CPU and a growing GB, silently
-  if [[ "$2" =~ ^[0-9]{1,18}$ ]] && (( 10#$2 >= $3 && 10#$2 <= $4 )); then return 0; fi
-  echo "$(basename "$0"): $1=${2:-<empty>}: expected an integer in [$3, $4]" >&2
-  exit 2
-}
-need_int GPUS "${GPUS}" 1 4096
-need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0 1000000
+source "$(dirname "${BASH_SOURCE[0]}")/need_int.sh"
+need_int GPUS "${GPUS}" 1 "" 4096
+need_int MAX_RESTARTS "${MAX_RESTARTS:-3}" 0 "" "${MAX_RESTARTS_LIMIT}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # torch's shared rendezvous store breaks restarts (a restarted rank reads the dead
 # attempt's addresses: pytorch issue 135712).

@@ -173,7 +173,8 @@ def check_writable(run_dir: str, key: str = "run_dir") -> None:
     ``key``: the config key the folder comes from, for the message (``wandb.dir`` too).
 
     Raises:
-        HDETConfigError: ``run_dir`` cannot be created or written (the reason and path).
+        HDETConfigError: ``run_dir`` is not a folder, or cannot be created or written (the reason
+            and path).
     """
     broken = _broken_link(run_dir)
     if broken is not None:
@@ -184,6 +185,13 @@ def check_writable(run_dir: str, key: str = "run_dir") -> None:
         if real == root or real.startswith(root + os.sep):
             raise HDETConfigError(f"{key}: {run_dir} is in {root}, a kernel filesystem, not storage; choose a folder "
                                   "on a disk this user can write")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        # makedirs would say only "File exists" (a tester: run_dir=afile, run_dir=/dev/null)
+        if os.path.isfile(run_dir):
+            raise HDETConfigError(f"{key}: {run_dir} is a file, not a folder: choose another {key}, or move the "
+                                  "file away")
+        # a device, a pipe, a socket: never advise moving /dev/null away
+        raise HDETConfigError(f"{key}: {run_dir} is not a folder: choose another {key}")
     try:
         os.makedirs(run_dir, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".hdet_write_test.", dir=run_dir)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from cli_processes import left_behind, run_cli, with_marker
+from cli_processes import hostfile_standins, left_behind, run_cli, with_marker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -696,7 +696,21 @@ SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLU
     ("torchrun_multi_node.sh", {"NNODES": "1", "NODE_RANK": "x", "MASTER_ADDR": "a"},
      "torchrun_multi_node.sh: NODE_RANK=x: expected an integer >= 0"),
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_without_slots"},
-     "GPUS=<empty>: expected an integer >= 1 (set GPUS, or give the first host of {d}/hostfile_without_slots slots"),
+     "GPUS=<empty>: expected an integer in [1, 4096] (set GPUS, or give the first host of {d}/hostfile_without_slots "
+     "slots"),
+    # the hostfile script's own check: 08 was bash's "value too great for base" and a refusal
+    # (08 is 8 here: the ssh check that follows answers); 10^20 wrapped around and passed
+    ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh", "GPUS": "08"},
+     "cannot be reached by passwordless ssh"),
+    ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh", "GPUS": "99999999999999999999"},
+     "deepspeed_hostfile.sh: GPUS=99999999999999999999: expected an integer in [1, 4096]"),
+    ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh", "MAX_RESTARTS": "99999999999999999999"},
+     "deepspeed_hostfile.sh: MAX_RESTARTS=99999999999999999999: expected an integer in [0, 1000000]"),
+    # the same bound on MAX_RESTARTS in every launcher (torchrun_multi_node.sh had none)
+    ("torchrun_multi_node.sh", {**MULTI_NODE, "MAX_RESTARTS": "1000001"},
+     "torchrun_multi_node.sh: MAX_RESTARTS=1000001: expected an integer in [0, 1000000]"),
+    ("torchrun_single_node.sh", {"GPUS": "1", "MAX_RESTARTS": "1000001"},
+     "torchrun_single_node.sh: MAX_RESTARTS=1000001: expected an integer in [0, 1000000]"),
     # round 22: DeepSpeed's "not reachable via ssh" traceback, retried MAX_RESTARTS times
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh"},
      "host 127.0.0.1 (first in {d}/hostfile_no_ssh) cannot be reached by passwordless ssh"),
@@ -725,4 +739,21 @@ def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_
     env = {k: v.format(d=tmp_path) for k, v in env.items()}
     rc, err, seconds, leftovers = run_cli(["bash", os.path.join(ROOT, "launchers", script), "train.steps=2"], env)
     assert rc == 2 and needle.format(d=tmp_path) in err and "Traceback" not in err, (rc, err)
+    assert ": line " not in err, err  # no bash error (GPUS=08: "line 49: [[: 08: value too great for base")
+    assert seconds < EXIT_S and not leftovers
+
+
+@pytest.mark.parametrize("code,max_restarts,calls", [(3, "2", 1), (2, "2", 1), (1, "02", 3)])
+def test_deepspeed_hostfile_script_does_not_retry_what_a_restart_cannot_fix(tmp_path, code, max_restarts, calls):
+    """A tester: ``launchers/deepspeed_hostfile.sh`` reran hdet-train's exit 3 (a stale
+    DeepSpeed op build lock, which stays until removed) with train.resume=true. 3 and 2 (bad
+    input) end the script with that code after one launch; a crash (1) is still rerun
+    MAX_RESTARTS times (02: read as 2). The deepspeed launcher is a stand-in exiting ``code``."""
+    env = hostfile_standins(tmp_path)
+    (tmp_path / "bin" / "deepspeed").write_text(f'#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls"\nexit {code}\n')
+    rc, err, seconds, leftovers = run_cli(["bash", os.path.join(ROOT, "launchers", "deepspeed_hostfile.sh"),
+                                           "train.steps=2"], {**env, "MAX_RESTARTS": max_restarts})
+    launched = (tmp_path / "bin" / "calls").read_text().splitlines()
+    assert rc == code and len(launched) == calls, (rc, launched, err)
+    assert err.count("restart ") == calls - 1 and ": line " not in err, err
     assert seconds < EXIT_S and not leftovers

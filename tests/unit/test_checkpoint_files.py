@@ -645,3 +645,22 @@ def test_a_resume_into_read_only_files_is_refused_before_it_starts(tmp_path):
         run_checkpoint.check_resume_writable(str(run), str(ckpt))
     assert str(e.value).startswith(f"train.resume: {run}/summary.json, {ckpt}/latest, {ckpt}/replica_0 are "
                                    "read-only, and the resumed run appends"), str(e.value)
+
+
+@pytest.mark.parametrize("key", ["run_dir", "wandb.dir"])
+def test_a_run_dir_that_is_a_file_or_a_device_is_named_as_not_a_folder(tmp_path, monkeypatch, key):
+    """A tester: ``run_dir=afile`` (a regular file) and ``run_dir=/dev/null`` both said
+    "cannot write to afile: File exists" (makedirs' error). ``wandb.dir`` takes the same check
+    (validate.py)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("kept\n")
+    with pytest.raises(HDETConfigError) as e:
+        rundir.check_writable("afile", key=key)
+    assert str(e.value).startswith(f"{key}: afile is a file, not a folder: "), e.value
+    assert f"choose another {key}" in str(e.value) and "File exists" not in str(e.value)
+    assert (tmp_path / "afile").read_text() == "kept\n"  # left as it was
+    with pytest.raises(HDETConfigError) as e:
+        rundir.check_writable(os.devnull, key=key)
+    assert str(e.value).startswith(f"{key}: {os.devnull} is not a folder: "), e.value
+    rundir.check_writable("afolder", key=key)  # a folder still passes (created)
+    assert (tmp_path / "afolder").is_dir()
