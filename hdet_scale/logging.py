@@ -37,6 +37,38 @@ def _has_wandb_credentials() -> bool:
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb 0.31's Settings.mode
 
 
+def import_wandb(prefix: str = "wandb.") -> Any:
+    """``import wandb``; an exception of its import becomes one :class:`HDETConfigError`
+    naming the cause and the way out (tester: with no usable temporary folder, W&B's import,
+    which makes its media folder, ended ``hdet-train`` in a 30-line traceback).
+    ``prefix``: the keys' place in the user's config, as in :func:`check_wandb_settings`."""
+    try:
+        import wandb as wb
+    except Exception as e:  # noqa: BLE001 - whatever W&B's import raises, the user gets one line
+        raise HDETConfigError(_wandb_import_failure(e, prefix)) from None
+    return wb
+
+
+def _wandb_import_failure(error: BaseException, prefix: str) -> str:
+    """The line for ``error``, raised by ``import wandb``."""
+    import tempfile
+
+    try:
+        tempfile.gettempdir()  # W&B's import makes a temporary folder: is there none to make it in?
+        no_temp = None
+    except OSError as e:  # "No usable temporary directory found in ['/x', '/tmp', ...]"
+        no_temp = e.strerror or str(e)
+    if no_temp is not None:
+        limit = file_size_limit()
+        return (f"{prefix}enabled=true, but W&B could not be imported: no temporary folder is writable ({no_temp}"
+                f"{f'; the file size limit, ulimit -f, is {limit} bytes' if limit is not None else ''}); set TMPDIR "
+                f"to a writable folder with free space{', raise ulimit -f' if limit is not None else ''}, "
+                f"or set {prefix}enabled=false")
+    reason = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return (f"{prefix}enabled=true, but W&B could not be imported ({reason}): repair the wandb install "
+            f"(pip install --force-reinstall wandb) or set {prefix}enabled=false")
+
+
 def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
     """Before a run starts: ``mode="online"`` (or ``WANDB_MODE=online`` with the mode
     unset) needs credentials, ``WANDB_MODE`` must be a mode W&B knows, and ``project`` a
@@ -46,8 +78,9 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
 
     Raises:
         HDETConfigError: no API key for an online run, ``WANDB_MODE`` not a W&B mode, a
-            project name W&B refuses, or W&B not installed (the ``[fsdp]`` extra leaves it
-            out; rank 0 failed on the import).
+            project name W&B refuses, W&B not installed (the ``[fsdp]`` extra leaves it
+            out; rank 0 failed on the import), or W&B's import failing (no usable
+            temporary folder: :func:`import_wandb`).
     """
     import importlib.util
 
@@ -68,7 +101,7 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
         # W&B's own rule (its Settings validator: no / \\ # ? % :, at most 128 characters),
         # met before any rank starts (tester round 26: wandb.project=a/b failed at rank 0's
         # wandb.init, told to check the network)
-        import wandb as wb
+        wb = import_wandb(prefix)
 
         try:
             wb.Settings(project=wandb.project)
@@ -171,7 +204,7 @@ class MetricsLogger:
         if not enabled:
             return
         if wandb is not None and wandb.enabled:
-            import wandb as wb
+            wb = import_wandb()
 
             if wb.run is not None:
                 # The user's own run (wandb.init before ours): log into it and leave it

@@ -519,3 +519,68 @@ def test_an_item_that_adds_no_file_leaves_the_split_as_without_it(tmp_path):
     both = load_corpus(f"{tmp_path / 'd'},{tmp_path / 'd'},{tmp_path / 'e'}", 0.3, 10**9, seed=5)
     without = load_corpus(f"{tmp_path / 'd'},{tmp_path / 'e'}", 0.3, 10**9, seed=5)
     assert torch.equal(both.train, without.train) and torch.equal(both.val, without.val)
+
+
+# A real unreadable file: root reads a mode-000 file, so as root the child drops to
+# "nobody" (after its imports: /root, where the interpreter lives, is closed to it) and
+# reads the folder by a relative path (pytest's tmp folder is closed to it too).
+_AS_NOBODY = """
+import os, sys
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.data import load_corpus
+os.chdir(sys.argv[1])
+if os.geteuid() == 0:
+    try:
+        os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    except OSError as e:
+        print("SKIP", e); sys.exit(0)
+try:
+    c = load_corpus(sys.argv[2], 0.1, 10**6, seed=0)
+    print("LOADED", c.train_files + c.val_files)
+except HDETConfigError as e:
+    print("REFUSED", e)
+"""
+
+
+def _load_as_nobody(cwd: pathlib.Path, path: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _AS_NOBODY, str(cwd), path], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(f"cannot drop root's privileges here: {out.stdout}")
+    return out.stdout.strip()
+
+
+def test_unreadable_files_in_a_folder_are_refused_naming_them(tmp_path):
+    """Tester: a folder of 28 text files, 16 of them ``chmod 000``: the run trained on the
+    other 12 (42% of the corpus) without a word. Now refused before any rank starts: how
+    many, the first three paths, the OS's reason and the fix. An unreadable subfolder is
+    counted too; the readable files named alone still load."""
+    tmp_path = tmp_path / "w"  # pytest's own folder is mode 700: "nobody" could not search it
+    (tmp_path / "corpus").mkdir(parents=True)
+    for d in (tmp_path, tmp_path / "corpus"):
+        d.chmod(0o755)  # whatever the umask
+    for i in range(28):
+        (tmp_path / "corpus" / f"f{i:02d}.txt").write_text(f"text {i:02d} " * 20)
+        (tmp_path / "corpus" / f"f{i:02d}.txt").chmod(0o644)
+    for i in range(16):
+        (tmp_path / "corpus" / f"f{i:02d}.txt").chmod(0)
+    (tmp_path / "corpus" / "data.bin").write_bytes(b"\x00" * 10)  # not text: still skipped, not named
+    msg = _load_as_nobody(tmp_path, "corpus")
+    assert msg == ("REFUSED data.path: 16 files in folder 'corpus' cannot be read (Permission denied): "
+                   "'corpus/f00.txt', 'corpus/f01.txt', 'corpus/f02.txt' and 13 more; make them readable by this "
+                   "user (chmod, or ask their owner), or name only the readable files or subfolders in data.path "
+                   "(comma-separated)"), msg
+    (tmp_path / "corpus" / "sub").mkdir()
+    (tmp_path / "corpus" / "sub" / "x.txt").write_text("x" * 100)
+    (tmp_path / "corpus" / "sub").chmod(0)
+    msg = _load_as_nobody(tmp_path, "corpus")
+    assert msg.startswith("REFUSED data.path: 16 files and 1 folder in folder 'corpus' cannot be read "
+                          "(Permission denied): ") and " and 14 more; " in msg, msg
+    assert _load_as_nobody(tmp_path, "corpus/sub") == "REFUSED data.path: folder 'corpus/sub' cannot be read: " \
+                                                      "Permission denied"
+    readable = ",".join(f"corpus/f{i:02d}.txt" for i in range(16, 28))
+    assert _load_as_nobody(tmp_path, readable) == "LOADED 12"

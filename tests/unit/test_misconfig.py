@@ -523,6 +523,60 @@ def test_wandb_logger_logs_into_the_users_run_and_leaves_it_open(tmp_path, monke
     assert own_run._is_finished  # a run the logger opened is its to finish
 
 
+def test_wandb_without_a_usable_temporary_folder_is_one_line(tmp_path):
+    """Tester: ``hdet-train`` (W&B on by default) under ``ulimit -f 0`` printed a 30-line
+    traceback ending in tempfile's "No usable temporary directory found", exit 1: W&B's
+    import makes a temporary folder. Now one line, exit 2, before any rank starts: the
+    folders tempfile tried, the limit, and the ways out. The limit is real (the child's
+    RLIMIT_FSIZE), so tempfile fails the way it did for the tester."""
+    import resource
+    import subprocess
+    import sys
+
+    pytest.importorskip("wandb")
+
+    def no_file_bytes():  # ulimit -f 0 in the child only
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = subprocess.run([sys.executable, "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}",
+                          "train.steps=50", "wandb.mode=offline"], preexec_fn=no_file_bytes,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_SILENT": "true"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = next(x for x in out.stderr.splitlines() if x.startswith("hdet-train: error:"))
+    assert line.startswith("hdet-train: error: wandb.enabled=true, but W&B could not be imported: no temporary "
+                           "folder is writable (No usable temporary directory found in ["), line
+    assert line.endswith("; the file size limit, ulimit -f, is 0 bytes); set TMPDIR to a writable folder with free "
+                         "space, raise ulimit -f, or set wandb.enabled=false"), line
+
+
+def test_any_failure_of_the_wandb_import_is_one_line(monkeypatch):
+    """Any exception of ``import wandb`` in the check before the ranks start (here a
+    loader that raises, as a broken install would) is one HDETConfigError naming it."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    from hdet_scale.logging import check_wandb_settings
+
+    class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            return importlib.util.spec_from_loader(name, self) if name == "wandb" else None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            raise RuntimeError("broken\n install")
+
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    with pytest.raises(HDETConfigError) as err:
+        check_wandb_settings(WandbConfig(enabled=True, project="p"), prefix="hdet.logging.wandb.")
+    assert str(err.value) == ("hdet.logging.wandb.enabled=true, but W&B could not be imported (RuntimeError: broken "
+                              "install): repair the wandb install (pip install --force-reinstall wandb) or set "
+                              "hdet.logging.wandb.enabled=false")
+
+
 # ---- one replica ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block,warns", [
