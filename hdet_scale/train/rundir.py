@@ -82,6 +82,7 @@ def start_mode(run: dict) -> str:
     """
     run_dir, t = run["run_dir"], run["train"]
     _check_kinds(run_dir)
+    _refuse_inside_a_checkpoint(run_dir)
     if os.path.exists(os.path.join(run_dir, LAYOUT_FILE)) and not os.path.exists(os.path.join(run_dir, "checkpoint")):
         # tester round 27: run_dir=<run>/checkpoint (the Hugging Face habit of naming the
         # checkpoint folder) trained from step 0 into the other run's checkpoint folder
@@ -104,6 +105,8 @@ def start_mode(run: dict) -> str:
                               "from (it stopped before its first save; train.checkpoint_every=N saves every N "
                               "steps): start it over with train.resume=false train.overwrite=true, or choose "
                               "another run_dir")
+    if held and t["overwrite"]:
+        _refuse_runs_in(ckpt)
     if held and not t["overwrite"]:
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); continue it with "
                               "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
@@ -111,6 +114,38 @@ def start_mode(run: dict) -> str:
     if not held and not t["overwrite"] and t.get("plots", True):
         _refuse_plots_in_the_way(run_dir)
     return "replace" if held else "fresh"
+
+
+def _refuse_inside_a_checkpoint(run_dir: str) -> None:
+    """Refuse a ``run_dir`` inside another run's ``checkpoint/`` folder (tester round 35:
+    accepted without a word, then removed with everything in it, its lock held or not, by
+    ``train.overwrite=true`` on the outer run). Compared by real path.
+
+    Raises:
+        HDETConfigError: naming the outer run and the way out.
+    """
+    path = os.path.realpath(os.path.expanduser(run_dir))
+    parent = os.path.dirname(path)
+    while parent != path:
+        path, parent = parent, os.path.dirname(parent)
+        if os.path.basename(path) == "checkpoint" and any(
+                os.path.exists(os.path.join(parent, n)) for n in ("metrics.jsonl", "summary.json")):
+            raise HDETConfigError(f"run_dir: {run_dir} is inside {path}, the checkpoint folder of the run in "
+                                  f"{parent}, which that run's train.overwrite=true removes with everything in it; "
+                                  "choose a run_dir outside it")
+
+
+def _refuse_runs_in(ckpt: str) -> None:
+    """Before ``train.overwrite=true`` removes ``ckpt``: refuse when another run's folder
+    lies inside it (its ``metrics.jsonl`` or its lock; put there before the check above
+    existed, or by hand), naming it: that run is the user's, not this run's to remove."""
+    if not os.path.isdir(ckpt) or os.path.islink(ckpt):
+        return  # a link is removed as a link (_remove)
+    for folder, dirs, files in os.walk(ckpt):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(folder, d))]
+        if "metrics.jsonl" in files or LOCK_FILE in files:
+            raise HDETConfigError(f"train.overwrite: {ckpt}, which it removes, holds another run's folder "
+                                  f"({folder}); move that run out of it first, or choose another run_dir")
 
 
 def _refuse_plots_in_the_way(run_dir: str) -> None:

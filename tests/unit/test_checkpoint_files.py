@@ -664,3 +664,37 @@ def test_a_run_dir_that_is_a_file_or_a_device_is_named_as_not_a_folder(tmp_path,
     assert str(e.value).startswith(f"{key}: {os.devnull} is not a folder: "), e.value
     rundir.check_writable("afolder", key=key)  # a folder still passes (created)
     assert (tmp_path / "afolder").is_dir()
+
+
+def test_a_run_inside_another_runs_checkpoint_folder_is_refused_and_never_removed(tmp_path, monkeypatch):
+    """Tester round 35: run_dir=runs/A/checkpoint/mine was accepted, and hdet-train
+    run_dir=runs/A train.overwrite=true then removed it with A's checkpoint folder (its
+    lock held or not). A new run there is refused naming A; a run put there anyway stops
+    A's overwrite before anything is removed. A run_dir beside the checkpoint folder is
+    fine (overwrite removes only metrics, summary, checkpoint and the plots)."""
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    outer = _run_dir_with_a_run(tmp_path)
+    nested = outer / "checkpoint" / "mine"
+
+    def mode(run_dir, *overrides):
+        return rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", *overrides]))
+
+    with pytest.raises(HDETConfigError) as e:
+        mode(nested)
+    assert str(e.value) == (f"run_dir: {nested} is inside {outer / 'checkpoint'}, the checkpoint folder of the run in "
+                            f"{outer}, which that run's train.overwrite=true removes with everything in it; choose a "
+                            "run_dir outside it")
+    assert mode(outer / "beside") == "fresh"
+    nested.mkdir()
+    (nested / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(HDETConfigError) as e:
+        mode(outer, "train.overwrite=true")
+    assert str(e.value) == (f"train.overwrite: {outer / 'checkpoint'}, which it removes, holds another run's folder "
+                            f"({nested}); move that run out of it first, or choose another run_dir")
+    (nested / "metrics.jsonl").unlink()
+    (nested / ".hdet_run.lock").write_text("")  # a live run holds its lock before its first record
+    with pytest.raises(HDETConfigError, match="holds another run's folder"):
+        mode(outer, "train.overwrite=true")
+    (nested / ".hdet_run.lock").unlink()
+    assert mode(outer, "train.overwrite=true") == "replace"  # nothing of another run inside: replaced as before
