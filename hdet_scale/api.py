@@ -84,7 +84,8 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     Raises:
         HDETConfigError: an unknown backend, an invalid config (every problem at once,
             before any collective, the same on every rank), ``optimizer=`` with
-            fairscale or not a function (an optimizer instance).
+            fairscale or not a function (an optimizer instance), a model built under
+            ``zero_init`` for a backend other than ``"deepspeed"``.
     """
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -94,6 +95,13 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
                               f"torch.optim.AdamW(params, lr=1e-3), got {type(optimizer).__name__!r} "
                               "(the engine builds it over the parameters it wraps, FSDP2's shards)")
     ds = _load(config)
+    if backend != "deepspeed" and any(hasattr(p, "ds_id") for p in model.parameters()):
+        # tester round 35: a model built under zero_init passed, and the first forward
+        # failed inside DeepSpeed's partitioned linear ("mat2 must be a matrix") on every rank
+        raise HDETConfigError(f"model: its parameters are partitioned by DeepSpeed (built under "
+                              f"hdet_scale.zero_init), which only backend='deepspeed' takes; for backend={backend!r} "
+                              "build it normally" + (", or sharded under torch.device('meta') with shard_modules= "
+                                                     "and init_weights=" if backend == "fsdp2" else ""))
     if backend == "deepspeed":
         from hdet_scale.backends.deepspeed import initialize
 
