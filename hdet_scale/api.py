@@ -178,6 +178,7 @@ class Ensemble:
         self._clip = clip
         self._micro = 0  # micro-batches since the last optimizer step
         self._loss = 0.0  # their losses' sum
+        self._backward_done = False  # a backward since the last step() call
 
     @property
     def topology(self) -> Any:
@@ -204,7 +205,19 @@ class Ensemble:
         """Backward of one micro-batch's loss (its mean, a 0-dim tensor in nats); the
         gradient of the step is the mean over its micro-batches on every engine
         (DeepSpeed divides by the accumulation steps itself, the others here). The
-        loss is recorded for the scheduler."""
+        loss is recorded for the scheduler.
+
+        Raises:
+            HDETConfigError: a second backward before :meth:`step` (tester round 35: a
+                step() every other micro-batch ran half the optimizer steps, each on a
+                gradient twice the mean, without a word).
+        """
+        if self._backward_done:
+            raise HDETConfigError("Ensemble.backward: called again before step(); call ens.step() after every "
+                                  "micro-batch's backward (it counts the micro-batches and updates on every k-th, "
+                                  f"k = gradient_accumulation_steps = {self.grad_accum}); for several losses of one "
+                                  "micro-batch, backward their sum")
+        self._backward_done = True
         if self.backend == "deepspeed":
             self.model.backward(loss)
         else:
@@ -217,7 +230,17 @@ class Ensemble:
         the HDET scheduler with the step's loss (the micro-batches' mean): converge every
         ``sync_interval`` steps, auto-LR. A non-finite gradient norm skips the update and
         still counts the step, on every engine. Returns whether this was a step's last
-        micro-batch."""
+        micro-batch.
+
+        Raises:
+            HDETConfigError: no :meth:`backward` since the last call (tester round 35: a
+                second step() per micro-batch made every other update one with no
+                gradient and a recorded loss of 0, auto-LR's fitness).
+        """
+        if not self._backward_done:
+            raise HDETConfigError("Ensemble.step: no backward since the last step(); call ens.backward(loss) once "
+                                  "per micro-batch, then ens.step() once")
+        self._backward_done = False
         self._micro += 1
         last = self._micro == self.grad_accum
         if not last:

@@ -150,3 +150,24 @@ def test_a_model_built_under_zero_init_is_refused_by_the_torch_engines(tmp_path)
         "REFUSED model: its parameters are partitioned by DeepSpeed (built under hdet_scale.zero_init), which only "
         "backend='deepspeed' takes; for backend='fsdp2' build it normally, or sharded under torch.device('meta') "
         "with shard_modules= and init_weights="], (proc.stdout, proc.stderr[-3000:])
+
+
+def test_step_and_backward_out_of_order_are_refused():
+    """Tester round 35 (library, ddp and deepspeed, 2 ranks): step() twice per micro-batch
+    made every other update one without a gradient, recording a loss of 0 as auto-LR's
+    fitness; step() every other micro-batch with gradient_accumulation_steps=2 ran half the
+    optimizer steps on twice the mean gradient. Both silently. The Ensemble's counting here
+    on a real model (a micro-batch that is not a step's last needs no scheduler); the
+    right order is held to the engines by tests/distributed/test_api.py."""
+    from hdet_scale.api import Ensemble
+
+    model = torch.nn.Linear(2, 1)
+    ens = Ensemble("ddp", model, None, None, grad_accum=2, clip=0.0)
+    with pytest.raises(HDETConfigError, match=r"Ensemble.step: no backward since the last step\(\)"):
+        ens.step()
+    ens.backward(model(torch.ones(1, 2)).sum())
+    assert ens.step() is False  # the first of two micro-batches
+    ens.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(HDETConfigError, match=r"Ensemble.backward: called again before step\(\).*= 2"):
+        ens.backward(model(torch.ones(1, 2)).sum())
+    assert model.weight.grad is not None and torch.equal(model.weight.grad, torch.ones(1, 2))  # 2 x 1/2: no third
