@@ -30,8 +30,9 @@ from hdet_scale.train.launcher import StoppedBeforeStart, raise_stop
 
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """``(CONFIG.yaml or None, key=value overrides)``: a first argument without ``=``
-    is the config file."""
-    if argv and "=" not in argv[0]:
+    is the config file, and so is an existing ``.yaml`` / ``.yml`` file whose name holds
+    one (tester round 35: ``hdet-train a=b.yaml`` said "a: unknown key")."""
+    if argv and ("=" not in argv[0] or argv[0].endswith((".yaml", ".yml")) and os.path.isfile(argv[0])):
         return argv[0], argv[1:]
     return None, argv
 

@@ -1269,3 +1269,18 @@ def test_a_validation_split_read_over_and_over_gets_a_note(tmp_path):
                    f"read about {16512 / val:.1f} times, and the loss rests on those {val} bytes (a larger "
                    "data.val_fraction or more data for a steadier one)"]
     assert warned(400_000)[1] == []  # 40 kB of validation bytes hold the 16512 read
+
+
+def test_a_config_file_with_an_equals_sign_in_its_name_is_read_as_the_file(tmp_path, monkeypatch, capsys):
+    """Tester round 35: hdet-train 'a=b.yaml' (an existing file) was read as the override
+    a=b.yaml ("a: unknown key"). Now the file: its own error (a bad value in it) names its
+    key, as for any config file; a name that is no file stays an override."""
+    from hdet_scale.train import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a=b.yaml").write_text("train:\n  steps: -3\n")
+    assert cli.main(["a=b.yaml", "wandb.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "train.steps" in err and "a: unknown key" not in err, err
+    assert cli.main(["c=d.yaml", "wandb.enabled=false"]) == 2  # no such file: an override, refused as before
+    assert "c: unknown key" in capsys.readouterr().err
