@@ -209,7 +209,20 @@ class HDETTrainer(Trainer):
     def _check(self, max_steps: int | None) -> HDETConfig:
         """The config (:func:`_checkable` for a run of ``max_steps``) validated as
         :func:`hdet_scale.initialize` does: the DeepSpeed config with its block, or the
-        block of ``fsdp_config``."""
+        block of ``fsdp_config``. Checked at construction and again at ``train()``: a
+        warning the first check gave is not given again (tester round 35: each rank
+        printed the same total_steps warning twice)."""
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cfg = self._check_once(max_steps)
+        warned = self.__dict__.setdefault("_hdet_warned", set())
+        for w in seen:
+            if (w.category, str(w.message)) not in warned:
+                warned.add((w.category, str(w.message)))
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return cfg
+
+    def _check_once(self, max_steps: int | None) -> HDETConfig:
         try:
             if self._hdet_fsdp:
                 block = fsdp_block(self.args)

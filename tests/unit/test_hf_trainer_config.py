@@ -136,3 +136,17 @@ def test_a_block_without_total_steps_is_told_about_auto(world_of_one, tmp_path, 
     text = str(err.value)
     assert "hdet.schedule.total_steps" in text and '"total_steps": "auto"' in text, text
     assert "max_steps" in text and "got None" not in text, text
+
+
+def test_a_config_warning_is_given_once_though_the_block_is_checked_twice(world_of_one, tmp_path):
+    """Tester round 35: "total_steps": 100 with max_steps=6 printed the same warning twice
+    per rank: the block is checked at construction and again when train() starts
+    (``_prepare_for_training``, which calls the same check). The second check gives it no
+    more; the first gives it once."""
+    block = {**_block(), "schedule": {"name": "constant", "total_steps": 100}}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = _trainer(_args(tmp_path, H.ds_config(block)))
+        trainer._check(4)  # what train() runs (max_steps=4)
+    said = [str(w.message) for w in record if "> the Trainer's 4 optimizer steps" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in record]
