@@ -216,7 +216,9 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
     if key == "deepspeed.hdet.auto.enabled":
         return f"{uses}; what auto-LR learned up to the checkpoint (restored from it) stays in effect"
     if key == "seed":
-        return f"{uses}: it draws the training and probe batches (dropout continues from the RNG state saved)"
+        return (f"{uses}: it draws the training and probe batches and splits the data into training and "
+                "validation anew, so the resumed run trains on bytes held out before and its validation loss is "
+                "measured on other bytes (dropout continues from the RNG state saved)")
     if key == "deepspeed.zero_optimization.stage":
         return f"no effect: the {now.get('backend')} backend does not read it"
     if key.startswith("deepspeed.hdet.axes.") and key.endswith(".auto") and new is False and \

@@ -439,3 +439,17 @@ def test_scancel_of_the_slurm_script_stops_with_one_line_and_no_traceback(tmp_pa
     assert "failed (exitcode" not in err, err[-3000:]  # torchrun counted no rank's stop as a failure
     steps = steps_logged(run_dir)
     assert steps == list(range(1, len(steps) + 1)), steps
+
+
+def test_a_note_from_the_checks_is_printed_once_not_by_every_rank(tmp_path):
+    """Tester round 36: the note on a validation split read on overlapping windows came
+    once as an hdet-train line and then once more from every rank as a raw Python warning
+    (file, line and source). Once now, as the line (DDP, 2 ranks, 10 steps)."""
+    run_dir = tmp_path / "run"
+    rc, err, _, leftovers = run_cli([*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", "train.steps=10",
+                                     "data.max_bytes=40000", "wandb.enabled=false", "train.progress=false",
+                                     "train.plots=false", "deepspeed.hdet.auto.enabled=false"], timeout=300)
+    assert rc == 0 and not leftovers, (rc, err[-3000:])
+    said = [line for line in err.splitlines() if "the validation loss reads" in line]
+    assert len(said) == 1 and said[0].startswith("hdet-train: warning: hdet_scale: train.eval_batches=16"), err[-3000:]
+    assert "UserWarning" not in err, err[-3000:]
