@@ -133,8 +133,9 @@ def size_limit_failure() -> tuple[str, str] | None:
 
 def write_failure(error: BaseException) -> tuple[str, str] | None:
     """``(what stopped a write that raised error, what to do first)``, in words, when it is
-    a full disk (``ENOSPC``), a disk quota (``EDQUOT``) or a file size limit (``EFBIG``:
-    this process's ``ulimit -f``, or the file system's own); ``None`` otherwise."""
+    a full disk (``ENOSPC``), a disk quota (``EDQUOT``), a file size limit (``EFBIG``:
+    this process's ``ulimit -f``, or the file system's own), a read-only file system
+    (``EROFS``) or a permission (``EACCES``, ``EPERM``); ``None`` otherwise."""
     code = getattr(error, "errno", None)
     if code == errno.EFBIG:
         return size_limit_failure() or ("a file reached the largest size its file system takes",
@@ -143,6 +144,10 @@ def write_failure(error: BaseException) -> tuple[str, str] | None:
         return "the disk quota is exceeded", "free space within the quota (or have it raised)"
     if code == errno.ENOSPC:
         return DISK_FULL
+    if code == errno.EROFS:  # tester round 34: a save into a folder made read-only was a traceback
+        return "its file system is read-only", "write to another file system"
+    if code in (errno.EACCES, errno.EPERM):
+        return "a file or folder there is not writable", "make it writable (chmod -R u+w on its folder)"
     return None
 
 

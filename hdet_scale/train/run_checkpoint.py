@@ -5,7 +5,6 @@ starts from, and what a resume keeps: ``rundir.py``."""
 
 from __future__ import annotations
 
-import errno
 import os
 import pickle
 import re
@@ -50,19 +49,6 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
 
 
 LOW_SPACE_BYTES = 64 * 2**20  # below this after a failed save, the failure is called a full disk
-
-
-def _not_writable(error: BaseException, path: str) -> tuple[str, str] | None:
-    """``(cause, fix)`` for a save refused by permissions (``EACCES``, ``EPERM``) or a
-    read-only file system (``EROFS``): changed during the run (a resume into a read-only
-    checkpoint folder is refused before any rank starts, :func:`check_resume_writable`)."""
-    code = getattr(error, "errno", None)
-    if code == errno.EROFS:
-        return "its file system is read-only", f"make {path} writable (or copy the run to another run_dir)"
-    if code in (errno.EACCES, errno.EPERM):
-        return ("a file or folder there is not writable", f"make {path} writable (chmod -R u+w {path}), or copy "
-                "the run to another run_dir")
-    return None
 
 
 def check_resume_writable(run_dir: str, ckpt: str) -> None:
@@ -111,7 +97,7 @@ def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_
     except OSError:
         free = None
     errno_less = isinstance(error, RuntimeError) and getattr(error, "errno", None) is None  # torch's writer
-    failure = (write_failure(error) or _not_writable(error, path) or (size_limit_failure() if errno_less else None)
+    failure = (write_failure(error) or (size_limit_failure() if errno_less else None)
                or (DISK_FULL if free is not None and free < low_bytes else None))
     if failure is None:
         return error

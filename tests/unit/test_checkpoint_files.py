@@ -623,7 +623,9 @@ def test_a_save_refused_by_permissions_is_one_line_naming_the_folder(tmp_path):
     assert isinstance(err, HDETStateError), err
     assert str(err).startswith(f"checkpoint: the save of step 20 into {ckpt} failed, a file or folder there is not "
                                "writable (")
-    assert f"latest still names global_step10, complete; make {ckpt} writable (chmod -R u+w {ckpt})" in str(err)
+    assert ("latest still names global_step10, complete; make it writable (chmod -R u+w on its folder), then "
+            "train.resume=true continues from it") in str(err)
+    assert "'/sys/hdet_save_test'" in str(err)  # the file that was refused, named by the error's reason
 
 
 def test_a_resume_into_read_only_files_is_refused_before_it_starts(tmp_path):
