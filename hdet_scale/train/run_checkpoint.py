@@ -24,8 +24,8 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
     resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues.
 
     Raises:
-        HDETStateError: a full disk, a quota or a file size limit stopped the record or the
-            save (:func:`save_error`; inside FSDP2's ``CheckpointException`` too).
+        HDETStateError: a full disk, a quota, a file size limit, a permission or a
+            read-only file system stopped the record or the save (:func:`save_error`; inside FSDP2's ``CheckpointException`` too).
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
