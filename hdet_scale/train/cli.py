@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"hdet-train: error: {before}\nhdet-train: (torchrun restart "
                           f"{os.environ[refusals.RESTART_VAR]}: the first attempt refused this input; not checked again)",
                           file=sys.stderr, flush=True)
+                else:
+                    refusals.wait_for_rank0()
                 return _USER_ERROR
             checking = True
         _check_empty_overrides(overrides)
@@ -385,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             refusals.remember(argv, str(e))
         if not quiet:
             print(f"hdet-train: error: {e}", file=sys.stderr)
+        else:
+            refusals.wait_for_rank0()
         return _USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C while the config is read and checked: nothing trained yet
         if not launched:

@@ -88,3 +88,20 @@ def forget_on_last_attempt(argv: list[str]) -> None:
             os.remove(path)
         except OSError:
             pass
+
+
+#: How long a rank other than 0 waits after refusing, for rank 0 to print the message.
+QUIET_RANK_WAIT_S = 10.0
+
+
+def wait_for_rank0() -> None:
+    """Called by a rank other than 0 that refuses an input and prints nothing: wait up to
+    ``QUIET_RANK_WAIT_S`` seconds before exiting. The launcher (torchrun's agent, the
+    DeepSpeed launcher) ends every rank once one exits non-zero; a quiet rank that exits
+    first can get rank 0 killed before it prints the one line the user needs (CI, stop
+    24: the last restart's message lost). Rank 0 meets the same refusal (the checks are
+    the same everywhere) and exits within a second, so the agent ends this wait early;
+    the bound keeps a launcher that does not end siblings from waiting long."""
+    import time
+
+    time.sleep(QUIET_RANK_WAIT_S)

@@ -184,6 +184,31 @@ def test_torchrun_restarts_repeat_a_refusal_without_checking_again(tmp_path):
     assert seconds < 30, seconds
 
 
+def test_a_quiet_rank_that_refuses_waits_for_the_launcher_to_end_it(tmp_path):
+    """A rank other than 0 that refuses an input prints nothing and, before the fix, exited
+    at once: torchrun's agent then ended rank 0 before it printed the one line (CI, stop
+    24: the last restart's message lost, 3 of 4 printed). It now waits (up to
+    ``refusals.QUIET_RANK_WAIT_S``) until the launcher ends it, as the agent does when
+    rank 0 exits; here the test plays the agent: the rank is still running after 2 s, and
+    a SIGTERM ends it at once. Rank 0 with the same input exits at once with the message."""
+    import signal
+
+    argv = [f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "deepspeed.hdet.sync_intervall=3"]
+    env = {**ENV, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+           "LOCAL_RANK": "1", "RANK": "1"}
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    rank1 = subprocess.Popen([sys.executable, "-m", "hdet_scale.train.cli", *argv], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank0 = subprocess.run([sys.executable, "-m", "hdet_scale.train.cli", *argv], capture_output=True, text=True,
+                           timeout=60, env={**env, "LOCAL_RANK": "0", "RANK": "0"})
+    assert rank0.returncode == 2 and "sync_intervall" in rank0.stderr, rank0.stderr[-2000:]
+    time.sleep(2)
+    assert rank1.poll() is None, "rank 1 exited before the launcher ended it: rank 0's line can be lost"
+    rank1.send_signal(signal.SIGTERM)
+    _, err = rank1.communicate(timeout=10)
+    assert rank1.returncode == -signal.SIGTERM and "hdet-train: error" not in err, err[-2000:]
+
+
 def test_a_new_run_never_replaces_what_run_dir_holds(tmp_path):
     """A run_dir with an earlier run's metrics is refused before any rank starts, and the
     file is left as it was; train.overwrite=true lets validation through (checked here
