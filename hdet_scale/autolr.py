@@ -316,3 +316,23 @@ class Controller:
         self.log_m = dict(state["log_m"])
         self.velocity = dict(state["velocity"])
         self.updates = int(state["updates"])
+        self._clamp_restored()
+
+    def _clamp_restored(self) -> None:
+        """Hold restored values inside this run's bounds (``auto.max_factor``, the LR
+        floor, an axis' limits), which a resume may have tightened. Without it the
+        checkpoint's multiplier ran past the new bound until the next sync (tester round
+        36: 1.27 under a new ``max_factor`` of 1.1, for up to ``sync_interval`` steps)
+        while the resume warning said the new value applies. Values inside the bounds,
+        every value of an unchanged config, are left exactly as saved."""
+        for key in self.explored:
+            a, g = key
+            spec = self.config.axes[a]
+            if key in self.base:
+                floor, ceiling = specs.base_limits(a, spec)
+                if a == "lr":
+                    floor = max(floor, lr_lower_bound(self.schedule, self.peaks[g], self.auto.max_factor))
+                self.base[key] = min(max(self.base[key], floor), ceiling)
+            elif key in self.log_m and spec.kind == "multiplicative":
+                bound = math.log(self.auto.max_factor)
+                self.log_m[key] = min(max(self.log_m[key], -bound), bound)

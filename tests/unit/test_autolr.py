@@ -301,6 +301,34 @@ def test_max_factor_bounds_the_multiplier():
     assert sch.last_sync["hdet/lr/group_0/ceiled"] == 1 and "hdet/lr/group_0/floored" not in sch.last_sync
 
 
+def test_a_lower_max_factor_on_resume_bounds_the_first_resumed_step():
+    """A resume with a lower ``auto.max_factor`` holds the restored multiplier at the new
+    bound from the first resumed step, not from the next sync (tester round 36: 1.5 kept
+    for up to sync_interval steps under a bound of 1.2). Compared with a resume under the
+    old bound: every replica's first resumed LR is that one's times exactly 1.2 / 1.5; an unchanged
+    max_factor restores the multiplier exactly (a resume stays bit-equal)."""
+    import copy
+
+    auto = {"max_factor": 1.5, "momentum": 0.0, "step_size": 1.0}
+    cfg = config(replicas=2, sync_interval=2, total_steps=40, spread=0.2, auto=auto)
+    sch, groups, _ = make(cfg)
+    sch.set_probe(lambda: [0.0 if groups[r][0]["lr"] > groups[1 - r][0]["lr"] else 1.0 for r in range(2)])
+    for _ in range(20):
+        sch.step([1.0, 1.0])
+    state = copy.deepcopy(sch.state_dict())
+    assert math.exp(sch.controller.log_m[("lr", 0)]) == pytest.approx(1.5, rel=1e-12)
+    same, sgroups, _ = make(cfg)
+    same.load_state_dict(copy.deepcopy(state))
+    assert same.controller.log_m == sch.controller.log_m  # exactly as saved
+    lower = config(replicas=2, sync_interval=2, total_steps=40, spread=0.2, auto={**auto, "max_factor": 1.2})
+    resumed, rgroups, _ = make(lower)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the resume warning names max_factor 1.5 -> 1.2
+        resumed.load_state_dict(copy.deepcopy(state))
+    for r in range(2):  # the same step, permutation and spread: only the multiplier differs
+        assert rgroups[r][0]["lr"] == pytest.approx(sgroups[r][0]["lr"] * 1.2 / 1.5, rel=1e-12), r
+
+
 # ---- groups: tied / independent ----------------------------------------------------------
 
 @pytest.mark.parametrize("auto", [{}, dict(PAPER, groups="tied")], ids=["log", "paper"])
