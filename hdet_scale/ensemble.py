@@ -45,9 +45,10 @@ class HDETScheduler:
             have ``"lr"`` (and ``"weight_decay"`` when that axis is explored).
         sync: communication object; may be attached later with :meth:`attach`.
         logger: optional :class:`~hdet_scale.logging.MetricsLogger` (enabled on global
-            rank 0 only): a record at every sync, and every ``logging.every`` steps the
-            step's loss (this rank's) and every replica's values, merged with
-            ``self.extra`` (e.g. the trainer's tokens/s).
+            rank 0 only): a record at every sync, and every ``logging.every`` steps and
+            at ``last_step`` (``schedule.total_steps`` unless set) the step's loss
+            (this rank's) and every replica's values, merged with ``self.extra`` (e.g.
+            the trainer's tokens/s).
 
     Units: ``step`` counts optimizer steps (never micro-batches); ``sync_interval`` and
     ``auto.warmup_steps`` likewise. Raises HDETConfigError for a parameter-group index
@@ -65,6 +66,9 @@ class HDETScheduler:
         self.param_groups = param_groups
         self.schedule = build_schedule(config)
         self.total_steps = config.schedule.total_steps
+        # the run's last optimizer step, logged whatever logging.every (tester round 36:
+        # every=7 over 20 steps left steps 15-20 without a record); hdet-train sets train.steps
+        self.last_step = self.total_steps
         self.sync_obj = sync
         self.logger = logger
         self.extra: dict[str, Any] = {}
@@ -280,7 +284,8 @@ class HDETScheduler:
             except TypeError as e:  # not a TypeError: DeepSpeed would retry (see check_step_args)
                 raise HDETConfigError(f"HDETScheduler.step: cannot record the loss {loss!r}: {e}") from e
         self.step_count += 1
-        if self.logger is not None and self.logger.enabled and self.step_count % self.config.logging.every == 0:
+        logged = self.step_count % self.config.logging.every == 0 or self.step_count == self.last_step
+        if self.logger is not None and self.logger.enabled and logged:
             if isinstance(loss, (list, tuple)):  # the simulator passes one loss per replica
                 loss = sum(float(x) for x in loss) / len(loss)
             record = {"hdet/loss": float(loss) if loss is not None else None, **self.replica_record(), **self.extra}

@@ -187,6 +187,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         if rank == 0:
             rundir.trim_for_resume(run, sched.step_count)  # only now: a resume that fails to load loses nothing
     steps = run["train"]["steps"]
+    sched.last_step = steps  # its record is written whatever logging.every
     every, keep = run["train"]["checkpoint_every"] or 0, run["train"]["keep_checkpoints"]
     tokens_per_step = micro * gas * d["seq_len"] * world  # global, all ranks
     bar = progress_bar(steps, sched.step_count) if rank == 0 and run["train"]["progress"] else None
@@ -209,7 +210,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # process's (a resumed run counts from its restart); rank 0's, every rank runs alike.
         sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                        "train/backward_passes": engine.backward_passes, "train/tokens_seen": engine.tokens * world}
-        if (step + 1) % hcfg.logging.every == 0:  # a logged step (the same verdict on every rank)
+        if (step + 1) % hcfg.logging.every == 0 or step + 1 == steps:  # logged (HDETScheduler.last_step)
             sched.extra["train/loss"] = mean_over_ranks(loss)
         t_last = now
         engine.step(loss)

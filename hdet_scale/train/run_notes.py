@@ -58,8 +58,8 @@ def never_notes(run: dict) -> list[str]:
         notes.append(f"train.checkpoint_every={every} >= train.steps={steps}: no checkpoint before the end of the run")
     log_every = ((hdet.get("logging") or {}).get("every") if isinstance(hdet, dict) else None)
     if isinstance(log_every, int) and log_every > steps:
-        notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets no per-step "
-                     "record (the syncs' records only)")
+        notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets one per-step "
+                     "record, the last step's (and the syncs' records)")
     return notes + probe_note(run, cfg) + repeated_data_note(run) + unread_notes(run, cfg)
 
 

@@ -535,3 +535,30 @@ def test_a_resume_with_other_hdet_settings_warns_with_each_change():
     with warnings.catch_warnings():
         warnings.simplefilter("error", HDETResumeWarning)
         make(make_config(spread=0.3))[0].load_state_dict(state)
+
+
+def test_the_last_step_is_recorded_whatever_logging_every(tmp_path):
+    """``logging.every=7`` over 20 steps: per-step records (``hdet/loss``) at 7 and 14, and
+    at the run's last step 20 (tester round 36: steps 15-20 had none). hdet-train sets
+    ``last_step`` to ``train.steps``; a run of 18 then records 18, not 20. Compared with
+    every=1: the last record's values are the same."""
+    import json
+
+    from hdet_scale.logging import MetricsLogger
+
+    def per_step(every, last=None, steps=20):
+        block = make_config(sync_interval=5, total_steps=20).to_dict()
+        block["logging"]["every"] = every
+        path = tmp_path / f"m{every}_{last}.jsonl"
+        sch = HDETScheduler(HDETConfig.from_dict(block), make_groups(2), LocalSync(2),
+                            logger=MetricsLogger(str(path), append=False))
+        if last is not None:
+            sch.last_step = last
+        for t in range(steps):
+            sch.step([1.0 + 0.01 * t, 1.1])
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        return [r for r in records if "hdet/loss" in r]
+
+    assert [r["step"] for r in per_step(7)] == [7, 14, 20]
+    assert [r["step"] for r in per_step(7, last=18, steps=18)] == [7, 14, 18]
+    assert per_step(7)[-1] == per_step(1)[-1]
