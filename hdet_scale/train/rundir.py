@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -95,6 +96,9 @@ def start_mode(run: dict) -> str:
     auto = restarted_job(run_dir)
     if (t["resume"] or auto) and has_latest:
         return "resume"
+    if t["overwrite"] or auto:
+        _refuse_runs_in(ckpt)  # the more precise message first
+    _refuse_foreign_files(ckpt)  # every way on from here may remove checkpoint/
     if auto:
         return "replace"
     held = [n for n in RUN_FILES if os.path.exists(os.path.join(run_dir, n))]
@@ -105,8 +109,6 @@ def start_mode(run: dict) -> str:
                               "from (it stopped before its first save; train.checkpoint_every=N saves every N "
                               "steps): start it over with train.resume=false train.overwrite=true, or choose "
                               "another run_dir")
-    if held and t["overwrite"]:
-        _refuse_runs_in(ckpt)
     if held and not t["overwrite"]:
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); continue it with "
                               "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
@@ -133,6 +135,30 @@ def _refuse_inside_a_checkpoint(run_dir: str) -> None:
             raise HDETConfigError(f"run_dir: {run_dir} is inside {path}, the checkpoint folder of the run in "
                                   f"{parent}, which that run's train.overwrite=true removes with everything in it; "
                                   "choose a run_dir outside it")
+
+
+# What hdet-train writes at the top of checkpoint/ (checkpoint_io: the index, the tag
+# pointer, the settings record, one folder per replica group, write_atomic's temporaries).
+_OWN_CHECKPOINT_ENTRY = re.compile(r"(latest|hdet_layout\.json|hdet_run_config\.json|replica_\d+)(\.tmp\d+)?")
+
+
+def _refuse_foreign_files(ckpt: str) -> None:
+    """Refuse a ``checkpoint/`` folder holding files hdet-train does not write (tester
+    round 37: a user's ``checkpoint/my_model.bin`` was called "a run" and then removed
+    by ``train.overwrite=true``). Only the folder's top level is judged: the replica
+    folders below are hdet-train's. A link is removed as a link (:func:`_remove`).
+
+    Raises:
+        HDETConfigError: naming the folder, up to 5 of the files, and the ways on.
+    """
+    if not os.path.isdir(ckpt) or os.path.islink(ckpt):
+        return
+    foreign = sorted(n for n in os.listdir(ckpt) if not _OWN_CHECKPOINT_ENTRY.fullmatch(n))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise HDETConfigError(f"run_dir: {ckpt} holds files hdet-train did not write ({shown}); hdet-train keeps "
+                              "its checkpoints there and removes the folder when a run is replaced "
+                              "(train.overwrite=true): move those files out of it, or choose another run_dir")
 
 
 def _refuse_runs_in(ckpt: str) -> None:

@@ -141,6 +141,39 @@ def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tm
     assert sorted(p.name for p in run_dir.iterdir()) == []  # no old latest to mix with the new run's
 
 
+def test_a_checkpoint_folder_holding_a_users_files_is_never_replaced(tmp_path, monkeypatch):
+    """A ``checkpoint/`` with files hdet-train does not write (tester round 37: a user's
+    ``my_model.bin``, called "a run", then removed by ``train.overwrite=true``) is refused
+    for a fresh run and an overwrite alike, naming the file; nothing is removed. The same
+    run_dir with hdet-train's own files only (the index, the record, a temporary,
+    ``replica_<r>``) is replaced as before, and a resume is not judged."""
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "my_model.bin").write_text("mine")
+
+    def cfg(*overrides):
+        return load_run_config(None, [f"run_dir={run_dir}", *overrides])
+
+    for overrides in ((), ("train.overwrite=true",)):
+        with pytest.raises(HDETConfigError, match="did not write \\(my_model.bin\\)") as e:
+            rundir.start_mode(cfg(*overrides))
+        assert str(run_dir / "checkpoint") in str(e.value) and "already holds a run" not in str(e.value)
+    assert (run_dir / "checkpoint" / "my_model.bin").read_text() == "mine"
+    (run_dir / "checkpoint" / "my_model.bin").unlink()
+    assert _run_dir_with_a_run(tmp_path) == run_dir  # the same run_dir, now with a run's files
+    (run_dir / "checkpoint" / "hdet_run_config.json").write_text('{"runs": {}}')
+    (run_dir / "checkpoint" / "latest.tmp123").write_text("global_step")
+    assert rundir.start_mode(cfg("train.resume=true")) == "resume"
+    (run_dir / "checkpoint" / "notes.txt").write_text("mine")
+    assert rundir.start_mode(cfg("train.resume=true")) == "resume"  # a resume removes no folder
+    with pytest.raises(HDETConfigError, match="notes.txt"):
+        rundir.start_mode(cfg("train.overwrite=true"))
+    (run_dir / "checkpoint" / "notes.txt").unlink()
+    assert rundir.start_mode(cfg("train.overwrite=true")) == "replace"
+
+
 def test_a_torchrun_restart_resumes_only_its_own_job(tmp_path, monkeypatch):
     """TORCHELASTIC_RESTART_COUNT > 0 with the run id in run_dir/job.json: this job's
     crashed attempt, resumed (or, before its first checkpoint, replaced) without
@@ -699,4 +732,7 @@ def test_a_run_inside_another_runs_checkpoint_folder_is_refused_and_never_remove
     with pytest.raises(HDETConfigError, match="holds another run's folder"):
         mode(outer, "train.overwrite=true")
     (nested / ".hdet_run.lock").unlink()
+    with pytest.raises(HDETConfigError, match="did not write \\(mine\\)"):  # a user's folder, even empty
+        mode(outer, "train.overwrite=true")
+    nested.rmdir()
     assert mode(outer, "train.overwrite=true") == "replace"  # nothing of another run inside: replaced as before
