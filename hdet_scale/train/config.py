@@ -176,8 +176,23 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         if hint is None:
             raise
         raise HDETConfigError(f"{e}\n  {hint}") from None
-    _hdet_logging(run, explicit_wandb)
+    explicit_wandb |= _hdet_logging(run, explicit_wandb)
+    _wandb_environment(run["wandb"], explicit_wandb)
     return run
+
+
+#: W&B's own environment variables for the keys the packaged default.yaml fills in.
+_WANDB_ENV = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "group": "WANDB_RUN_GROUP", "name": "WANDB_NAME"}
+
+
+def _wandb_environment(wandb: dict, explicit: set) -> None:
+    """A ``WANDB_PROJECT`` (``WANDB_ENTITY``, ``WANDB_RUN_GROUP``, ``WANDB_NAME``) in the
+    environment sets that ``wandb.*`` key unless the run config or the hdet block sets it
+    (``explicit``), as the Hugging Face Trainer and ``wandb.init`` itself read them; before,
+    the packaged ``project: hdet-scale`` won without a word (tester round 37)."""
+    for key, var in _WANDB_ENV.items():
+        if key not in explicit and os.environ.get(var):
+            wandb[key] = os.environ[var]
 
 
 def _check_bools(top: dict, where: str) -> None:
@@ -304,7 +319,7 @@ def _leaves(tree: Any, path: str = "") -> list[str]:
     return [] if isinstance(tree, dict) else [path[:-1]]
 
 
-def _hdet_logging(run: dict, explicit: set) -> None:
+def _hdet_logging(run: dict, explicit: set) -> set:
     """Honour ``deepspeed.hdet.logging`` (what a DeepSpeed JSON written for the library
     carries) where the trainer has the same setting. ``wandb.*``: the same keys as the
     trainer's ``wandb.*`` (``WandbConfig``); each one the hdet block sets is used unless
@@ -312,20 +327,24 @@ def _hdet_logging(run: dict, explicit: set) -> None:
     scheduler's own setting and applies as it is. ``jsonl`` has no trainer counterpart:
     the trainer always writes ``run_dir/metrics.jsonl`` (resume and overwrite read it),
     so it is a warning on stderr, once (the launcher; rank 0 under torchrun). Types and values of
-    the block are checked by ``HDETConfig`` (``loop.validate``) before any rank starts."""
+    the block are checked by ``HDETConfig`` (``loop.validate``) before any rank starts.
+    Returns the ``wandb.*`` keys the block sets."""
     block = (run["deepspeed"].get("hdet") or {}).get("logging")
     if not isinstance(block, dict):
-        return  # absent, or not an object: HDETConfig names it
+        return set()  # absent, or not an object: HDETConfig names it
     wandb = block.get("wandb")
+    given = set()
     if isinstance(wandb, dict):
         fields = {f.name for f in dataclasses.fields(WandbConfig)}
-        run["wandb"].update({k: v for k, v in wandb.items() if k in fields and k not in explicit})
+        given = {k for k in wandb if k in fields}
+        run["wandb"].update({k: v for k, v in wandb.items() if k in given and k not in explicit})
     if block.get("jsonl") is not None and os.environ.get("RANK", "0") == "0":
         # On stderr like the trainer's other warnings (cli.py), not a Python warning
         # with its file and line.
         print(f"hdet-train: warning: deepspeed.hdet.logging.jsonl={block['jsonl']!r} is not used by hdet-train: "
               f"it writes its metrics to run_dir/metrics.jsonl ({os.path.join(run['run_dir'], 'metrics.jsonl')}); "
               "choose the folder with run_dir=...", file=sys.stderr, flush=True)
+    return given
 
 
 def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:

@@ -348,6 +348,36 @@ def test_hdet_logging_wandb_is_the_default_of_the_trainers_wandb(tmp_path, monke
     assert capsys.readouterr().err == ""
 
 
+def test_wandb_environment_variables_set_the_keys_the_user_did_not(tmp_path, monkeypatch):
+    """Tester round 37: ``WANDB_PROJECT=envproj hdet-train`` logged to the packaged project
+    ``hdet-scale`` without a word. W&B's variables now set the keys neither the run config
+    nor the hdet block sets (as the HF Trainer and ``wandb.init`` read them); a key the user
+    gives wins. The real offline W&B run opened from the result is in the env's project."""
+    wandb = pytest.importorskip("wandb")
+    from hdet_scale.logging import MetricsLogger
+    from hdet_scale.train.config import load_run_config
+
+    plain = load_run_config(None, [])
+    env = {"WANDB_PROJECT": "envproj", "WANDB_ENTITY": "envteam", "WANDB_RUN_GROUP": "envgroup", "WANDB_NAME": "envname"}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    run = load_run_config(None, [])
+    assert run["wandb"] == {**plain["wandb"], "project": "envproj", "entity": "envteam", "group": "envgroup",
+                            "name": "envname"}
+    run = load_run_config(None, ["wandb.project=mine", "deepspeed.hdet.logging.wandb.group=json"])
+    assert (run["wandb"]["project"], run["wandb"]["group"], run["wandb"]["name"]) == ("mine", "json", "envname")
+    monkeypatch.delenv("WANDB_ENTITY")  # an entity W&B does not know fails offline too
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = load_run_config(None, [])
+    logger = MetricsLogger(wandb=WandbConfig(**{**run["wandb"], "mode": "offline", "dir": str(tmp_path)}))
+    try:
+        assert (logger._wandb_run.project, logger._wandb_run.group, logger._wandb_run.name) == \
+            ("envproj", "envgroup", "envname")
+    finally:
+        logger.close()
+    assert wandb.run is None or wandb.run._is_finished
+
+
 # ---- duplicate group indices ---------------------------------------------------------------
 
 @pytest.mark.parametrize("axis,groups,twice", [("lr", [0, 0], [0]), ("weight_decay", [1, 0, 1], [1])])
