@@ -147,10 +147,12 @@ class WarmInitConfig:
 @dataclass
 class WandbConfig:
     """Weights & Biases sink (global rank 0 only). ``mode`` ``None``: online when an API
-    key is configured (``WANDB_API_KEY`` or ``wandb login``), else offline."""
+    key is configured (``WANDB_API_KEY`` or ``wandb login``), else offline. ``project``
+    ``None``: ``WANDB_PROJECT`` from the environment, else ``"hdet"`` (entity, group and
+    name ``None``: W&B reads ``WANDB_ENTITY``, ``WANDB_RUN_GROUP``, ``WANDB_NAME``)."""
 
     enabled: bool = False
-    project: str = "hdet"
+    project: str | None = None
     entity: str | None = None
     group: str | None = None
     name: str | None = None

@@ -226,7 +226,8 @@ class MetricsLogger:
             # out. WANDB_INIT_TIMEOUT, when set, is the user's.
             settings = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"settings": wb.Settings(init_timeout=30)}
             try:
-                self._wandb_run = wb.init(project=wandb.project, entity=wandb.entity, group=wandb.group,
+                project = wandb.project or os.environ.get("WANDB_PROJECT") or "hdet"  # WandbConfig
+                self._wandb_run = wb.init(project=project, entity=wandb.entity, group=wandb.group,
                                           name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},
                                           reinit="create_new", id=run_id, resume="allow" if run_id else None,
                                           **settings)

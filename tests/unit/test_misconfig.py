@@ -376,6 +376,18 @@ def test_wandb_environment_variables_set_the_keys_the_user_did_not(tmp_path, mon
     finally:
         logger.close()
     assert wandb.run is None or wandb.run._is_finished
+    # the library's logger: project unset reads WANDB_PROJECT too (wandb.init's own
+    # default would be "uncategorized"), else "hdet"
+    for env_project, expected in (("libproj", "libproj"), (None, "hdet")):
+        if env_project is None:
+            monkeypatch.delenv("WANDB_PROJECT")
+        else:
+            monkeypatch.setenv("WANDB_PROJECT", env_project)
+        logger = MetricsLogger(wandb=WandbConfig(enabled=True, mode="offline", dir=str(tmp_path)))
+        try:
+            assert logger._wandb_run.project == expected
+        finally:
+            logger.close()
 
 
 # ---- duplicate group indices ---------------------------------------------------------------
