@@ -134,6 +134,37 @@ def _schedule_line(cfg: Any, config: dict, schedule: Any) -> str:
     return f"{summary(schedule, float(peak))} (peak from {source})"
 
 
+def log_reach(step_size: float, momentum: float, updates: int, max_factor: float) -> float:
+    """The largest ``|log m|`` the ``"log"`` controller reaches after ``updates``
+    meta-updates from ``m = 1``, ``v = 0`` (``controller.log_update``): the
+    hypergradient is in ``[-1, 1]`` (``controller.normalized_hypergradient``), so after
+    ``k`` updates ``|v_k| <= 1 - beta^k`` and ``|log m| <= step_size * sum_{k=1..n}
+    (1 - beta^k)``, reached with ``g = +1`` (or -1) at every update; clipped at
+    ``log(max_factor)``. Closed form: ``sum = n - beta (1 - beta^n) / (1 - beta)``."""
+    n = max(updates, 0)
+    ramp = n - (momentum * (1.0 - momentum ** n) / (1.0 - momentum) if momentum > 0 else 0.0)
+    return min(step_size * ramp, math.log(max_factor))
+
+
+def _reach_line(cfg: Any, n_meta: int) -> str:
+    """How far the ``"log"`` controller's multiplier can move the schedule within the run:
+    the meta-updates at syncs before the last step (one at the last step, after the last
+    optimizer step, changes no step of the run), with the velocity's momentum ramp
+    (:func:`log_reach`) and the ``max_factor`` clip."""
+    a, T, total = cfg.auto, cfg.sync_interval, cfg.schedule.total_steps
+    in_run = max((total - 1 - cfg.first_meta_step) // T + 1, 0)  # syncs s < total
+    if in_run == 0:
+        return ("  the multiplier stays x1 of the schedule within the run: no meta-update before the last step"
+                + (" (one at the last step changes no step)" if n_meta else ""))
+    log_m = log_reach(a.resolved("step_size"), a.resolved("momentum"), in_run, a.max_factor)
+    reach = math.exp(log_m)
+    bound = (f"held at max_factor {a.max_factor:g}" if log_m >= math.log(a.max_factor)
+             else f"bound max_factor {a.max_factor:g}")
+    return (f"  the multiplier can reach at most x{reach:.3g} / x{1 / reach:.3g} of the schedule within the run "
+            f"(over the {in_run} meta-update{'s' if in_run != 1 else ''} before the last step, with momentum "
+            f"{a.resolved('momentum')}; {bound})")
+
+
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",
              cost: dict | None = None, build_groups: bool = False) -> str:
     """The dry-run report; ``total_steps`` fills ``hdet.schedule.total_steps`` when the
@@ -296,12 +327,10 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         n_meta = max((total - cfg.first_meta_step) // T + 1, 0)
         lines.append(f"auto-LR: controller {a.controller}, fitness {a.fitness}, groups {a.groups}, "
                      f"temperature {a.resolved('temperature')}, momentum {a.resolved('momentum')}, "
-                     f"step_size {a.resolved('step_size')}; {n_meta} meta-updates (first at step "
+                     f"step_size {a.resolved('step_size')}; {n_meta} meta-update{'s' if n_meta != 1 else ''} (first at step "
                      f"{cfg.first_meta_step})")
         if a.controller == "log":
-            reach = math.exp(min(n_meta * a.resolved("step_size"), math.log(a.max_factor)))
-            lines.append(f"  the multiplier can reach at most x{reach:.3g} / x{1 / reach:.3g} of the schedule "
-                         f"(bound max_factor {a.max_factor:g})")
+            lines.append(_reach_line(cfg, n_meta))
         if a.fitness == "probe":
             lines.append("  fitness: probe batches, evaluated by every rank at each auto-LR sync "
                          "(pass probe= to initialize)")

@@ -146,12 +146,17 @@ Schedule = OneCycle | Cosine | Constant
 
 
 def summary(schedule: Schedule, peak: float) -> str:
-    """One line for ``hdet-dryrun``: the shared LR at step 0, at its peak and at the end
-    (the last optimizer step, ``total_steps - 1``), in the optimizer's units, for a
-    parameter group whose peak is ``peak``."""
+    """One line for ``hdet-dryrun``: the shared LR of the first optimizer step, at its
+    peak and of the last, in the optimizer's units, for a parameter group whose peak is
+    ``peak``.
+
+    Steps are numbered from 1, as ``hdet-train``'s metrics.jsonl and the sync steps are:
+    the record ``"step": s`` holds the LR the s-th optimizer step used, which is
+    ``schedule.value(s - 1, peak)`` (``value`` takes the 0-based index torch's
+    schedulers count, so the last step, ``total_steps``, is ``value(total_steps - 1)``)."""
     name = {OneCycle: "onecycle", Cosine: "cosine", Constant: "constant"}[type(schedule)]
-    last = schedule.total_steps - 1
+    last = schedule.total_steps - 1  # 0-based index of the last step
     top = min(schedule.peak_step(), last)
     return (f"schedule {name} over {schedule.total_steps} optimizer steps: LR {schedule.value(0, peak):.4g} at step "
-            f"0, peak {schedule.value(top, peak):.4g} at step {top}, {schedule.value(last, peak):.4g} at the last "
-            f"step ({last})")
+            f"1 (the first), peak {schedule.value(top, peak):.4g} at step {top + 1}, {schedule.value(last, peak):.4g} "
+            f"at the last step ({last + 1})")

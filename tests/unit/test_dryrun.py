@@ -133,7 +133,9 @@ def test_a_deepspeed_block_given_as_a_value_is_named(edit, line, capsys, tmp_pat
 
 def test_auto_lr_summary_per_controller():
     """The log controller: the number of meta-updates (syncs at 500 .. 1000: 6) and how far
-    the multiplier can move (6 x the default step 0.25 in log units = x4.48). The paper controller over the
+    the multiplier can move within the run (the 5 before the last step, the velocity
+    ramping up with momentum 0.5: 0.25 x sum_{k=1..5} (1 - 0.5^k) in log units = x2.74;
+    test_log_reach_is_the_log_update_recurrence_with_g_plus_one). The paper controller over the
     same 6 syncs: the derived decay 1 - (floor / value at step 500)^(1/6) (torch's OneCycle
     defaults: 0.87 per sync) dwarfs step_size x spread = 0.15: the warning says so."""
     from hdet_scale.schedules import OneCycle
@@ -141,7 +143,7 @@ def test_auto_lr_summary_per_controller():
     text = describe(ZERO3, world_size=8)
     assert "controller log, fitness probe, groups tied" in text
     assert "6 meta-updates (first at step 500)" in text
-    assert "at most x4.48 / x0.223" in text
+    assert "at most x2.74 / x0.365 of the schedule within the run (over the 5 meta-updates before the last step" in text
     paper = {**ZERO3, "hdet": {**BLOCK, "auto": {**BLOCK["auto"], "controller": "paper"}}}
     text = describe(paper, world_size=8)
     gamma = float(text.split("decay gamma per sync: ")[1].split()[0])
@@ -497,7 +499,12 @@ def test_a_hugging_face_model_config_is_named_as_one(tmp_path, capsys):
 ])
 def test_the_schedule_line_gives_the_peak_lr_and_its_source(schedule, source):
     """Tester round 33: the report did not say which peak LR a run starts from. The LRs
-    printed are held to torch's OneCycleLR (onecycle) and to the nanoGPT formulas (cosine)."""
+    printed are held to torch's OneCycleLR (onecycle) and to the nanoGPT formulas (cosine).
+
+    Steps are numbered as in hdet-train's metrics.jsonl (and the report's sync steps):
+    from 1, the record ``"step": s`` holding the LR the s-th optimizer step used, i.e.
+    torch's scheduler value before its (s-1)-th ``step()`` call. Tester round 38: the line
+    said "at step 0" and "the last step (999)" (0-based) next to syncs numbered from 1."""
     import math
     import re
 
@@ -505,24 +512,82 @@ def test_the_schedule_line_gives_the_peak_lr_and_its_source(schedule, source):
 
     text = describe({**ZERO3, "hdet": {**BLOCK, "schedule": schedule}}, world_size=8)
     line = next(line for line in text.splitlines() if line.startswith("schedule "))
-    found = re.search(r"LR (\S+) at step 0, peak (\S+) at step (\d+), (\S+) at the last step \(999\) "
-                      rf"\(peak from {re.escape(source)}\)", line)
+    found = re.search(r"LR (\S+) at step (\d+) \(the first\), peak (\S+) at step (\d+), (\S+) at the last step "
+                      rf"\((\d+)\) \(peak from {re.escape(source)}\)", line)
     assert found, line
-    start, top, top_step, end = float(found[1]), float(found[2]), int(found[3]), float(found[4])
+    first_step, last_step, top_step = int(found[2]), int(found[6]), int(found[4])
+    assert (first_step, last_step) == (1, 1000)
+    printed = {first_step: float(found[1]), top_step: float(found[3]), last_step: float(found[5])}
     peak = schedule.get("max_lr", 1e-3)
     if schedule["name"] == "onecycle":
         opt = torch.optim.SGD([torch.zeros(1)], lr=0.1)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=1000,
                                                     pct_start=schedule.get("pct_start", 0.3), cycle_momentum=False)
-        lrs = []
-        for _ in range(1000):
-            lrs.append(opt.param_groups[0]["lr"])
+        metrics = {}  # what metrics.jsonl records: "step": s -> the LR optimizer step s used
+        for s in range(1, 1001):
+            metrics[s] = opt.param_groups[0]["lr"]
             opt.step()
             sched.step()
-        expected = (lrs[0], max(lrs), lrs.index(max(lrs)), lrs[-1])
-    else:  # linear warm-up to the peak at step warmup - 1, half cosine to peak * min_ratio (0.1)
-        expected = (peak / 100, peak, 99, peak * 0.1 + (peak - peak * 0.1) / 2 * (math.cos(math.pi * 899 / 900) + 1))
-    assert (start, top, top_step, end) == pytest.approx(expected, rel=1e-3)  # printed to 4 significant digits
+    else:  # linear warm-up to the peak at step warmup, half cosine to peak * min_ratio (0.1)
+        metrics = {s: peak * s / 100 if s <= 100 else
+                   peak * 0.1 + (peak - peak * 0.1) / 2 * (math.cos(math.pi * (s - 101) / 900) + 1)
+                   for s in range(1, 1001)}
+    first_peak = min(s for s, lr in metrics.items() if lr == pytest.approx(max(metrics.values()), rel=1e-12))
+    assert top_step == first_peak, (line, first_peak)
+    assert printed == pytest.approx({s: metrics[s] for s in printed}, rel=1e-3)  # printed to 4 significant digits
+
+
+@pytest.mark.parametrize("total,interval,warmup,auto,in_run,held", [
+    (10, 5, 5, {}, 1, False),  # tester round 38: syncs at 5 and 10, only step 5's acts in the run
+    (1000, 100, 500, {}, 5, False),
+    (1001, 100, 500, {}, 6, False),  # the sync at 1000 precedes the last step (1001)
+    (1000, 100, 0, {"momentum": 0.0, "step_size": 0.1}, 9, False),  # no momentum: step_size per update
+    (1000, 100, 0, {"momentum": 0.9, "step_size": 0.5}, 9, False),
+    (1000, 100, 0, {"max_factor": 2.0}, 9, True),  # the ramp would reach x6.4: clipped at x2
+    (1000, 10, 0, {"max_factor": 3.0, "momentum": 0.99}, 99, True),
+])
+def test_log_reach_is_the_log_update_recurrence_with_g_plus_one(total, interval, warmup, auto, in_run, held):
+    """Tester round 38: the "log" controller's reach was printed as exp(n x step_size),
+    counting a meta-update at the last step (it changes no step of the run) and ignoring
+    the velocity, which starts at 0 and ramps up as 1 - beta^k. The hypergradient is in
+    [-1, 1] (controller.normalized_hypergradient), so the worst case is g = +1 at every
+    update before the last step: run controller.log_update that many times and compare."""
+    import math
+    import re
+
+    from hdet_scale.controller import log_update
+
+    block = {**BLOCK, "replicas": 2, "sync_interval": interval, "axes": {"lr": {"spread_ratio": 0.1}},
+             "schedule": {"name": "onecycle", "total_steps": total},
+             "auto": {"enabled": True, "warmup_steps": warmup, **auto}}
+    text = describe({**ZERO3, "hdet": block}, world_size=2)
+    found = re.search(r"the multiplier can reach at most x(\S+) / x(\S+) of the schedule within the run "
+                      r"\(over the (\d+) meta-updates? before the last step, with momentum (\S+); (held at|bound) "
+                      r"max_factor (\S+)\)", text)
+    assert found, text
+    momentum, step_size = float(found[4]), 0.25 if "step_size" not in auto else auto["step_size"]
+    max_factor = auto.get("max_factor", 100.0)
+    assert (int(found[3]), found[5] == "held at", float(found[6])) == (in_run, held, max_factor)
+    assert momentum == auto.get("momentum", 0.5)
+    # the meta-updates hdet-train runs: syncs s (1-based steps) at or after warm-up, s <= total
+    syncs = [s for s in range(interval, total + 1, interval) if s >= warmup]
+    assert len([s for s in syncs if s < total]) == in_run
+    log_m = velocity = 0.0
+    for _ in range(in_run):
+        log_m, velocity = log_update(log_m, velocity, 1.0, momentum, step_size, max_factor)
+    assert float(found[1]) == float(f"{math.exp(log_m):.3g}")
+    assert float(found[2]) == float(f"{math.exp(-log_m):.3g}")
+    assert (log_m == math.log(max_factor)) == held
+
+
+def test_log_reach_with_no_meta_update_before_the_last_step():
+    """The only meta-update at the last step moves nothing in the run: x1, said so."""
+    block = {**BLOCK, "replicas": 2, "sync_interval": 10, "schedule": {"name": "onecycle", "total_steps": 10},
+             "auto": {"enabled": True, "warmup_steps": 0}}
+    text = describe({**ZERO3, "hdet": block}, world_size=2)
+    assert "1 meta-update (first at step 10)" in text
+    assert ("the multiplier stays x1 of the schedule within the run: no meta-update before the last step (one at "
+            "the last step changes no step)") in text
 
 
 def test_a_file_without_a_peak_lr_says_the_optimizers_default_is_used():
