@@ -284,8 +284,7 @@ class HDETScheduler:
             except TypeError as e:  # not a TypeError: DeepSpeed would retry (see check_step_args)
                 raise HDETConfigError(f"HDETScheduler.step: cannot record the loss {loss!r}: {e}") from e
         self.step_count += 1
-        logged = self.step_count % self.config.logging.every == 0 or self.step_count == self.last_step
-        if self.logger is not None and self.logger.enabled and logged:
+        if self.logger is not None and self.logger.enabled and self.logs_step(self.step_count):
             if isinstance(loss, (list, tuple)):  # the simulator passes one loss per replica
                 loss = sum(float(x) for x in loss) / len(loss)
             record = {"hdet/loss": float(loss) if loss is not None else None, **self.replica_record(), **self.extra}
@@ -294,6 +293,11 @@ class HDETScheduler:
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
         self._apply()
+
+    def logs_step(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based, as ``step_count`` after it) gets a
+        per-step record: every ``logging.every`` steps, and ``last_step``."""
+        return step % self.config.logging.every == 0 or step == self.last_step
 
     def check_step_args(self, loss: Any = None, **kwargs: Any) -> None:
         """Refuse what :meth:`step` cannot use, before any state change

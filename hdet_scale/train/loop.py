@@ -210,7 +210,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # process's (a resumed run counts from its restart); rank 0's, every rank runs alike.
         sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                        "train/backward_passes": engine.backward_passes, "train/tokens_seen": engine.tokens * world}
-        if (step + 1) % hcfg.logging.every == 0 or step + 1 == steps:  # logged (HDETScheduler.last_step)
+        if sched.logs_step(step + 1):  # a logged step (the same verdict on every rank)
             sched.extra["train/loss"] = mean_over_ranks(loss)
         t_last = now
         engine.step(loss)
