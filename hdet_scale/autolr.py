@@ -250,9 +250,7 @@ class Controller:
                 # lr_lower_bound (0 for other multiplicative axes).
                 # Bounds (axis_specs.base_limits): an additive spread reaches base -
                 # spread_ratio, so with the lower bound 0 the base stays >= spread_ratio.
-                floor, ceiling = specs.base_limits(a, self.config.axes[a])
-                if a == "lr":
-                    floor = max(floor, lr_lower_bound(self.schedule, self.peaks[g], auto.max_factor))
+                floor, ceiling = self._base_limits(key)
                 if new_base < floor:
                     new_base = floor
                     record[f"hdet/{a}/group_{g}/floored"] = 1
@@ -318,6 +316,15 @@ class Controller:
         self.updates = int(state["updates"])
         self._clamp_restored()
 
+    def _base_limits(self, key: Key) -> tuple[float, float]:
+        """The ``"paper"`` base's ``(floor, ceiling)``: the axis' limits
+        (``axis_specs.base_limits``), for the LR floored at :func:`lr_lower_bound`."""
+        a, g = key
+        floor, ceiling = specs.base_limits(a, self.config.axes[a])
+        if a == "lr":
+            floor = max(floor, lr_lower_bound(self.schedule, self.peaks[g], self.auto.max_factor))
+        return floor, ceiling
+
     def _clamp_restored(self) -> None:
         """Hold restored values inside this run's bounds (``auto.max_factor``, the LR
         floor, an axis' limits), which a resume may have tightened. Without it the
@@ -326,12 +333,9 @@ class Controller:
         while the resume warning said the new value applies. Values inside the bounds,
         every value of an unchanged config, are left exactly as saved."""
         for key in self.explored:
-            a, g = key
-            spec = self.config.axes[a]
+            spec = self.config.axes[key[0]]
             if key in self.base:
-                floor, ceiling = specs.base_limits(a, spec)
-                if a == "lr":
-                    floor = max(floor, lr_lower_bound(self.schedule, self.peaks[g], self.auto.max_factor))
+                floor, ceiling = self._base_limits(key)
                 self.base[key] = min(max(self.base[key], floor), ceiling)
             elif key in self.log_m and spec.kind == "multiplicative":
                 bound = math.log(self.auto.max_factor)
