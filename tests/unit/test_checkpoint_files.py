@@ -101,6 +101,12 @@ def test_a_tail_of_bytes_that_are_not_utf8_is_dropped_like_a_torn_line(tmp_path)
     assert path.read_text() == good
 
 
+def outside_torchrun(monkeypatch):
+    """No torchrun attempt in the environment: start_mode judges the run_dir as a first start."""
+    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
 def _run_dir_with_a_run(tmp_path, latest=True):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoint" / "replica_0" / "global_step4").mkdir(parents=True)
@@ -113,8 +119,7 @@ def _run_dir_with_a_run(tmp_path, latest=True):
 
 
 def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tmp_path, monkeypatch):
-    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
+    outside_torchrun(monkeypatch)
     run_dir = _run_dir_with_a_run(tmp_path)
 
     def cfg(*overrides):
@@ -147,8 +152,7 @@ def test_a_checkpoint_folder_holding_a_users_files_is_never_replaced(tmp_path, m
     for a fresh run and an overwrite alike, naming the file; nothing is removed. The same
     run_dir with hdet-train's own files only (the index, the record, a temporary,
     ``replica_<r>``) is replaced as before, and a resume is not judged."""
-    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
+    outside_torchrun(monkeypatch)
     run_dir = tmp_path / "run"
     (run_dir / "checkpoint").mkdir(parents=True)
     (run_dir / "checkpoint" / "my_model.bin").write_text("mine")
@@ -547,8 +551,7 @@ def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_p
     (the launcher's validate calls start_mode), naming the file and the ways on; a user's
     other files there (notes.txt) are no obstacle, nor is the folder with train.plots=false
     or train.overwrite=true."""
-    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
+    outside_torchrun(monkeypatch)
     run_dir = tmp_path / "proj"
     (run_dir / "plots").mkdir(parents=True)
     (run_dir / "plots" / "notes.txt").write_text("my notes")
@@ -707,8 +710,7 @@ def test_a_run_inside_another_runs_checkpoint_folder_is_refused_and_never_remove
     lock held or not). A new run there is refused naming A; a run put there anyway stops
     A's overwrite before anything is removed. A run_dir beside the checkpoint folder is
     fine (overwrite removes only metrics, summary, checkpoint and the plots)."""
-    for var in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
+    outside_torchrun(monkeypatch)
     outer = _run_dir_with_a_run(tmp_path)
     nested = outer / "checkpoint" / "mine"
 
