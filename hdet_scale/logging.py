@@ -16,22 +16,7 @@ from typing import Any, Callable
 from hdet_scale.config import WandbConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.wandb_charts import ReplicaSeries
-
-
-def _has_wandb_credentials() -> bool:
-    """An API key in ``WANDB_API_KEY``, or a ``~/.netrc`` (``wandb login``'s file) entry
-    for the W&B server (``WANDB_BASE_URL``'s host, api.wandb.ai by default)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
-    netrc = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        with open(netrc) as f:
-            return host in f.read()
-    except OSError:
-        return False
+from hdet_scale.wandb_server import base_url, has_credentials, unreachable
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb 0.31's Settings.mode
@@ -108,7 +93,7 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
         except Exception as e:  # noqa: BLE001 - W&B's UsageError, or pydantic's error around it
             reason = " ".join(str(e).split())[:300]
             raise HDETConfigError(f"{prefix}project: {reason}") from None
-    if wandb.enabled and (wandb.mode or env) == "online" and not _has_wandb_credentials():
+    if wandb.enabled and (wandb.mode or env) == "online" and not has_credentials():
         raise HDETConfigError(f"{prefix}mode=online, but no W&B API key is configured (WANDB_API_KEY, or `wandb login`); "
                               f"use {prefix}mode=offline (upload later with `wandb sync`), leave {prefix}mode unset (online "
                               f"when a key is configured, else offline), or {prefix}enabled=false")
@@ -219,12 +204,17 @@ class MetricsLogger:
                 self.wandb_mode = "offline" if self._wandb_run.offline else "online"
                 return
             # unset here: the user's WANDB_MODE, else online with credentials, else offline
-            mode = wandb.mode or os.environ.get("WANDB_MODE") or ("online" if _has_wandb_credentials() else "offline")
+            mode = wandb.mode or os.environ.get("WANDB_MODE") or ("online" if has_credentials() else "offline")
             # "create_new": another run this process holds (not wandb.run) stays untouched.
             # W&B waits 90 s for its server by default, then raises: an online run on a
             # node without network (tester round 12) gets 30 s and one line naming the way
             # out. WANDB_INIT_TIMEOUT, when set, is the user's.
             settings = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"settings": wb.Settings(init_timeout=30)}
+            if mode in ("online", "run", "shared") and (why := unreachable(server := base_url())) is not None:
+                # W&B's retries outlast init_timeout (tester round 38: 88 s): seconds here
+                raise HDETConfigError(f"wandb: the online W&B run cannot start: the W&B server {server} cannot be "
+                                      f"reached ({why}); check the network (WANDB_BASE_URL, HTTPS_PROXY), or set "
+                                      "wandb.mode=offline (wandb sync uploads it later) or wandb.enabled=false")
             try:
                 project = wandb.project or os.environ.get("WANDB_PROJECT") or "hdet"  # WandbConfig
                 self._wandb_run = wb.init(project=project, entity=wandb.entity, group=wandb.group,

@@ -1,0 +1,88 @@
+"""hdet_scale.wandb_server: the W&B server's address, credentials for it, and whether an
+online run can reach it, against real sockets on this machine (no mock: a closed port,
+a listening one, a host that cannot resolve)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from hdet_scale import wandb_server
+from hdet_scale.config import WandbConfig
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.logging import MetricsLogger
+
+FAKE_KEY = "0123456789abcdef" * 5  # W&B takes any 40+ character key until it asks its server
+
+
+@pytest.fixture
+def no_proxy_env(monkeypatch):
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy",
+                 "NO_PROXY", "no_proxy", "WANDB_BASE_URL", "WANDB_API_KEY", "WANDB_MODE", "WANDB_INIT_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_closed_port_an_unknown_host_and_a_listening_server(no_proxy_env):
+    port = closed_port()
+    assert wandb_server.unreachable(f"http://127.0.0.1:{port}") == \
+        f"no connection to 127.0.0.1:{port} (Connection refused)"
+    why = wandb_server.unreachable("https://no-such-host.invalid")  # .invalid never resolves (RFC 6761)
+    assert why is not None and why.startswith("the host no-such-host.invalid cannot be resolved")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        assert wandb_server.unreachable(f"http://127.0.0.1:{server.getsockname()[1]}") is None
+
+
+def test_a_proxy_is_trusted_unless_no_proxy_bypasses_it(no_proxy_env, monkeypatch):
+    """W&B connects through HTTPS_PROXY: a direct attempt from here would prove nothing."""
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
+    assert wandb_server.unreachable("https://no-such-host.invalid") is None
+    monkeypatch.setenv("NO_PROXY", "no-such-host.invalid")
+    assert wandb_server.unreachable("https://no-such-host.invalid") is not None
+
+
+def test_an_online_run_that_cannot_reach_its_server_fails_in_seconds(no_proxy_env, monkeypatch, tmp_path):
+    """Tester round 38: with a key and no network, W&B's retries took 88 s (init_timeout
+    30) before the error. The pre-check names the server and the way out in well under
+    the 30 s the standard allows, before W&B starts its service."""
+    port = closed_port()
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    t0 = time.monotonic()
+    with pytest.raises(HDETConfigError) as e:
+        MetricsLogger(wandb=WandbConfig(enabled=True, dir=str(tmp_path)))  # mode unset + a key: online
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10, elapsed
+    assert f"the W&B server http://127.0.0.1:{port} cannot be reached (no connection to 127.0.0.1:{port}" in str(e.value)
+    assert "wandb.mode=offline" in str(e.value)
+    assert not (tmp_path / "wandb").exists()  # W&B never started
+
+
+@pytest.mark.parametrize("machine,base,found", [
+    ("api.forge.coreweave.com", None, True),  # what wandb 0.31's `wandb login` writes
+    ("api.wandb.ai", None, True),             # what older ones wrote
+    ("api.wandb.ai", "https://wandb.example.com", False),
+    ("wandb.example.com", "https://wandb.example.com", True),
+    ("other.example.com", None, False),
+])
+def test_netrc_credentials_for_the_server_w_and_b_would_use(no_proxy_env, monkeypatch, tmp_path, machine, base,
+                                                            found):
+    """Before, only ``api.wandb.ai`` counted without WANDB_BASE_URL: a user logged in with
+    wandb 0.31 (``api.forge.coreweave.com``) got an offline run, or a refusal of
+    ``wandb.mode=online`` for "no API key"."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine {machine}\n  login user\n  password {FAKE_KEY}\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    if base is not None:
+        monkeypatch.setenv("WANDB_BASE_URL", base)
+    assert wandb_server.has_credentials() is found
