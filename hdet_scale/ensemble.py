@@ -48,7 +48,8 @@ class HDETScheduler:
             rank 0 only): a record at every sync, and every ``logging.every`` steps and
             at ``last_step`` (``schedule.total_steps`` unless set) the step's loss
             (this rank's) and every replica's values, merged with ``self.extra`` (e.g.
-            the trainer's tokens/s).
+            the trainer's tokens/s). A sync record's ``hdet/<axis>/group_<g>/base`` is
+            the next step's base, left out at ``last_step`` (no step follows).
 
     Units: ``step`` counts optimizer steps (never micro-batches); ``sync_interval`` and
     ``auto.warmup_steps`` likewise. Raises HDETConfigError for a parameter-group index
@@ -72,6 +73,7 @@ class HDETScheduler:
         self.sync_obj = sync
         self.logger = logger
         self.extra: dict[str, Any] = {}
+        self.taken_lr: list[float] = []  # the LR per group the last step ran with (get_last_lr's then)
         groups = next(iter(param_groups.values()))
         self.check_param_groups(config, groups)
         self.num_groups = len(groups)
@@ -290,6 +292,7 @@ class HDETScheduler:
             record = {"hdet/loss": float(loss) if loss is not None else None, **self.replica_record(), **self.extra}
             self.logger.log(record, step=self.step_count)
         self.extra = {}
+        self.taken_lr = self.get_last_lr()
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
         self._apply()
@@ -368,7 +371,9 @@ class HDETScheduler:
             self.controller.update(scored, self.permutations, self.applied,
                                    lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k))
         self.permutations = self._draw_permutations()
-        for a in sorted(self.config.axes):
+        # The base of the next step; after the last step there is none (tester round 38:
+        # OneCycleLR's formula one step past its end logged ~13x the last LR).
+        for a in sorted(self.config.axes) if self.step_count < self.last_step else ():
             for g in self.axis_groups(a):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
         self.last_sync = record

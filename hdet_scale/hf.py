@@ -88,8 +88,15 @@ class EngineScheduler:
             self._on_step()
 
     def get_last_lr(self) -> list[float]:
+        """This rank's replica's LR per group, as ``Trainer`` logs it (``learning_rate``);
+        after the run's last step the LR that step ran with: no step follows, and
+        OneCycleLR's formula past its end rises again (tester round 38: ~13x)."""
         scheduler = self._trainer.hdet_scheduler
-        return scheduler.get_last_lr() if scheduler is not None else [0.0]
+        if scheduler is None:
+            return [0.0]
+        if scheduler.step_count >= scheduler.last_step and scheduler.taken_lr:
+            return list(scheduler.taken_lr)
+        return scheduler.get_last_lr()
 
     def state_dict(self) -> dict:
         return {}
@@ -349,6 +356,7 @@ class HDETTrainer(Trainer):
             return self._prepare_fsdp(cfg, max_steps, train_dataloader, resume_from_checkpoint)
         with self._hdet_engine():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.deepspeed import load_checkpoint
 
@@ -364,6 +372,7 @@ class HDETTrainer(Trainer):
         with hf_fsdp.sharding_on(topology, cfg):
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         self.hdet_scheduler = hf_fsdp.attach(self, cfg, topology, self._hdet_probe, _start_from_replica_0)
+        self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
         self._record_losses()
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.fsdp2 import load_checkpoint

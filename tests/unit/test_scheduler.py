@@ -562,3 +562,55 @@ def test_the_last_step_is_recorded_whatever_logging_every(tmp_path):
     assert [r["step"] for r in per_step(7)] == [7, 14, 20]
     assert [r["step"] for r in per_step(7, last=18, steps=18)] == [7, 14, 18]
     assert per_step(7)[-1] == per_step(1)[-1]
+
+
+def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
+    """Tester round 38: the sync at the last step logged ``hdet/lr/group_0/base`` for a
+    step that never runs, OneCycleLR's formula one step past its end (~13x the last LR).
+    Every other sync logs the next step's base, the mean of the two replicas' LRs that
+    step runs with (multipliers 1 -+ 1/9: their mean is the base exactly, up to rounding)."""
+    import json
+
+    from hdet_scale.logging import MetricsLogger
+
+    def syncs(last=None, steps=20):
+        path = tmp_path / f"m{last}.jsonl"
+        sch = HDETScheduler(make_config(sync_interval=5, total_steps=20), make_groups(2), LocalSync(2),
+                            logger=MetricsLogger(str(path), append=False))
+        if last is not None:
+            sch.last_step = last
+        for t in range(steps):
+            sch.step([1.0 + 0.01 * t, 1.1])
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        lr_at = {r["step"]: (r["hdet/lr/replica_0/group_0"] + r["hdet/lr/replica_1/group_0"]) / 2
+                 for r in records if "hdet/loss" in r}
+        return [r for r in records if "hdet/sync" in r], lr_at
+
+    records, lr_at = syncs()
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    assert [r["step"] for r in records if "hdet/lr/group_0/base" in r] == [5, 10, 15]
+    for r in records[:3]:
+        assert r["hdet/lr/group_0/base"] == pytest.approx(lr_at[r["step"] + 1], rel=1e-12)
+    past_end = OneCycle(20).value(20, 0.1)  # what the last sync logged before
+    assert past_end > 10 * OneCycle(20).value(19, 0.1)
+    # a run that ends early (hdet-train's train.steps): its last sync logs no base either
+    records, _ = syncs(last=15, steps=15)
+    assert [r["step"] for r in records if "hdet/lr/group_0/base" in r] == [5, 10]
+
+
+def test_trainer_learning_rate_after_the_last_step_is_that_steps():
+    """HDETTrainer's ``learning_rate`` (EngineScheduler.get_last_lr) is the next step's LR,
+    as Trainer logs it without HDET; after the last step, the LR that step ran with, not
+    OneCycleLR one step past its end (tester round 38). Before that, get_last_lr's own."""
+    from types import SimpleNamespace
+
+    from hdet_scale.hf import EngineScheduler
+
+    sch, groups, _ = make(make_config(sync_interval=5, total_steps=20))
+    trainer_lr = EngineScheduler(SimpleNamespace(hdet_scheduler=sch))
+    for t in range(20):
+        ran_with = [g["lr"] for g in groups[0]]
+        sch.step([1.0, 1.1])
+        expected = ran_with if t == 19 else sch.get_last_lr()
+        assert trainer_lr.get_last_lr() == expected, t
+    assert sch.get_last_lr()[0] > 10 * trainer_lr.get_last_lr()[0]  # OneCycleLR's value, kept for drop-in use
