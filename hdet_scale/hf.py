@@ -88,15 +88,8 @@ class EngineScheduler:
             self._on_step()
 
     def get_last_lr(self) -> list[float]:
-        """This rank's replica's LR per group, as ``Trainer`` logs it (``learning_rate``);
-        after the run's last step the LR that step ran with: no step follows, and
-        OneCycleLR's formula past its end rises again (tester round 38: ~13x)."""
         scheduler = self._trainer.hdet_scheduler
-        if scheduler is None:
-            return [0.0]
-        if scheduler.step_count >= scheduler.last_step and scheduler.taken_lr:
-            return list(scheduler.taken_lr)
-        return scheduler.get_last_lr()
+        return scheduler.get_last_lr() if scheduler is not None else [0.0]
 
     def state_dict(self) -> dict:
         return {}
@@ -337,6 +330,18 @@ class HDETTrainer(Trainer):
         loss = torch.stack(losses).sum() if losses else None
         losses.clear()
         self.hdet_scheduler.step(loss)
+
+    def _get_learning_rate(self) -> float:
+        """The ``learning_rate`` ``Trainer`` logs (its own method, overridden): this rank's
+        replica's LR of the next step, as ``Trainer``'s; after the run's last step
+        (``max_steps``) the LR that step ran with, since no step follows and OneCycleLR's
+        formula one step past its end rises again (tester round 38: ~13x the last LR).
+        The scheduler's ``get_last_lr`` keeps OneCycleLR's value, as torch's does."""
+        scheduler = self.hdet_scheduler
+        if self._hdet_enabled and scheduler is not None and scheduler.step_count >= scheduler.last_step \
+                and scheduler.taken_lr:
+            return scheduler.taken_lr[0]
+        return super()._get_learning_rate()
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if not self._hdet_enabled:

@@ -198,6 +198,8 @@ def run(tmp: str) -> dict:
     out["hdet"] = {"steps": steps, "final": flat_params(trainer.model_wrapped), "fed": observer.fed,
                    "logged_loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                    "base": trainer.hdet_scheduler.base_value("lr", 0),
+                   "next_lr": trainer.hdet_scheduler.get_last_lr()[0],  # the optimizer's: a step past the run
+                   "logged_lr": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
                    "layout": json.load(open(f"{tmp}/hdet/checkpoint-2/hdet_layout.json")) if rank == 0 else None}
 
     resumed = HDETTrainer(model=build_model(), args=args(f"{tmp}/hdet", ds_config(hdet_block(0.2, True)), 6,

@@ -88,6 +88,20 @@ def test_replicas_train_at_spread_learning_rates_and_auto_lr_moves_the_base(runs
     assert runs[0]["hdet"]["base"] == runs[2]["hdet"]["base"]
 
 
+def test_learning_rate_after_the_last_step_is_the_one_it_ran_with(runs):
+    """The ``learning_rate`` ``Trainer`` logs after step s (``logging_steps=1``) is step
+    s+1's, as the scheduler's ``get_last_lr`` then (the recorder's rows); after the last
+    step (6, ``max_steps``) no step follows, and it is step 6's own, the one read after
+    step 5 (tester round 38: the value for a step past the run). The last sync's
+    meta-update moved the optimizer's LR, so the two differ on every rank."""
+    for rank, out in enumerate(runs):
+        rows, logged = out["hdet"]["steps"], out["hdet"]["logged_lr"]
+        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+        assert logged[:5] == [row["lr"] for row in rows[:5]], f"rank {rank}"
+        assert logged[5] == rows[4]["lr"], f"rank {rank}"
+        assert out["hdet"]["next_lr"] == rows[5]["lr"] != logged[5], f"rank {rank}: the last update moved nothing"
+
+
 def test_converge_makes_the_replicas_equal_at_every_sync(runs):
     """Right after each sync (every 2 optimizer steps) both replicas hold the same
     weights (bitwise); the spread made them differ before (else converge proves nothing)."""

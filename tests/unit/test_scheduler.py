@@ -597,20 +597,3 @@ def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
     records, _ = syncs(last=15, steps=15)
     assert [r["step"] for r in records if "hdet/lr/group_0/base" in r] == [5, 10]
 
-
-def test_trainer_learning_rate_after_the_last_step_is_that_steps():
-    """HDETTrainer's ``learning_rate`` (EngineScheduler.get_last_lr) is the next step's LR,
-    as Trainer logs it without HDET; after the last step, the LR that step ran with, not
-    OneCycleLR one step past its end (tester round 38). Before that, get_last_lr's own."""
-    from types import SimpleNamespace
-
-    from hdet_scale.hf import EngineScheduler
-
-    sch, groups, _ = make(make_config(sync_interval=5, total_steps=20))
-    trainer_lr = EngineScheduler(SimpleNamespace(hdet_scheduler=sch))
-    for t in range(20):
-        ran_with = [g["lr"] for g in groups[0]]
-        sch.step([1.0, 1.1])
-        expected = ran_with if t == 19 else sch.get_last_lr()
-        assert trainer_lr.get_last_lr() == expected, t
-    assert sch.get_last_lr()[0] > 10 * trainer_lr.get_last_lr()[0]  # OneCycleLR's value, kept for drop-in use
