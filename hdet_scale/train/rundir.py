@@ -110,9 +110,11 @@ def start_mode(run: dict) -> str:
                               "steps): start it over with train.resume=false train.overwrite=true, or choose "
                               "another run_dir")
     if held and not t["overwrite"]:
-        raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); continue it with "
-                              "train.resume=true (needs its checkpoint/latest), choose another run_dir, or set "
-                              "train.overwrite=true to replace it")
+        # no checkpoint/ at all (has_latest is False here): a resume is no way on (tester round 39)
+        resume = ("continue it with train.resume=true (needs its checkpoint/latest), " if os.path.isdir(ckpt) else
+                  "it has no checkpoint to resume from (it stopped before its first save); ")
+        raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); {resume}choose another "
+                              "run_dir, or set train.overwrite=true to replace it")
     if not held and not t["overwrite"] and t.get("plots", True):
         _refuse_plots_in_the_way(run_dir)
     return "replace" if held else "fresh"

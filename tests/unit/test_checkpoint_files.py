@@ -738,3 +738,23 @@ def test_a_run_inside_another_runs_checkpoint_folder_is_refused_and_never_remove
         mode(outer, "train.overwrite=true")
     nested.rmdir()
     assert mode(outer, "train.overwrite=true") == "replace"  # nothing of another run inside: replaced as before
+
+
+def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path, monkeypatch):
+    """Tester round 39: a run stopped before its first save left metrics.jsonl and no
+    checkpoint/; the refusal of a second start offered train.resume=true, which then
+    failed ("no checkpoint to resume from"). Each offered way out is tried here."""
+    outside_torchrun(monkeypatch)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(HDETConfigError) as e:
+        rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}"]))
+    assert "train.resume=true" not in str(e.value) and "no checkpoint to resume from" in str(e.value)
+    assert "train.overwrite=true" in str(e.value)
+    assert rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", "train.overwrite=true"])) == "replace"
+    # with a checkpoint the resume is offered, and works
+    run_dir = _run_dir_with_a_run(tmp_path / "b")
+    with pytest.raises(HDETConfigError, match="continue it with train.resume=true"):
+        rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}"]))
+    assert rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])) == "resume"
