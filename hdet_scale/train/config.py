@@ -432,8 +432,12 @@ def _validate(run: dict) -> None:
         # tester round 28: a user's own DeepSpeed JSON without the block (or with "hdet": {})
         # trained plain data parallelism (one replica group) without a word
         where = run["deepspeed_config"] or "the DeepSpeed JSON"
+        from hdet_scale.ds_keys import looks_like_hdet
+
+        # tester round 39: "hdett" was told to "add" the block the user believed they had
+        alike = "".join(f" ({k!r} is not read: did you mean 'hdet'?)" for k in run["deepspeed"] if looks_like_hdet(k))
         raise HDETConfigError(f"deepspeed.hdet: {where} has {'an empty' if 'hdet' in run['deepspeed'] else 'no'} hdet "
-                              "block, so the run would be plain data parallelism (one replica group); hdet-train "
+                              f"block{alike}, so the run would be plain data parallelism (one replica group); hdet-train "
                               f"trains with HDET: add one, e.g. {BLOCK_EXAMPLE} (configs/deepspeed_cpu_2x2.json has "
                               "a whole block; docs/config.md), or give it as overrides (deepspeed.hdet.replicas=2 ...)")
     hdet = run["deepspeed"]["hdet"]

@@ -126,6 +126,7 @@ def setup_cases(d) -> None:
     (d / "no_optimizer.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "optimizer"}))
     # round 28: no hdet block: plain data parallelism without a word
     (d / "no_hdet.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "hdet"}))
+    (d / "hdett.json").write_text(json.dumps({**{k: v for k, v in zero3.items() if k != "hdet"}, "hdett": zero3["hdet"]}))
     # round 5: a config path naming a FIFO blocked in open() forever, printing nothing
     os.mkfifo(d / "fifo.json")
     # round 6: hdet-dryrun's cost model on Hugging Face configs it cannot build
@@ -435,6 +436,9 @@ CASES = [
      ["deepspeed.optimizer.type: 'Lamb' needs DeepSpeed's FusedLamb op", "(cpu)"], None),
     ("deepspeed_json_without_hdet", ["deepspeed_config={d}/no_hdet.json", "backend=ddp"], {}, 2,
      ["deepspeed.hdet: {d}/no_hdet.json has no hdet block, so the run would be plain data parallelism"], None),
+    # round 39: told to "add" the block the user believed they had, its look-alike unnamed
+    ("deepspeed_json_hdett_block", ["deepspeed_config={d}/hdett.json", "backend=ddp"], {}, 2,
+     ["deepspeed.hdet: {d}/hdett.json has no hdet block ('hdett' is not read: did you mean 'hdet'?)"], None),
     ("deepspeed_json_without_optimizer", ["deepspeed_config={d}/no_optimizer.json", "train.steps=50"], {}, 2,
      ["deepspeed.optimizer: hdet-train builds the optimizer from this block, and {d}/no_optimizer.json has none"],
      None),
