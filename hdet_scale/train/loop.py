@@ -226,7 +226,8 @@ def train(run: dict, checked: tuple | None = None) -> dict:
             t_last += saving  # tokens/s counts training time only
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            # the LR this step ran with, beside its loss (tester round 39: get_last_lr is the next step's)
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.taken_lr[0]:.2e}")
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t_start

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -69,12 +70,27 @@ def test_default_job_on_every_backend(tmp_path, backend):
     from test_train_axes import check_axis_values
 
     run_dir = tmp_path / "run"
-    args = [a for a in SHORT if not a.startswith(("train.steps", "deepspeed.hdet.auto.warmup_steps"))]
+    args = [a for a in SHORT if not a.startswith(("train.steps", "deepspeed.hdet.auto.warmup_steps", "train.progress"))]
     args += ["train.steps=20", "deepspeed.hdet.auto.warmup_steps=10", f"backend={backend}", "model.dropout=0.1",
-             f"deepspeed.hdet.axes={json.dumps(FSDP2_AXES)}"]
+             f"deepspeed.hdet.axes={json.dumps(FSDP2_AXES)}", "train.progress=true"]
     proc = hdet_train([f"run_dir={run_dir}", *args], timeout=400)
     check_run(run_dir, proc, backend, steps=20, warmup=10)
     check_axis_values(run_dir, FSDP2_AXES, "label_smoothing", steps=20, sync=10, dropout=0.1)
+    check_progress_bar(run_dir, proc.stderr, steps=20)
+
+
+def check_progress_bar(run_dir, stderr: str, steps: int) -> None:
+    """Each progress-bar update shows its step's loss beside the LR that step ran with on
+    replica 0 (tester round 39: the next step's), as metrics.jsonl records them; tqdm
+    prints at most every 0.1 s, so some steps have no update: the last one always does."""
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+               if "hdet/loss" in r}
+    shown = {int(m[1]): (m[2], m[3]) for m in re.finditer(r"(\d+)/\d+ \[[^]]*, loss=([\d.]+), lr=([\d.e+-]+)\]",
+                                                           stderr)}
+    assert steps in shown, stderr[-2000:]
+    for step, (loss, lr) in shown.items():
+        assert lr == f"{records[step]['hdet/lr/replica_0/group_0']:.2e}", (step, lr)
+        assert loss == f"{records[step]['hdet/loss']:.3f}", (step, loss)
 
 
 def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) -> None:
