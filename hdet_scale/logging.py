@@ -16,7 +16,7 @@ from typing import Any, Callable
 from hdet_scale.config import WandbConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.wandb_charts import ReplicaSeries
-from hdet_scale.wandb_server import base_url, has_credentials, unreachable
+from hdet_scale.wandb_server import has_credentials, refuse_unreachable, run_mode
 
 
 WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wandb 0.31's Settings.mode
@@ -204,17 +204,13 @@ class MetricsLogger:
                 self.wandb_mode = "offline" if self._wandb_run.offline else "online"
                 return
             # unset here: the user's WANDB_MODE, else online with credentials, else offline
-            mode = wandb.mode or os.environ.get("WANDB_MODE") or ("online" if has_credentials() else "offline")
+            mode = run_mode(wandb.mode)
             # "create_new": another run this process holds (not wandb.run) stays untouched.
             # W&B waits 90 s for its server by default, then raises: an online run on a
             # node without network (tester round 12) gets 30 s and one line naming the way
             # out. WANDB_INIT_TIMEOUT, when set, is the user's.
             settings = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"settings": wb.Settings(init_timeout=30)}
-            if mode in ("online", "run", "shared") and (why := unreachable(server := base_url())) is not None:
-                # W&B's retries outlast init_timeout (tester round 38: 88 s): seconds here
-                raise HDETConfigError(f"wandb: the online W&B run cannot start: the W&B server {server} cannot be "
-                                      f"reached ({why}); check the network (WANDB_BASE_URL, HTTPS_PROXY), or set "
-                                      "wandb.mode=offline (wandb sync uploads it later) or wandb.enabled=false")
+            refuse_unreachable(mode)  # W&B's retries outlast init_timeout (tester round 38: 88 s): seconds here
             try:
                 project = wandb.project or os.environ.get("WANDB_PROJECT") or "hdet"  # WandbConfig
                 self._wandb_run = wb.init(project=project, entity=wandb.entity, group=wandb.group,

@@ -15,6 +15,8 @@ import threading
 import urllib.request
 from urllib.parse import urlparse
 
+from hdet_scale.errors import HDETConfigError
+
 FALLBACK_BASE_URL = "https://api.wandb.ai"  # W&B's default before it moved to CoreWeave Forge
 CONNECT_TIMEOUT_S = 5.0
 
@@ -110,3 +112,26 @@ def unreachable(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     if isinstance(error, (socket.timeout, TimeoutError)):
         return f"no connection to {host}:{port} within {timeout:.0f} s"
     return f"no connection to {host}:{port} ({error.strerror or error})"
+
+
+def run_mode(mode: str | None) -> str:
+    """The mode a W&B run opened with ``mode`` takes: ``mode``, else ``WANDB_MODE``, else
+    online with credentials (:func:`has_credentials`), else offline."""
+    return mode or os.environ.get("WANDB_MODE") or ("online" if has_credentials() else "offline")
+
+
+def refuse_unreachable(mode: str | None, prefix: str = "wandb.") -> None:
+    """Raise :class:`~hdet_scale.errors.HDETConfigError` when a run in ``mode``
+    (:func:`run_mode`) would talk to a W&B server that :func:`unreachable` cannot reach,
+    naming the server, the cause and the way out; nothing for offline or disabled runs.
+    At most ``2 * CONNECT_TIMEOUT_S`` seconds. ``prefix``: the keys' place in the user's
+    config. hdet-train calls it before any rank starts, :class:`MetricsLogger` before
+    ``wandb.init``."""
+    if run_mode(mode) not in ("online", "run", "shared"):  # W&B's names for an online run
+        return
+    server = base_url()
+    why = unreachable(server)
+    if why is not None:
+        raise HDETConfigError(f"{prefix.rstrip('.')}: the online W&B run cannot start: the W&B server {server} cannot "
+                              f"be reached ({why}); check the network (WANDB_BASE_URL, HTTPS_PROXY), or set "
+                              f"{prefix}mode=offline (wandb sync uploads it later) or {prefix}enabled=false")

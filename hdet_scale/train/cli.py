@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
         _print_engine_notes(run, path, overrides)
         _print_resume_notice(run)
+        if run["wandb"]["enabled"]:
+            from hdet_scale.wandb_server import refuse_unreachable
+
+            refuse_unreachable(run["wandb"]["mode"])  # tester round 39: rank 0 found it 40-64 s later
         if run["backend"] == "deepspeed":
             check_extensions_dir()  # before stale_trainer_locks looks inside it
             stale = stale_trainer_locks()

@@ -140,6 +140,24 @@ def raise_stop(signum: int, frame: Any) -> None:
     raise StoppedBeforeStart(signum)
 
 
+def start_lines(run: dict) -> list[str]:
+    """What ``launch_local`` says before it starts the ranks: that they start, and the
+    launcher variables it does not read (tester round 39: up to 49 s of silence while the
+    ranks built their engines; ``MASTER_PORT=abc`` accepted without a word)."""
+    n, hdet = run["nproc"], run["deepspeed"].get("hdet") or {}
+    replicas = hdet.get("replicas", 1)
+    lines = []
+    ignored = [f"{k}={os.environ[k]}" for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ]
+    if ignored:
+        lines.append(f"hdet-train: note: {' '.join(ignored)} in the environment is not used: hdet-train starts its "
+                     f"{n} ranks itself, at 127.0.0.1 on a free port; MASTER_ADDR/MASTER_PORT are read under torchrun "
+                     "or the deepspeed launcher (with RANK and WORLD_SIZE)")
+    lines.append(f"hdet-train: starting {n} ranks on this machine ({run['backend']}: {replicas} replica group"
+                 f"{'s' if replicas != 1 else ''} of {n // replicas} rank{'s' if n // replicas != 1 else ''}); the "
+                 "first step follows once every rank has built its model and engine")
+    return lines
+
+
 def launch_local(run: dict) -> int:
     """Start ``run["nproc"]`` local ranks (spawned, gloo), wait for them and return the
     exit code ``hdet-train`` ends with (module docstring of ``hdet_scale.train.cli``):
@@ -175,6 +193,8 @@ def launch_local(run: dict) -> int:
         finally:
             for sig, handler in saved.items():
                 signal.signal(sig, handler)
+    for line in start_lines(run):
+        print(line, file=sys.stderr, flush=True)
     ctx = get_context("spawn")
     # multiprocessing's resource tracker ignores SIGINT and SIGTERM but dies of SIGHUP, which
     # a closing terminal sends to the whole process group: "process died unexpectedly" and

@@ -225,9 +225,10 @@ def train(run: dict, checked: tuple | None = None) -> dict:
             checkpoint_s += saving
             t_last += saving  # tokens/s counts training time only
         if bar is not None:
+            # the LR this step ran with, beside its loss (tester round 39: get_last_lr is the next
+            # step's); set before the count moves, so no line pairs step k with step k-1's values
+            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.taken_lr[0]:.2e}", refresh=False)
             bar.update(1)
-            # the LR this step ran with, beside its loss (tester round 39: get_last_lr is the next step's)
-            bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.taken_lr[0]:.2e}")
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t_start

@@ -82,13 +82,15 @@ def test_default_job_on_every_backend(tmp_path, backend):
 def check_progress_bar(run_dir, stderr: str, steps: int) -> None:
     """Each progress-bar update shows its step's loss beside the LR that step ran with on
     replica 0 (tester round 39: the next step's), as metrics.jsonl records them; tqdm
-    prints at most every 0.1 s, so some steps have no update: the last one always does."""
+    prints at most every 0.1 s, so some steps have no update: the last one always does.
+    Every update of a step shows that step's pair (none a step's count with the values of
+    the step before)."""
     records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                if "hdet/loss" in r}
-    shown = {int(m[1]): (m[2], m[3]) for m in re.finditer(r"(\d+)/\d+ \[[^]]*, loss=([\d.]+), lr=([\d.e+-]+)\]",
-                                                           stderr)}
-    assert steps in shown, stderr[-2000:]
-    for step, (loss, lr) in shown.items():
+    shown = [(int(m[1]), m[2], m[3]) for m in re.finditer(r"(\d+)/\d+ \[[^]]*, loss=([\d.]+), lr=([\d.e+-]+)\]",
+                                                           stderr)]
+    assert steps in {step for step, _, _ in shown}, stderr[-2000:]
+    for step, loss, lr in shown:
         assert lr == f"{records[step]['hdet/lr/replica_0/group_0']:.2e}", (step, lr)
         assert loss == f"{records[step]['hdet/loss']:.3f}", (step, loss)
 

@@ -86,3 +86,43 @@ def test_netrc_credentials_for_the_server_w_and_b_would_use(no_proxy_env, monkey
     if base is not None:
         monkeypatch.setenv("WANDB_BASE_URL", base)
     assert wandb_server.has_credentials() is found
+
+
+def test_hdet_train_refuses_an_unreachable_server_before_any_rank_starts(no_proxy_env, monkeypatch, tmp_path, capsys):
+    """Tester round 39: the check ran on rank 0 only after every rank had built its engine
+    (40-64 s on a loaded machine). Now hdet-train's launcher refuses before it starts a
+    rank: ``launch_local`` is never reached (replaced here by a recorder)."""
+    from hdet_scale.train import cli, launcher
+
+    port = closed_port()
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    launched = []
+    monkeypatch.setattr(launcher, "launch_local", lambda run: launched.append(run) or 0)
+    rc = cli.main([f"run_dir={tmp_path / 'run'}", "backend=ddp", "nproc=2", "train.steps=10",
+                   "deepspeed.hdet.auto.enabled=false", "train.plots=false"])
+    err = capsys.readouterr().err
+    assert rc == 2 and not launched, err
+    assert f"hdet-train: error: wandb: the online W&B run cannot start: the W&B server http://127.0.0.1:{port}" in err
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the way out it names: the ranks start (another
+    # run_dir: this process still holds the first one's lock, as the refused job did until it ended)
+    assert cli.main([f"run_dir={tmp_path / 'run2'}", "backend=ddp", "nproc=2", "train.steps=10",
+                     "deepspeed.hdet.auto.enabled=false", "train.plots=false"]) == 0 and len(launched) == 1
+
+
+def test_the_launcher_says_it_starts_the_ranks_and_which_variables_it_does_not_read(monkeypatch):
+    """Tester round 39: up to 49 s without a line while the ranks built their engines, and
+    ``MASTER_PORT=abc`` accepted without a word (hdet-train's launcher picks its own port)."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.launcher import start_lines
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    run = load_run_config(None, ["nproc=4"])
+    assert start_lines(run) == ["hdet-train: starting 4 ranks on this machine (deepspeed: 2 replica groups of 2 "
+                                "ranks); the first step follows once every rank has built its model and engine"]
+    monkeypatch.setenv("MASTER_PORT", "abc")
+    note, start = start_lines(load_run_config(None, ["nproc=2", "backend=ddp", "deepspeed.hdet.replicas=2"]))
+    assert note.startswith("hdet-train: note: MASTER_PORT=abc in the environment is not used: hdet-train starts its "
+                           "2 ranks itself, at 127.0.0.1 on a free port")
+    assert start.startswith("hdet-train: starting 2 ranks on this machine (ddp: 2 replica groups of 1 rank);")
