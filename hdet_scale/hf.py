@@ -333,10 +333,12 @@ class HDETTrainer(Trainer):
 
     def _get_learning_rate(self) -> float:
         """The ``learning_rate`` ``Trainer`` logs (its own method, overridden): this rank's
-        replica's LR of the next step, as ``Trainer``'s; after the run's last step
-        (``max_steps``) the LR that step ran with, since no step follows and OneCycleLR's
-        formula one step past its end rises again (tester round 38: ~13x the last LR).
-        The scheduler's ``get_last_lr`` keeps OneCycleLR's value, as torch's does."""
+        replica's LR as ``Trainer`` reads it after the optimizer step (on DeepSpeed the next
+        step's, since the engine stepped the scheduler; on FSDP2 the step's own); after the
+        run's last step (``max_steps``) the LR that step ran with, since no step follows
+        and OneCycleLR's formula one step past its end rises again (tester round 38: ~13x
+        the last LR). The scheduler's ``get_last_lr`` keeps OneCycleLR's value, as torch's
+        does."""
         scheduler = self.hdet_scheduler
         if self._hdet_enabled and scheduler is not None and scheduler.step_count >= scheduler.last_step \
                 and scheduler.taken_lr:
