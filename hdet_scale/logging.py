@@ -93,6 +93,19 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
         except Exception as e:  # noqa: BLE001 - W&B's UsageError, or pydantic's error around it
             reason = " ".join(str(e).split())[:300]
             raise HDETConfigError(f"{prefix}project: {reason}") from None
+    url = os.environ.get("WANDB_BASE_URL")
+    if wandb.enabled and url is not None:
+        # W&B validates it in wandb.init, on rank 0 after the start, offline runs too (tester
+        # round 40: a pydantic traceback, exit 1, "start again with the same command")
+        wb = import_wandb(prefix)
+        try:
+            wb.Settings(base_url=url)
+        except Exception as e:  # noqa: BLE001 - pydantic's ValidationError, or W&B's UsageError
+            errors = getattr(e, "errors", None)
+            reason = errors()[0].get("msg", str(e)) if callable(errors) and errors() else str(e)
+            raise HDETConfigError(f"environment: WANDB_BASE_URL={url!r} is not a URL W&B takes "
+                                  f"({' '.join(str(reason).split())[:200]}): set it to the W&B server's address "
+                                  f"(http:// or https://), unset it, or set {prefix}enabled=false") from None
     if wandb.enabled and (wandb.mode or env) == "online" and not has_credentials():
         raise HDETConfigError(f"{prefix}mode=online, but no W&B API key is configured (WANDB_API_KEY, or `wandb login`); "
                               f"use {prefix}mode=offline (upload later with `wandb sync`), leave {prefix}mode unset (online "
@@ -217,7 +230,7 @@ class MetricsLogger:
                                           name=wandb.name, mode=mode, dir=wandb.dir, config=config or {},
                                           reinit="create_new", id=run_id, resume="allow" if run_id else None,
                                           **settings)
-            except (wb.errors.Error, TimeoutError, OSError) as e:
+            except (wb.errors.Error, TimeoutError, OSError, ValueError) as e:  # ValueError: pydantic's
                 reason = " ".join(str(e).split())[:300]
                 fix = ("check the network and credentials, or set wandb.mode=offline (wandb sync uploads it later) "
                        "or wandb.enabled=false" if mode != "offline" else  # no network involved (tester round 26)

@@ -196,6 +196,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     t_last = t_start
     checkpoint_s = 0.0
     loss = torch.tensor(float("nan"))
+    final_loss = None  # the last step's train/loss, the mean over all ranks (that step is always logged)
     while sched.step_count < steps:
         step = sched.step_count
         step_loss = 0.0
@@ -211,7 +212,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         sched.extra = {"train/tokens_per_s": tokens_per_step / max(now - t_last, 1e-9),
                        "train/backward_passes": engine.backward_passes, "train/tokens_seen": engine.tokens * world}
         if sched.logs_step(step + 1):  # a logged step (the same verdict on every rank)
-            sched.extra["train/loss"] = mean_over_ranks(loss)
+            sched.extra["train/loss"] = final_loss = mean_over_ranks(loss)
         t_last = now
         engine.step(loss)
         note_step(sched.step_count)  # the step a stop line names (stopping.py)
@@ -260,7 +261,8 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         "params": engine.param_count(),
         "backward_passes": engine.backward_passes,  # this rank's, this process's
         "tokens_seen": engine.tokens * world,
-        "final_train_loss": float(loss.item()) if math.isfinite(loss.item()) else None,
+        # the mean over all ranks, as train/loss (tester round 40: rank 0's alone, undocumented)
+        "final_train_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
         "train_bytes": int(corpus.train.numel()),
         "val_bytes": int(corpus.val.numel()),
         "data_source": corpus.source,

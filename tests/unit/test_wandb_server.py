@@ -4,6 +4,7 @@ a listening one, a host that cannot resolve)."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -43,12 +44,42 @@ def test_a_closed_port_an_unknown_host_and_a_listening_server(no_proxy_env):
         assert wandb_server.unreachable(f"http://127.0.0.1:{server.getsockname()[1]}") is None
 
 
-def test_a_proxy_is_trusted_unless_no_proxy_bypasses_it(no_proxy_env, monkeypatch):
-    """W&B connects through HTTPS_PROXY: a direct attempt from here would prove nothing."""
-    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
-    assert wandb_server.unreachable("https://no-such-host.invalid") is None
-    monkeypatch.setenv("NO_PROXY", "no-such-host.invalid")
-    assert wandb_server.unreachable("https://no-such-host.invalid") is not None
+def test_through_a_proxy_the_proxy_is_what_must_answer(no_proxy_env, monkeypatch):
+    """W&B connects through HTTPS_PROXY: a direct attempt would prove nothing, and a proxy
+    that refuses cost 64 s of W&B's retries (tester round 40). NO_PROXY bypasses it."""
+    port = closed_port()
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+    assert wandb_server.unreachable("https://no-such-host.invalid") == \
+        f"through the proxy http://127.0.0.1:{port} from the environment: no connection to 127.0.0.1:{port} " \
+        "(Connection refused)"
+    monkeypatch.setenv("HTTPS_PROXY", "garbage")  # read as http://garbage, as requests does
+    why = wandb_server.unreachable("https://no-such-host.invalid")
+    assert why is not None and why.startswith("through the proxy garbage from the environment: the host garbage "
+                                              "cannot be resolved")
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen(1)
+        monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{proxy.getsockname()[1]}")
+        assert wandb_server.unreachable("https://no-such-host.invalid") is None  # the proxy answers
+        monkeypatch.setenv("NO_PROXY", "no-such-host.invalid")
+        assert wandb_server.unreachable("https://no-such-host.invalid").startswith("the host no-such-host.invalid")
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://wandb.example.com", "http://", "https://api.wandb.ai/x y"])
+def test_a_malformed_wandb_base_url_is_refused_before_the_start(no_proxy_env, monkeypatch, url):
+    """Tester round 40: W&B validates WANDB_BASE_URL in wandb.init, on rank 0 after the
+    start and for offline runs too: a pydantic traceback, exit 1, and advice to start
+    again. Refused by the pre-start check, naming the variable; a valid one passes."""
+    from hdet_scale.logging import check_wandb_settings
+
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    with pytest.raises(HDETConfigError, match=rf"^environment: WANDB_BASE_URL={re.escape(repr(url))} is not a URL "
+                                              r"W&B takes \(.+\): set it to the W&B server's address"):
+        check_wandb_settings(WandbConfig(enabled=True, mode="offline"))
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
+    check_wandb_settings(WandbConfig(enabled=True, mode="offline"))
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    check_wandb_settings(WandbConfig(enabled=False))  # W&B off: not read
 
 
 def test_an_online_run_that_cannot_reach_its_server_fails_in_seconds(no_proxy_env, monkeypatch, tmp_path):
