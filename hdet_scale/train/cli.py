@@ -282,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
                     # and checked) ended hdet-train with 143 and no line
                     signal.signal(sig, raise_stop)
         quiet = launched and int(os.environ["RANK"]) != 0  # an integer: _started_by_launcher checked it
+        if launched and not quiet:
+            from hdet_scale.train.launcher import unlaunched_world_note
+
+            if (note := unlaunched_world_note()) is not None:
+                print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
         if launched:
             from hdet_scale.train import refusals
 

@@ -158,6 +158,25 @@ def start_lines(run: dict) -> list[str]:
     return lines
 
 
+# What torchrun, the deepspeed launcher, srun and mpirun set beside RANK (any one of them)
+_LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def unlaunched_world_note() -> str | None:
+    """A note for rank 0 when ``RANK``/``WORLD_SIZE``/``MASTER_*`` are set but no known
+    launcher started this process (tester round 40: left in a shell, they made hdet-train
+    rank 0 of a world whose other ranks never came, ``nproc`` unused, and nothing said so
+    for 60 s). ``None`` under a launcher, or when the world is this process alone."""
+    env = os.environ
+    if any(k in env for k in _LAUNCHER_MARKS) or env.get("WORLD_SIZE", "1").strip() == "1":
+        return None
+    given = " ".join(f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in env)
+    return (f"{given} are set in the environment and no launcher (torchrun, deepspeed, srun, mpirun) started this "
+            f"process: it joins that world as rank {env.get('RANK', '?').strip()} and waits for the other ranks "
+            "(nproc is not used); to let hdet-train start its own ranks, unset them (env -u RANK -u WORLD_SIZE "
+            "-u MASTER_ADDR -u MASTER_PORT hdet-train ...)")
+
+
 def launch_local(run: dict) -> int:
     """Start ``run["nproc"]`` local ranks (spawned, gloo), wait for them and return the
     exit code ``hdet-train`` ends with (module docstring of ``hdet_scale.train.cli``):

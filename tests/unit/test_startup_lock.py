@@ -427,3 +427,33 @@ def test_sigterm_or_sighup_while_the_config_is_checked_gives_the_stop_line(tmp_p
         assert proc.returncode == 128 + getattr(signal, sig), (proc.returncode, proc.stderr[-2000:])
         assert proc.stderr.strip() == f"hdet-train: stopped by {sig} before any rank started", proc.stderr
         assert time.monotonic() - t0 < 25 and not run_dir.exists()  # at once, not after the 30 s check
+
+
+def test_a_world_left_in_the_environment_without_a_launcher_is_named(monkeypatch, capsys):
+    """Tester round 40: RANK/WORLD_SIZE/MASTER_* left in a shell made hdet-train rank 0 of a
+    world whose other ranks never came (nproc unused), silent for 60 s. Rank 0 now says so
+    at once; under torchrun (TORCHELASTIC_RUN_ID), the deepspeed launcher (LOCAL_SIZE) or
+    srun/mpirun nothing is added, and rank 1 stays quiet."""
+    from hdet_scale.train import cli
+    from hdet_scale.train.launcher import _LAUNCHER_MARKS
+
+    for mark in _LAUNCHER_MARKS:
+        monkeypatch.delenv(mark, raising=False)
+    for k, v in {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+
+    def said(rank: str) -> str:
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(["wandb.enabled=false", "train.stpes=3"]) == 2  # refused after the note: nothing starts
+        return capsys.readouterr().err
+
+    note = ("hdet-train: note: RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29556 are set in the environment "
+            "and no launcher (torchrun, deepspeed, srun, mpirun) started this process: it joins that world as rank 0 "
+            "and waits for the other ranks (nproc is not used)")
+    assert said("0").startswith(note)
+    assert said("1") == ""
+    for mark in ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE"):
+        monkeypatch.setenv(mark, "x")
+        err = said("0")
+        assert "no launcher" not in err and "train.stpes" in err, err
+        monkeypatch.delenv(mark)
