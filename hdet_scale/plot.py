@@ -142,7 +142,8 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         log("skipped fanout_*.png and base_*.png: no per-replica values in the metrics")
     sy = s["sync"]
     if not sy["steps"]:
-        log("skipped sync.png: no sync in the metrics yet")
+        # a run shorter than sync_interval has none (its final converge is no sync: no record)
+        log("skipped sync.png: no sync record in the metrics (a sync comes every sync_interval steps)")
     else:
         fig, (top, bottom) = _figure(2)
         for r, ys in enumerate(sy["loss"]):
