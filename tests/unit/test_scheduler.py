@@ -537,26 +537,31 @@ def test_a_resume_with_other_hdet_settings_warns_with_each_change():
         make(make_config(spread=0.3))[0].load_state_dict(state)
 
 
+def logged_run(path, every: int = 1, last: int | None = None, steps: int = 20) -> list[dict]:
+    """The JSONL records of ``steps`` steps of a 2-replica run (sync every 5 of 20 steps),
+    logged every ``every`` steps with ``last_step`` = ``last`` (hdet-train's train.steps)."""
+    import json
+
+    from hdet_scale.logging import MetricsLogger
+
+    block = make_config(sync_interval=5, total_steps=20).to_dict()
+    block["logging"]["every"] = every
+    sch = HDETScheduler(HDETConfig.from_dict(block), make_groups(2), LocalSync(2),
+                        logger=MetricsLogger(str(path), append=False))
+    if last is not None:
+        sch.last_step = last
+    for t in range(steps):
+        sch.step([1.0 + 0.01 * t, 1.1])
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def test_the_last_step_is_recorded_whatever_logging_every(tmp_path):
     """``logging.every=7`` over 20 steps: per-step records (``hdet/loss``) at 7 and 14, and
     at the run's last step 20 (tester round 36: steps 15-20 had none). hdet-train sets
     ``last_step`` to ``train.steps``; a run of 18 then records 18, not 20. Compared with
     every=1: the last record's values are the same."""
-    import json
-
-    from hdet_scale.logging import MetricsLogger
-
     def per_step(every, last=None, steps=20):
-        block = make_config(sync_interval=5, total_steps=20).to_dict()
-        block["logging"]["every"] = every
-        path = tmp_path / f"m{every}_{last}.jsonl"
-        sch = HDETScheduler(HDETConfig.from_dict(block), make_groups(2), LocalSync(2),
-                            logger=MetricsLogger(str(path), append=False))
-        if last is not None:
-            sch.last_step = last
-        for t in range(steps):
-            sch.step([1.0 + 0.01 * t, 1.1])
-        records = [json.loads(line) for line in path.read_text().splitlines()]
+        records = logged_run(tmp_path / f"m{every}_{last}.jsonl", every, last, steps)
         return [r for r in records if "hdet/loss" in r]
 
     assert [r["step"] for r in per_step(7)] == [7, 14, 20]
@@ -569,19 +574,8 @@ def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
     step that never runs, OneCycleLR's formula one step past its end (~13x the last LR).
     Every other sync logs the next step's base, the mean of the two replicas' LRs that
     step runs with (multipliers 1 -+ 1/9: their mean is the base exactly, up to rounding)."""
-    import json
-
-    from hdet_scale.logging import MetricsLogger
-
     def syncs(last=None, steps=20):
-        path = tmp_path / f"m{last}.jsonl"
-        sch = HDETScheduler(make_config(sync_interval=5, total_steps=20), make_groups(2), LocalSync(2),
-                            logger=MetricsLogger(str(path), append=False))
-        if last is not None:
-            sch.last_step = last
-        for t in range(steps):
-            sch.step([1.0 + 0.01 * t, 1.1])
-        records = [json.loads(line) for line in path.read_text().splitlines()]
+        records = logged_run(tmp_path / f"m{last}.jsonl", 1, last, steps)
         lr_at = {r["step"]: (r["hdet/lr/replica_0/group_0"] + r["hdet/lr/replica_1/group_0"]) / 2
                  for r in records if "hdet/loss" in r}
         return [r for r in records if "hdet/sync" in r], lr_at
