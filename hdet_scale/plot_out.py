@@ -212,7 +212,9 @@ def _refusal(path: str, names: list[str], record: dict | None) -> str:
         return (f"{path}: the folder holds the plots of run {_shown(owner)} ({held}{how}); hdet-plot never "
                 f"replaces another run's plots: {replace}")
     if len(pngs) == len(names):
-        return (f"{path}: the folder holds hdet plots of a run it does not name ({held}; no {RECORD}); {replace}")
+        # tester round 41: a user's own loss.png was called "hdet plots of a run": it may be either
+        return (f"{path}: the folder holds PNG(s) with hdet plot names but no {RECORD} saying which run made them "
+                f"({held}); hdet-plot never writes over files it cannot tell are its own: {replace}")
     return (f"{path}: the folder holds files that are not hdet plots ({held}); hdet-plot writes only into a new "
             "or empty folder, the run's own plots folder or one of its earlier plots: choose another --out, or "
             "add --overwrite to write among them (a file of a plot's name is replaced, nothing else touched)")

@@ -259,6 +259,10 @@ def _switch_notes(run: dict, file_ds: dict | None = None) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
+        if len(argv) > 1:  # tester round 41: the rest was ignored without a word
+            print(f"hdet-train: error: {argv[0]} takes nothing after it ({' '.join(map(repr, argv[1:]))} given); "
+                  f"run hdet-train {argv[0]} alone, or drop it to train", file=sys.stderr)
+            return 2
         print(__doc__)
         return 0
     if argv == ["--version"]:

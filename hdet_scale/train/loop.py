@@ -229,7 +229,10 @@ def train(run: dict, checked: tuple | None = None) -> dict:
             # the LR this step ran with, beside its loss (tester round 39: get_last_lr is the next
             # step's); set before the count moves, so no line pairs step k with step k-1's values
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.taken_lr[0]:.2e}", refresh=False)
-            bar.update(1)
+            if sched.step_count < steps:
+                bar.update(1)
+            else:  # close() draws the final line: once (tester round 41: update drew it too)
+                bar.n += 1
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t_start

@@ -54,17 +54,32 @@ def restarted_job(run_dir: str) -> bool:
 
 
 def restart_line(run: dict, start: str) -> str | None:
-    """What a torchrun restart of this job does with ``run_dir`` (``start``: its
-    :func:`start_mode`), in one line for rank 0 to print; ``None`` when this is no restart
-    or the user asked for the resume (``train.resume=true``)."""
-    if run["train"]["resume"] or not restarted_job(run["run_dir"]):
+    """What this start does with an earlier run in ``run_dir`` (``start``: its
+    :func:`start_mode`), in one line for rank 0 to print: the checkpoint a resume loads
+    (``train.resume=true``: tester round 41 found no line naming it), or what a torchrun
+    restart of this job does. ``None`` for a fresh or replacing start of the user's own."""
+    resumed = start == "resume" and run["train"]["resume"]
+    if not resumed and not restarted_job(run["run_dir"]):
         return None
+    tag = read_latest(checkpoint_dir(run)) or "?"
+    where = os.path.join(checkpoint_dir(run), "replica_*", tag)
+    if tag.startswith("global_step") and tag[len("global_step"):].isdigit():  # every backend's default tag
+        where += f" (the state after optimizer step {int(tag[len('global_step'):])})"
+    if resumed:
+        return f"train.resume: resuming from the newest checkpoint, {where}"
     k = _restart_count()
     if start == "resume":
-        tag = read_latest(checkpoint_dir(run)) or "?"
-        return (f"torchrun restart {k}: resuming from the newest checkpoint, "
-                f"{os.path.join(checkpoint_dir(run), 'replica_*', tag)}")
+        return f"torchrun restart {k}: resuming from the newest checkpoint, {where}"
     return f"torchrun restart {k}: the failed attempt saved no checkpoint; starting over (its files replaced)"
+
+
+def _why_no_checkpoint(held: list[str]) -> str:
+    """Why a run whose files ``held`` (of :data:`RUN_FILES`) lack ``checkpoint/`` has none:
+    a ``summary.json`` is written only when a run completes (tester round 41: a completed
+    ``train.checkpoint=false`` run was said to have stopped before its first save)."""
+    if "summary.json" in held:
+        return "it completed with train.checkpoint=false, which saves none"
+    return "it stopped before its first save; train.checkpoint_every=N saves every N steps"
 
 
 def start_mode(run: dict) -> str:
@@ -106,13 +121,12 @@ def start_mode(run: dict) -> str:
         raise HDETConfigError(_no_latest(ckpt))
     if t["resume"] and held and not t["overwrite"]:
         raise HDETConfigError(f"train.resume: {run_dir} holds a run ({', '.join(held)}) but no checkpoint to resume "
-                              "from (it stopped before its first save; train.checkpoint_every=N saves every N "
-                              "steps): start it over with train.resume=false train.overwrite=true, or choose "
-                              "another run_dir")
+                              f"from ({_why_no_checkpoint(held)}): start it over with train.resume=false "
+                              "train.overwrite=true, or choose another run_dir")
     if held and not t["overwrite"]:
         # no checkpoint/ at all (has_latest is False here): a resume is no way on (tester round 39)
         resume = ("continue it with train.resume=true (needs its checkpoint/latest), " if os.path.isdir(ckpt) else
-                  "it has no checkpoint to resume from (it stopped before its first save); ")
+                  f"it has no checkpoint to resume from ({_why_no_checkpoint(held)}); ")
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); {resume}choose another "
                               "run_dir, or set train.overwrite=true to replace it")
     if not held and not t["overwrite"] and t.get("plots", True):

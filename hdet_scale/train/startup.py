@@ -372,6 +372,25 @@ def claim_naming(lock: str) -> socket.socket | bool | None:
     return sock
 
 
+def _note_own_builds(building: dict[str, float], note_s: float) -> None:
+    """One line for each lock this process has held for ``note_s`` seconds: the op build
+    itself (tester round 41: a first run's ``fused_adam`` build, after the process group
+    forms, was ~115 s of silence; the ranks waiting on it are not the announcing one when
+    local rank 0 is the builder). ``building`` maps each held lock to when it was first
+    seen, ``-1.0`` once named; it drops locks no longer held."""
+    now, held = time.monotonic(), set(held_locks())
+    for path in list(building):
+        if path not in held:
+            del building[path]
+    for path in held:
+        first = building.setdefault(path, now)
+        if first >= 0 and now - first >= note_s:
+            op = os.path.basename(os.path.dirname(path))
+            os.write(2, (f"hdet-train: building DeepSpeed's {op} op for this machine (once per extensions folder; "
+                         f"it can take a few minutes, and later starts load it): {path}\n").encode())
+            building[path] = -1.0
+
+
 @contextlib.contextmanager
 def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s: float = 1.0,
                    waiting_note_s: float = 20.0, claim_hold_s: float = 3.0) -> Iterator[None]:
@@ -383,9 +402,10 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
     main thread is stuck, and nothing was written yet). One rank of the launch prints it:
     the first to find it (:func:`claim_naming`) prints, then keeps its claim for
     ``claim_hold_s`` seconds before it exits; a rank finding it meanwhile exits silently
-    (later ones are ended by the launcher, which stops the job when the first exits). A wait on a lock a live process holds (a build in progress) is
-    reported once after ``waiting_note_s``, when ``announce`` (local rank 0), and
-    otherwise left alone. Inside, the locks this process creates are recorded and a
+    (later ones are ended by the launcher, which stops the job when the first exits). When
+    ``announce`` (local rank 0), a wait on a lock a live process holds (a build in
+    progress) is reported once after ``waiting_note_s``, and so is a build this process
+    runs itself (a lock it has held that long); otherwise both are left alone. Inside, the locks this process creates are recorded and a
     SIGINT / SIGTERM removes them (module docstring). Call from the main thread."""
     main_id = threading.get_ident()
     done = threading.Event()
@@ -393,7 +413,10 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
     def watch() -> None:
         noted = False
         since = None
+        building: dict[str, float] = {}  # lock this process holds -> when first seen (monotonic)
         while not done.wait(poll_s):
+            if announce:
+                _note_own_builds(building, waiting_note_s)
             lock = _waited_on_lock(main_id)
             if lock is None:
                 since = None

@@ -82,7 +82,7 @@ def test_default_job_on_every_backend(tmp_path, backend):
 def check_progress_bar(run_dir, stderr: str, steps: int) -> None:
     """Each progress-bar update shows its step's loss beside the LR that step ran with on
     replica 0 (tester round 39: the next step's), as metrics.jsonl records them; tqdm
-    prints at most every 0.1 s, so some steps have no update: the last one always does.
+    prints at most every 0.1 s, so some steps have no update: the last one always does, once.
     Every update of a step shows that step's pair (none a step's count with the values of
     the step before)."""
     records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
@@ -90,6 +90,8 @@ def check_progress_bar(run_dir, stderr: str, steps: int) -> None:
     shown = [(int(m[1]), m[2], m[3]) for m in re.finditer(r"(\d+)/\d+ \[[^]]*, loss=([\d.]+), lr=([\d.e+-]+)\]",
                                                            stderr)]
     assert steps in {step for step, _, _ in shown}, stderr[-2000:]
+    # the final line once: tester round 41 saw it drawn by the last update and again by close()
+    assert [step for step, _, _ in shown].count(steps) == 1, stderr[-2000:]
     for step, loss, lr in shown:
         assert lr == f"{records[step]['hdet/lr/replica_0/group_0']:.2e}", (step, lr)
         assert loss == f"{records[step]['hdet/loss']:.3f}", (step, loss)

@@ -758,3 +758,38 @@ def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path, monkeypatc
     with pytest.raises(HDETConfigError, match="continue it with train.resume=true"):
         rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}"]))
     assert rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])) == "resume"
+
+
+def test_a_completed_run_without_a_checkpoint_is_not_said_to_have_stopped(tmp_path, monkeypatch):
+    """Tester round 41: a run that completed with train.checkpoint=false (summary.json, no
+    checkpoint/) was refused a resume "because it stopped before its first save"."""
+    outside_torchrun(monkeypatch)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "summary.json").write_text("{}")
+    for extra in ([], ["train.resume=true"]):
+        with pytest.raises(HDETConfigError) as e:
+            rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", *extra]))
+        assert "it completed with train.checkpoint=false, which saves none" in str(e.value), str(e.value)
+        assert "stopped" not in str(e.value), str(e.value)
+    (run_dir / "summary.json").unlink()  # a run stopped before its first save: said so, as before
+    for extra in ([], ["train.resume=true"]):
+        with pytest.raises(HDETConfigError, match="it stopped before its first save"):
+            rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", *extra]))
+
+
+def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
+    """Tester round 41: train.resume=true printed no line naming what it resumed from (a
+    torchrun restart did). The line is rank 0's first (loop.train); a fresh or replacing
+    start of the user's own has none."""
+    outside_torchrun(monkeypatch)
+    run_dir = _run_dir_with_a_run(tmp_path)
+    run = load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])
+    assert rundir.restart_line(run, rundir.start_mode(run)) == (
+        f"train.resume: resuming from the newest checkpoint, {run_dir / 'checkpoint' / 'replica_*' / 'global_step4'} "
+        "(the state after optimizer step 4)")
+    run = load_run_config(None, [f"run_dir={run_dir}", "train.overwrite=true"])
+    assert rundir.restart_line(run, "replace") is None
+    run = load_run_config(None, [f"run_dir={tmp_path / 'new'}"])
+    assert rundir.restart_line(run, rundir.start_mode(run)) is None

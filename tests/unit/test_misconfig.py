@@ -955,6 +955,20 @@ def test_version_of_each_command(capsys):
     assert capsys.readouterr().out == f"hdet-train (hdet_scale) {__version__}\n"
 
 
+def test_help_with_anything_after_it_is_refused(capsys):
+    """Tester round 41: ``hdet-train --help extra`` printed the help and dropped ``extra``
+    without a word. Alone it still prints the help (exit 0)."""
+    from hdet_scale.train import cli
+
+    for flag in ("--help", "-h"):
+        assert cli.main([flag, "extra", "train.steps=3"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == (f"hdet-train: error: {flag} takes nothing after it ('extra' 'train.steps=3' "
+                                     f"given); run hdet-train {flag} alone, or drop it to train\n"), err
+        assert cli.main([flag]) == 0
+        assert "hdet-train" in capsys.readouterr().out
+
+
 def test_a_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
     """Tester round 23: ``run_dir: ~/x`` in a YAML wrote into ``./~/x`` (the plots line
     named the home folder), ``deepspeed_config: ~/ds.json`` was "does not exist", while

@@ -342,6 +342,13 @@ def test_a_folder_of_other_files_is_refused_and_untouched(tmp_path, capsys):
     err = _one_line(capsys, data)
     assert "not hdet plots" in err and "x.csv" in err and "another --out" in err
     assert _snapshot(data) == before
+    (data / "x.csv").unlink()  # the user's loss.png alone: not said to be hdet's (tester round 41)
+    before = _snapshot(data)
+    assert main([str(run), "--out", str(data)]) == 2
+    err = _one_line(capsys, data)
+    assert "PNG(s) with hdet plot names but no .hdet_plots.json saying which run made them (1 file(s): loss.png)" in err
+    assert "hdet plots of" not in err and "cannot tell are its own" in err and "--overwrite" in err, err
+    assert _snapshot(data) == before
     assert main([str(run), "--out", str(run)]) == 2  # the run_dir itself: metrics.jsonl is no plot
     assert "metrics.jsonl" in _one_line(capsys, run)
     assert sorted(os.listdir(run)) == ["metrics.jsonl"]

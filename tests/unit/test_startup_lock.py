@@ -457,3 +457,36 @@ def test_a_world_left_in_the_environment_without_a_launcher_is_named(monkeypatch
         err = said("0")
         assert "no launcher" not in err and "train.stpes" in err, err
         monkeypatch.delenv(mark)
+
+
+def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, capfd):
+    """Tester round 41: a first DeepSpeed start with an empty extensions folder was ~115 s
+    of silence while local rank 0 itself built ``fused_adam`` (the note covered only a wait
+    on another's lock). Now either is one line after ``waiting_note_s``; a process that does
+    not announce says nothing. Real FileBatons; a child process holds the lock waited on."""
+    import subprocess
+    import sys
+
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    for announce in (True, False):
+        with startup.watch_op_locks(announce=announce, poll_s=0.05, waiting_note_s=0.3):
+            baton = FileBaton(str(lock))
+            assert baton.try_acquire()
+            time.sleep(1.0)
+            baton.release()
+        err = capfd.readouterr().err
+        want = (f"hdet-train: building DeepSpeed's fused_adam op for this machine (once per extensions folder; it "
+                f"can take a few minutes, and later starts load it): {lock}\n")
+        assert err == (want if announce else ""), err
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom torch.utils.file_baton import FileBaton\n"
+                               f"b = FileBaton({str(lock)!r}); assert b.try_acquire(); print(flush=True)\n"
+                               "time.sleep(1.5); b.release()"], stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()  # it holds the lock now
+    with startup.watch_op_locks(announce=True, poll_s=0.05, waiting_note_s=0.3):
+        baton = FileBaton(str(lock), wait_seconds=0.05)
+        assert not baton.try_acquire()
+        baton.wait()  # as torch's loader does while another process builds
+    assert holder.wait(timeout=30) == 0
+    err = capfd.readouterr().err
+    assert err == f"hdet-train: waiting for process(es) [{holder.pid}] building a DeepSpeed op ({lock})\n", err
