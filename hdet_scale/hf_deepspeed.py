@@ -28,8 +28,11 @@ def zero_init(args: Any, **kwargs: Any) -> Any:
     partitions by the outermost context). transformers then initialises the weights on
     global rank 0 only, so only replica 0's shard group gets them; :class:`HDETTrainer`
     copies replica 0's partitions to every replica when training starts, as HDET needs
-    anyway (replicas start as copies of one model). ``kwargs`` go to
-    ``deepspeed.zero.Init``. Collective (the layout, on first use).
+    anyway (replicas start as copies of one model). Import the model's class before the
+    context opens when the process builds another model of it afterwards (an evaluation
+    copy): a class first defined inside loses transformers >= 5.25's kernels decorator
+    when DeepSpeed closes it (:func:`hdet_scale.backends.deepspeed.zero_init`). ``kwargs``
+    go to ``deepspeed.zero.Init``. Collective (the layout, on first use).
 
     Raises:
         HDETConfigError: as :func:`build_topology`, a DeepSpeed value that disagrees with

@@ -316,6 +316,15 @@ def zero_init(topology: Topology, config: str | dict, **kwargs: Any) -> Any:
     use ``deepspeed.zero.GatheredParameters(..., modifier_rank=0)``. With the same seed,
     weights drawn in the constructors equal an unpartitioned build's.
 
+    Import the model's classes before the context opens (``from transformers import
+    LlamaForCausalLM`` at the top of the script, not inside): DeepSpeed wraps the
+    ``__init__`` of each class defined while it is open and, on exit, puts back the one it
+    wrapped, undoing any class decorator applied after it. transformers >= 5.25 decorates
+    its attention classes (``use_kernelized_func``, from ``kernels``) and imports them
+    lazily: a model of that class built after the context then fails in its forward
+    (``'LlamaAttention' object has no attribute '_kernel_funcs'``); the one built inside
+    is unaffected. ``hdet-train`` imports its model class before (``check_buildable``).
+
     ``kwargs`` go to ``deepspeed.zero.Init`` (e.g. ``remote_device="cpu"``); the config
     (without its ``hdet`` block, batch keys per replica) sets the dtype.
 

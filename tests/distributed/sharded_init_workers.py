@@ -21,6 +21,9 @@ def _batch(seed: int = 0):
 def deepspeed_worker() -> dict:
     import deepspeed
     import torch
+    # before zero_init opens, as its docstring asks: a class first defined inside loses
+    # transformers >= 5.25's kernels decorator when DeepSpeed closes it (`whole` below)
+    from transformers import LlamaForCausalLM  # noqa: F401
 
     import hdet_scale
     from hdet_scale.train.model import ModelConfig, build_model, loss_fn
