@@ -358,6 +358,27 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def _attach_dash_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--opt -7B`` as ``--opt=-7B``: argparse takes a value starting with ``-`` that is no
+    plain negative number for an option and says "expected one argument" (tester round 42:
+    ``--params -7B``), where the tool's own range check names the value. Only after an
+    option that takes a value, and only a token that is none of the parser's options."""
+    takes_value = {o for a in parser._actions if a.nargs is None and a.option_strings for o in a.option_strings}
+    known = {o for a in parser._actions for o in a.option_strings}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if tok in takes_value and nxt is not None and nxt.startswith("-") and nxt not in known and nxt != "--":
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hdet-dryrun", description=__doc__)
     from hdet_scale import __version__
@@ -377,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-seconds", action=_Once, help="an optimizer step's time: each transfer's share of it")
     p.add_argument("--build-groups", action="store_true",
                    help="build rank 0's real process groups on torch's fake backend (worlds up to 2^18)")
-    args = p.parse_args(argv)
+    args = p.parse_args(_attach_dash_values(sys.argv[1:] if argv is None else argv, p))
     if args.total_steps is not None and args.total_steps < 1:  # alone: no verdicts on values derived from it
         p.error(f"--total-steps: must be an integer >= 1 (optimizer steps of the run), got {args.total_steps}")
     try:

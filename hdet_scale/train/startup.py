@@ -264,24 +264,25 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
     ``claim_hold_s`` seconds before it exits; a rank finding it meanwhile exits silently
     (later ones are ended by the launcher, which stops the job when the first exits). When
     ``announce`` (local rank 0), a wait on a lock a live process holds (a build in
-    progress) is reported once after ``waiting_note_s``, and so is a build this process
+    progress) is reported after ``waiting_note_s``, once per lock, and so is a build this process
     runs itself (a lock it has held that long); otherwise both are left alone. Inside, the locks this process creates are recorded and a
     SIGINT / SIGTERM removes them (module docstring). Call from the main thread."""
     main_id = threading.get_ident()
     done = threading.Event()
 
     def watch() -> None:
-        noted = False
-        since = None
+        noted: set[str] = set()  # each lock's wait is noted once (tester round 42: only the first was)
+        waiting: tuple[str, float] | None = None  # the lock waited on, since when (monotonic)
         building: dict[str, float] = {}  # lock this process holds -> when first seen (monotonic)
         while not done.wait(poll_s):
             if announce:
                 _note_own_builds(building, waiting_note_s)
             lock = _waited_on_lock(main_id)
             if lock is None:
-                since = None
+                waiting = None
                 continue
-            since = since or time.monotonic()
+            if waiting is None or waiting[0] != lock:
+                waiting = (lock, time.monotonic())
             if is_stale(lock, stale_after_s):
                 # The first rank of this launch to find it says so (any rank: the launcher may
                 # end the others, local rank 0 included, as soon as one exits, before they look);
@@ -292,11 +293,11 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
                     time.sleep(claim_hold_s if claim is not None else 0.0)
                 release_held_locks()  # none while waiting, as torch loads one op at a time
                 os._exit(STALE_LOCK_EXIT)
-            if announce and not noted and time.monotonic() - since >= waiting_note_s:
+            if announce and lock not in noted and time.monotonic() - waiting[1] >= waiting_note_s:
                 holders = lock_holders(lock)
                 who = f"process(es) {holders}" if holders else "another process"
                 os.write(2, f"hdet-train: waiting for {who} building a DeepSpeed op ({lock})\n".encode())
-                noted = True
+                noted.add(lock)
 
     thread = threading.Thread(target=watch, name="hdet-op-lock-watch", daemon=True)
     thread.start()

@@ -59,6 +59,22 @@ def test_cli_exit_codes_and_errors(tmp_path, capsys):
     assert "hdet.sync_interval" in capsys.readouterr().err
 
 
+def test_a_value_starting_with_a_dash_reaches_the_range_check(tmp_path, capsys):
+    """Tester round 42: ``--params -7B`` was argparse's "expected one argument" (it read
+    -7B as an option); ``--params 0`` got the range message. Both do now, and an option
+    after a value-taking one is still an option."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ZERO3))
+    for value in ("-7B", "0", "-1e9"):
+        assert main([str(path), "--world-size", "8", "--params", value]) == 2
+        err = capsys.readouterr().err
+        assert err == ("hdet-dryrun: error: --params: expected a whole number of parameters in [1, 1e+15] such as "
+                       f"7e9, 7B or 125M, got '{value}'\n"), err
+    with pytest.raises(SystemExit) as e:
+        main([str(path), "--world-size", "8", "--params", "--precision", "fp32"])
+    assert e.value.code == 2 and "--params/--model-params: expected one argument" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("config,world,backend,needle", [
     (ZERO3, 0, "fsdp2", "--world-size"),
     ([1, 2], 8, "deepspeed", "JSON"),

@@ -479,14 +479,20 @@ def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, 
         want = (f"hdet-train: building DeepSpeed's fused_adam op for this machine (once per extensions folder; it "
                 f"can take a few minutes, and later starts load it): {lock}\n")
         assert err == (want if announce else ""), err
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom torch.utils.file_baton import FileBaton\n"
-                               f"b = FileBaton({str(lock)!r}); assert b.try_acquire(); print(flush=True)\n"
-                               "time.sleep(1.5); b.release()"], stdout=subprocess.PIPE, text=True)
-    holder.stdout.readline()  # it holds the lock now
+    # Waits on two ops' locks, one after the other, as on a first start (tester round 42: the
+    # second, fused_adam after shm_comm, was not noted: one note per process).
+    shm = tmp_path / "deepspeed_shm_comm" / "lock"
+    shm.parent.mkdir()
     with startup.watch_op_locks(announce=True, poll_s=0.05, waiting_note_s=0.3):
-        baton = FileBaton(str(lock), wait_seconds=0.05)
-        assert not baton.try_acquire()
-        baton.wait()  # as torch's loader does while another process builds
-    assert holder.wait(timeout=30) == 0
-    err = capfd.readouterr().err
-    assert err == f"hdet-train: waiting for process(es) [{holder.pid}] building a DeepSpeed op ({lock})\n", err
+        for held in (shm, lock):
+            holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom torch.utils.file_baton import "
+                                       f"FileBaton\nb = FileBaton({str(held)!r}); assert b.try_acquire(); "
+                                       "print(flush=True)\ntime.sleep(1.5); b.release()"], stdout=subprocess.PIPE,
+                                      text=True)
+            holder.stdout.readline()  # it holds the lock now
+            baton = FileBaton(str(held), wait_seconds=0.05)
+            assert not baton.try_acquire()
+            baton.wait()  # as torch's loader does while another process builds
+            assert holder.wait(timeout=30) == 0
+            err = capfd.readouterr().err
+            assert err == f"hdet-train: waiting for process(es) [{holder.pid}] building a DeepSpeed op ({held})\n", err
