@@ -56,7 +56,7 @@ def _stop_signals_blocked() -> Iterator[None]:
 
 
 def held_locks() -> list[str]:
-    """The op-build locks this process created (inside :func:`watch_op_locks`) and holds."""
+    """The op-build locks this process created (inside ``startup.watch_op_locks``) and holds."""
     return list(_held)
 
 
