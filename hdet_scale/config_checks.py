@@ -158,9 +158,14 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
            f"must be in [0, 1] (noise std relative to the weights' RMS; paper 0.01), got {w.nu}")
     if a.enabled and s.total_steps is not None:
         run_keys = (f"{k}.enabled", f"{p}.schedule.total_steps")
+        # tester round 43: "lower it" alone, when sync_interval is past the run too, led to the
+        # next refusal (no sync after warm-up): both ways out named at once
+        no_sync = cfg.sync_interval > s.total_steps
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "
-               f"lower it or set {k}.enabled=false", reads=run_keys)
+               + (f"lower it and {p}.sync_interval ({cfg.sync_interval}: no sync in the run either), "
+                  if no_sync else "lower it ") + f"or set {k}.enabled=false",
+               reads=(*run_keys, f"{p}.sync_interval"))
         first = cfg.first_meta_step if cfg.sync_interval >= 1 else 0
         _check(errors, first <= s.total_steps, f"{k}.warmup_steps",
                f"leaves no sync after warm-up: the first sync at or after warmup_steps ({a.warmup_steps}) is step "

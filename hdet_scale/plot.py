@@ -35,6 +35,7 @@ a folder that is not the plots' to write (one line naming it and what it holds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -112,6 +113,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         s["val"] = _summary_val(run_dir)
     import_matplotlib()  # fail before creating the folder
     folder = claim(run_dir, out_dir, overwrite)  # another run's plots, a user's files: refused here
+    existed = os.path.isdir(folder.path)
     folder.create()
     written: list[str] = []
     for (axis, g), f in s["fanout"].items():
@@ -175,6 +177,9 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ax.legend(fontsize="small")
         _save(fig, folder, "loss.png", written)
     if not written:  # nothing of an hdet-train run in the file: say so, not exit 0
+        if not existed:  # and leave no empty folder made for it (tester round 43)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder.path)
         raise HDETConfigError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no record of an hdet-train run in it "
                               "(no hdet/* values per step): nothing to plot")
     for path in folder.finish():

@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                     refusals.wait_for_rank0()
                 return _USER_ERROR
             checking = True
+            from hdet_scale.train.launcher import shared_store_restarts
+
+            if (why := shared_store_restarts()) is not None:
+                raise HDETConfigError(why)
         _check_empty_overrides(overrides)
         run = load_run_config(path, overrides)
         if launched:

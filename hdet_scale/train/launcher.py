@@ -177,6 +177,26 @@ def unlaunched_world_note() -> str | None:
             "-u MASTER_ADDR -u MASTER_PORT hdet-train ...)")
 
 
+def shared_store_restarts() -> str | None:
+    """Why this torchrun job would hang at its first restart, or ``None``: torchrun
+    ``--max-restarts`` >= 1 (``TORCHELASTIC_MAX_RESTARTS``) with its rendezvous store shared
+    with the ranks (``TORCHELASTIC_USE_AGENT_STORE=True``, unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). The restarted gloo world then reads the dead
+    attempt's addresses (pytorch issue 135712): tester round 43 saw restart 1 fail with
+    "connectFullMesh failed" and restart 2 wait until killed. Read from the environment
+    only, the same on every rank, before any collective."""
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    except ValueError:
+        return None
+    if restarts < 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return (f"environment: torchrun --max-restarts={restarts} shares its rendezvous store with the ranks, and a "
+            "restarted attempt then reads the dead attempt's addresses and cannot connect (it fails or hangs; "
+            "pytorch issue 135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where torchrun starts (the scripts "
+            "in launchers/ do), or run with --max-restarts=0")
+
+
 def launch_local(run: dict) -> int:
     """Start ``run["nproc"]`` local ranks (spawned, gloo), wait for them and return the
     exit code ``hdet-train`` ends with (module docstring of ``hdet_scale.train.cli``):

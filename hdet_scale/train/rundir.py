@@ -65,8 +65,8 @@ def restart_line(run: dict, start: str) -> str | None:
     where = os.path.join(checkpoint_dir(run), "replica_*", tag)
     if tag.startswith("global_step") and tag[len("global_step"):].isdigit():  # every backend's default tag
         where += f" (the state after optimizer step {int(tag[len('global_step'):])})"
-    if resumed:
-        return f"train.resume: resuming from the newest checkpoint, {where}"
+    if resumed:  # the tag latest names: not always the newest (a user may point it back)
+        return f"train.resume: resuming from the checkpoint checkpoint/latest names, {where}"
     k = _restart_count()
     if start == "resume":
         return f"torchrun restart {k}: resuming from the newest checkpoint, {where}"

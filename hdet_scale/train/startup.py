@@ -117,7 +117,12 @@ def check_extensions_dir(root: str | None = None) -> None:
     name = (f"TORCH_EXTENSIONS_DIR={root!r}" if given else f"the DeepSpeed op folder {root}")
     fix = ("point TORCH_EXTENSIONS_DIR at a folder you can write (or unset it for the default, "
            "~/.cache/torch_extensions), where DeepSpeed keeps its compiled ops")
-    path = os.path.abspath(root or ".")  # "" is the working directory, as torch reads it
+    if given and not root.strip():
+        # torch reads "" as the working directory: every new folder compiled the ops again
+        # into itself, with no word (tester round 43)
+        raise HDETConfigError(f"{name} is empty: torch would build DeepSpeed's ops into the working directory "
+                              f"({os.getcwd()}), again from every other folder; {fix}")
+    path = os.path.abspath(root or ".")
     # The nearest part of the path that exists: everything below it the loader must create.
     probe_in = path
     while not os.path.lexists(probe_in) and os.path.dirname(probe_in) != probe_in:

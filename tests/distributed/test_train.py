@@ -199,7 +199,9 @@ def test_torchrun_restarts_repeat_a_refusal_without_checking_again(tmp_path):
            "-m", "hdet_scale.train.cli", *argv]
     message = "hdet-train: error: deepspeed.hdet.axes.lr.groups: group 3 does not exist"
     t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
+    # torchrun's store unshared, as launchers/ set it (else the shared-store refusal comes first)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     seconds = time.monotonic() - t0
     errors = [line for line in done.stderr.splitlines() if line.startswith(message)]
     repeated = [line for line in done.stderr.splitlines() if "the first attempt refused this input" in line]

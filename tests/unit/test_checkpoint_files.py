@@ -787,7 +787,8 @@ def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
     run_dir = _run_dir_with_a_run(tmp_path)
     run = load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])
     assert rundir.restart_line(run, rundir.start_mode(run)) == (
-        f"train.resume: resuming from the newest checkpoint, {run_dir / 'checkpoint' / 'replica_*' / 'global_step4'} "
+        f"train.resume: resuming from the checkpoint checkpoint/latest names, "
+        f"{run_dir / 'checkpoint' / 'replica_*' / 'global_step4'} "
         "(the state after optimizer step 4)")
     run = load_run_config(None, [f"run_dir={run_dir}", "train.overwrite=true"])
     assert rundir.restart_line(run, "replace") is None

@@ -702,6 +702,28 @@ def test_the_controller_and_check_config_give_the_warning_once():
     assert err.count("hdet.auto.enabled:") == 1 and "cannot move anything" in err, err
 
 
+def test_a_warm_up_past_the_run_names_a_sync_interval_past_it_too():
+    """Tester round 43: train.steps=20 with sync_interval=50 refused the warm-up (25, derived)
+    with "lower it"; lowered, the next refusal was the sync_interval's. Both named at once,
+    and following the advice (both lowered) is accepted."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    base = ["train.steps=20", "wandb.enabled=false", "backend=ddp"]
+    run = load_run_config(None, [*base, "deepspeed.hdet.sync_interval=50", "deepspeed.hdet.auto.warmup_steps=25"])
+    with pytest.raises(HDETConfigError) as e:
+        validate(run, 4, build_model=False)
+    assert str(e.value).splitlines()[1:] == [
+        "  deepspeed.hdet.auto.warmup_steps: must be shorter than the run (schedule.total_steps=20), got 25; lower it "
+        "and deepspeed.hdet.sync_interval (50: no sync in the run either), or set deepspeed.hdet.auto.enabled=false"
+    ], str(e.value)
+    validate(load_run_config(None, [*base, "deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5"]),
+             4, build_model=False)
+    run = load_run_config(None, [*base, "deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=25"])
+    with pytest.raises(HDETConfigError, match="got 25; lower it or set deepspeed.hdet.auto.enabled=false"):
+        validate(run, 4, build_model=False)  # a sync_interval within the run: as before
+
+
 @pytest.mark.parametrize("overrides,line", [
     # tester issue 9: also "auto.warmup_steps: leaves no sync after warm-up ... (sync_interval 1000)", the
     # default standing in for the refused value

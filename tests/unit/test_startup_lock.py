@@ -250,7 +250,10 @@ def test_an_unusable_extensions_dir_is_named_and_nothing_is_created(tmp_path):
     a_file.write_text("{}")
     assert startup.stale_trainer_locks(str(a_file)) == []
     for root, text in [(a_file, "is a file"), (a_file / "x", f"cannot be created: {a_file} is a file"),
-                       ("/proc/hdetx", "cannot be created in /proc")]:
+                       ("/proc/hdetx", "cannot be created in /proc"),
+                       # tester round 43: "" is the working directory to torch (ops rebuilt per folder)
+                       ("", f"is empty: torch would build DeepSpeed's ops into the working directory ({os.getcwd()})"),
+                       ("  ", "is empty")]:
         with pytest.raises(HDETConfigError) as e:
             startup.check_extensions_dir(str(root))
         assert f"TORCH_EXTENSIONS_DIR='{root}' {text}" in str(e.value), str(e.value)
@@ -326,6 +329,38 @@ def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, c
         lines[rank] = capsys.readouterr().err
     assert lines["0"].count("hdet-train: error: train.stpes: unknown key") == 1, lines
     assert lines["1"] == "", lines
+
+
+def test_torchrun_restarts_with_the_shared_store_are_refused_before_they_hang(monkeypatch, capsys):
+    """Tester round 43: under torchrun --max-restarts=2 without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the first restart failed to connect and the second
+    waited until killed, with advice about MASTER_ADDR. Refused at once now, by rank 0
+    alone, naming the variable; with it set (torchrun then sets
+    TORCHELASTIC_USE_AGENT_STORE=False) or without restarts the same command goes on to its
+    own error."""
+    from hdet_scale.train import cli
+
+    for var, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"),
+                       ("TORCHELASTIC_RUN_ID", "none")):
+        monkeypatch.setenv(var, value)
+    for restarts, shared, refused in (("2", "True", True), ("2", "False", False), ("0", "True", False)):
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+        lines = {}
+        for rank in ("0", "1"):
+            monkeypatch.setenv("RANK", rank)
+            monkeypatch.setenv("LOCAL_RANK", rank)
+            assert cli.main(["wandb.enabled=false", "train.stpes=3"]) == 2
+            lines[rank] = capsys.readouterr().err
+        assert lines["1"] == "", lines
+        if refused:
+            assert lines["0"] == ("hdet-train: error: environment: torchrun --max-restarts=2 shares its rendezvous "
+                                  "store with the ranks, and a restarted attempt then reads the dead attempt's "
+                                  "addresses and cannot connect (it fails or hangs; pytorch issue 135712): set "
+                                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 where torchrun starts (the scripts in "
+                                  "launchers/ do), or run with --max-restarts=0\n"), lines
+        else:
+            assert lines["0"].count("hdet-train: error: train.stpes: unknown key") == 1, lines
 
 
 def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys, tmp_path):
