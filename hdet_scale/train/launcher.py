@@ -57,6 +57,10 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
         time.sleep(_REPORT_WAIT_S)
         sys.exit(USER_ERROR)
     except RuntimeError as e:
+        if build_interrupted(e):
+            # tester round 44: a Ctrl-C reaches the op build (ninja, in this rank's process
+            # group) while the rank ignores it: the launcher got it too and prints the stop line
+            sys.exit(128 + signal.SIGINT)
         if not peer_lost(e):
             raise
         # tester round 28: one rank killed, and each of the others printed gloo's "Connection
@@ -330,6 +334,25 @@ def launch_local(run: dict) -> int:
             # default, a silent death by the signal (tester round 27: exit 130, no line, for
             # a completed run).
             signal.signal(s, signal.SIG_IGN)
+
+
+def build_interrupted(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a DeepSpeed op build's
+    ``ninja`` stopped by SIGINT, SIGTERM or SIGHUP (exit 128+N, or -N): torch's loader
+    raises ``RuntimeError("Error building extension ...")`` from its
+    ``CalledProcessError``. A failed compile (exit 1) is not."""
+    import subprocess
+
+    stopped = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stopped |= {-s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    seen: BaseException | None = e
+    for _ in range(10):  # a chain, not a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, subprocess.CalledProcessError) and seen.returncode in stopped:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def peer_lost(e: BaseException) -> bool:

@@ -179,9 +179,14 @@ def validate(run: dict, world_size: int, build_model: bool = True):
         try:
             check_resumable(ckpt, world_size, hcfg.replicas, backend)
         except HDETStateError as e:
-            # a layout or backend mismatch: say what this run has; damaged files say it all
-            this = (f" (this run: backend={backend}, world size {world_size} from nproc or the launcher, "
-                    f"deepspeed.hdet.replicas={hcfg.replicas}; or use another run_dir)") if "written by" in str(e) else ""
+            # a layout or backend mismatch: the settings that resume it (tester round 44: this
+            # run's own values, listed right after "resume with the same", read as the fix)
+            this = ""
+            if "written by" in str(e):
+                saved = read_layout(ckpt)
+                this = (f" (to resume it: backend={saved.get('backend', 'deepspeed')}, a world of "
+                        f"{saved['replicas'] * saved['shard_size']} ranks from nproc or the launcher, "
+                        f"deepspeed.hdet.replicas={saved['replicas']}; or use another run_dir)")
             raise HDETStateError(f"train.resume: {e}{this}") from None
         rundir.check_resume_config(run)  # a changed model shape...: refused here, naming every key
         run_checkpoint.check_resume_writable(run["run_dir"], ckpt)

@@ -385,7 +385,10 @@ CASES = [
      _ckpt(damage=lambda c: os.remove(c / "replica_0/global_step10/hdet_shard_1.pt"))),
     ("resume_other_layout", ["run_dir={run}", "train.resume=true"], {}, 2, ["2 replicas x 1 shards"],
      _ckpt(layout={**LAYOUT, "world_size": 2, "shard_size": 1})),
-    ("resume_other_backend", ["run_dir={run}", "train.resume=true"], {}, 2, ["fsdp2 backend", "backend=deepspeed"],
+    # tester round 44: the parenthesis listed this run's values right after "resume with the same backend"
+    ("resume_other_backend", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["fsdp2 backend", "(to resume it: backend=fsdp2, a world of 4 ranks from nproc or the launcher, "
+                       "deepspeed.hdet.replicas=2; or use another run_dir)"],
      _ckpt(layout={**LAYOUT, "backend": "fsdp2"})),
     ("resume_other_steps", ["run_dir={run}", "train.resume=true", "train.steps=30",
                             "deepspeed.hdet.auto.warmup_steps=5"], {}, 2, ["total_steps=300"],

@@ -531,3 +531,29 @@ def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, 
             assert holder.wait(timeout=30) == 0
             err = capfd.readouterr().err
             assert err == f"hdet-train: waiting for process(es) [{holder.pid}] building a DeepSpeed op ({held})\n", err
+
+
+def test_an_op_build_stopped_by_a_signal_is_told_from_a_failed_one():
+    """Tester round 44: a Ctrl-C while fused_adam compiled reached ninja (the rank ignores
+    SIGINT, its child does not); the rank printed torch's ~60-line "Error building
+    extension" traceback above the launcher's stop line. Such a rank now exits 130
+    quietly; a compile that fails (exit 1) still raises. The chain as torch's loader
+    raises it: RuntimeError from CalledProcessError."""
+    import subprocess
+
+    from hdet_scale.train.launcher import build_interrupted
+
+    def loader_error(rc: int) -> RuntimeError:
+        try:
+            try:
+                raise subprocess.CalledProcessError(rc, ["ninja", "-v"])
+            except subprocess.CalledProcessError as e:
+                raise RuntimeError("Error building extension 'fused_adam'") from e
+        except RuntimeError as e:
+            return e
+
+    for rc in (130, 143, 129, -2, -15):
+        assert build_interrupted(loader_error(rc)), rc
+    for rc in (1, 2, -9):
+        assert not build_interrupted(loader_error(rc)), rc
+    assert not build_interrupted(RuntimeError("Connection reset by peer"))
