@@ -312,21 +312,27 @@ def test_sigterm_after_a_refusal_or_the_summary_gives_no_resume_advice(tmp_path)
     assert _rank(tmp_path, "earlier", False) == (143, "")
 
 
-def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
-    """F6: every torchrun rank validates the same command line; rank 0 prints the one
-    error line, the others exit 2 silently (N copies before). In-process: cli.main with
-    the variables torchrun sets."""
+def _torchrun_ranks(monkeypatch, capsys, argv: list[str]) -> dict[str, str]:
+    """cli.main(argv) in-process as ranks 0 and 1 of a 2-rank torchrun world (the variables
+    torchrun sets); each must exit 2. Returns each rank's stderr."""
     from hdet_scale.train import cli
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
+    for var, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(var, value)
     lines = {}
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("LOCAL_RANK", rank)
-        assert cli.main(["wandb.enabled=false", "train.stpes=3"]) == 2
+        assert cli.main(argv) == 2
         lines[rank] = capsys.readouterr().err
+    return lines
+
+
+def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    """F6: every torchrun rank validates the same command line; rank 0 prints the one
+    error line, the others exit 2 silently (N copies before). In-process: cli.main with
+    the variables torchrun sets."""
+    lines = _torchrun_ranks(monkeypatch, capsys, ["wandb.enabled=false", "train.stpes=3"])
     assert lines["0"].count("hdet-train: error: train.stpes: unknown key") == 1, lines
     assert lines["1"] == "", lines
 
@@ -338,20 +344,11 @@ def test_torchrun_restarts_with_the_shared_store_are_refused_before_they_hang(mo
     alone, naming the variable; with it set (torchrun then sets
     TORCHELASTIC_USE_AGENT_STORE=False) or without restarts the same command goes on to its
     own error."""
-    from hdet_scale.train import cli
-
-    for var, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"),
-                       ("TORCHELASTIC_RUN_ID", "none")):
-        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     for restarts, shared, refused in (("2", "True", True), ("2", "False", False), ("0", "True", False)):
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
-        lines = {}
-        for rank in ("0", "1"):
-            monkeypatch.setenv("RANK", rank)
-            monkeypatch.setenv("LOCAL_RANK", rank)
-            assert cli.main(["wandb.enabled=false", "train.stpes=3"]) == 2
-            lines[rank] = capsys.readouterr().err
+        lines = _torchrun_ranks(monkeypatch, capsys, ["wandb.enabled=false", "train.stpes=3"])
         assert lines["1"] == "", lines
         if refused:
             assert lines["0"] == ("hdet-train: error: environment: torchrun --max-restarts=2 shares its rendezvous "
