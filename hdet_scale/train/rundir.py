@@ -63,8 +63,9 @@ def restart_line(run: dict, start: str) -> str | None:
         return None
     tag = read_latest(checkpoint_dir(run)) or "?"
     where = os.path.join(checkpoint_dir(run), "replica_*", tag)
-    if tag.startswith("global_step") and tag[len("global_step"):].isdigit():  # every backend's default tag
-        where += f" (the state after optimizer step {int(tag[len('global_step'):])})"
+    step = _index(checkpoint_dir(run), tag).get(tag)  # the step the save recorded, whatever the tag's name
+    if step is not None:
+        where += f" (the state after optimizer step {step})"
     if resumed:  # the tag latest names: not always the newest (a user may point it back)
         return f"train.resume: resuming from the checkpoint checkpoint/latest names, {where}"
     k = _restart_count()
@@ -210,14 +211,20 @@ def _refuse_plots_in_the_way(run_dir: str) -> None:
                               "train.plots=false, or train.overwrite=true to replace them")
 
 
+def _index(ckpt: str, latest: str | None) -> dict:
+    """``ckpt``'s index of complete checkpoints ``{tag: step}`` (``checkpoint_index``);
+    ``{}`` when its layout cannot be read. For messages: never raises."""
+    try:
+        with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
+            return checkpoint_index(json.load(f), latest)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
 def _no_latest(ckpt: str) -> str:
     """Why ``train.resume`` cannot continue from ``ckpt`` (a folder without ``latest``),
     and the ways on: the complete checkpoints the layout's index lists, if any."""
-    try:
-        with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
-            index = checkpoint_index(json.load(f), None)
-    except (OSError, ValueError, TypeError, AttributeError):
-        index = {}
+    index = _index(ckpt, None)
     msg = (f"train.resume: {ckpt} has no {LATEST_FILE} file, which names the checkpoint to resume from (a save "
            "was cut short before its first checkpoint completed, or the file was removed). ")
     if index:
