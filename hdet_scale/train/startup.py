@@ -237,23 +237,24 @@ def claim_naming(lock: str) -> socket.socket | bool | None:
     return sock
 
 
-def _note_own_builds(building: dict[str, float], note_s: float) -> None:
+def _note_own_builds(building: dict[str, float], noted: set[str], note_s: float) -> None:
     """One line for each lock this process has held for ``note_s`` seconds: the op build
     itself (tester round 41: a first run's ``fused_adam`` build, after the process group
     forms, was ~115 s of silence; the ranks waiting on it are not the announcing one when
     local rank 0 is the builder). ``building`` maps each held lock to when it was first
-    seen, ``-1.0`` once named; it drops locks no longer held."""
+    seen (locks no longer held are dropped); ``noted``: the locks already named, which
+    the waiting note shares."""
     now, held = time.monotonic(), set(held_locks())
     for path in list(building):
         if path not in held:
             del building[path]
     for path in held:
         first = building.setdefault(path, now)
-        if first >= 0 and now - first >= note_s:
+        if path not in noted and now - first >= note_s:
             op = os.path.basename(os.path.dirname(path))
             os.write(2, (f"hdet-train: building DeepSpeed's {op} op for this machine (once per extensions folder; "
                          f"it can take a few minutes, and later starts load it): {path}\n").encode())
-            building[path] = -1.0
+            noted.add(path)
 
 
 @contextlib.contextmanager
@@ -281,7 +282,7 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
         building: dict[str, float] = {}  # lock this process holds -> when first seen (monotonic)
         while not done.wait(poll_s):
             if announce:
-                _note_own_builds(building, waiting_note_s)
+                _note_own_builds(building, noted, waiting_note_s)
             lock = _waited_on_lock(main_id)
             if lock is None:
                 waiting = None
