@@ -1,5 +1,7 @@
 """Where torch JIT-builds DeepSpeed's ops (``extensions_dir``) and whether a build is in
-progress there (``builds_in_progress``): read by the rendezvous notice
+progress there (``builds_in_progress``), and how a rank's error tells an op build stopped by a signal
+(``build_interrupted``) or a waited-on build that ended without the op (``op_missing``)
+from a real failure (``train/launcher.py``). The first two are read by the rendezvous notice
 (``backends/rendezvous.py``), which must not send a user to check the network while a rank
 compiles an op on a first run (tester round 26), and by ``train/startup.py``'s lock watch.
 """
@@ -7,6 +9,7 @@ compiles an op on a first run (tester round 26), and by ``train/startup.py``'s l
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 
@@ -42,3 +45,52 @@ def builds_in_progress(root: str | None = None) -> list[str]:
     except (OSError, ImportError):
         return []
     return [os.path.join(root, n, "lock") for n in names if os.path.lexists(os.path.join(root, n, "lock"))]
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from or during (a chain, not a cycle: at most 10)."""
+    out: list[BaseException] = []
+    seen: BaseException | None = e
+    while seen is not None and len(out) < 10:
+        out.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    return out
+
+
+def build_interrupted(e: BaseException) -> bool:
+    """Whether ``e`` (or an exception it was raised from) is a DeepSpeed op build's
+    ``ninja`` stopped by SIGINT, SIGTERM or SIGHUP (exit 128+N, or -N): torch's loader
+    raises ``RuntimeError("Error building extension ...")`` from its
+    ``CalledProcessError``. A failed compile (exit 1) is not."""
+    import signal
+    import subprocess
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    stopped = {128 + s for s in sigs} | {-s for s in sigs}
+    return any(isinstance(x, subprocess.CalledProcessError) and x.returncode in stopped for x in _chain(e))
+
+
+def op_missing(e: BaseException) -> str | None:
+    """The op (``"fused_adam"``) whose compiled library is missing, when ``e`` is torch's
+    loader failing to import it after waiting on another process's build of it: that
+    build ended (stopped by a Ctrl-C, or failed) without writing ``<dir>/<op>.so``, and
+    the waiting process then imports a file that is not there (tester round 44, measured:
+    an ``ImportError ... cannot open shared object file`` traceback from the rank that
+    waited, beside the builder's quiet stop). ``None`` for any other error, among them a
+    library that exists but does not load (a real defect, shown in full) and a lock still
+    held (a build under way). Never raises."""
+    for x in _chain(e):
+        if not isinstance(x, (ImportError, OSError)):
+            continue
+        path = getattr(x, "path", None) or getattr(x, "filename", None)
+        if not path:
+            m = re.search(r"(/\S+\.so)\b", str(x))
+            path = m.group(1) if m else None
+        if not isinstance(path, str) or not path.endswith(".so"):
+            continue
+        folder = os.path.dirname(path)
+        op = os.path.basename(folder)
+        if (os.path.basename(path) == op + ".so" and not os.path.lexists(path)
+                and not os.path.lexists(os.path.join(folder, "lock"))):
+            return op
+    return None

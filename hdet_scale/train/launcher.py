@@ -14,11 +14,14 @@ import time
 from multiprocessing import get_context
 from typing import Any
 
+from hdet_scale.backends.op_builds import build_interrupted, op_missing
 from hdet_scale.errors import HDETConfigError, HDETStateError
 
 USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
 _REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
 PEER_LOST = 4  # a rank's exit code (the launcher's own is 1) when gloo lost a peer: peer_lost()
+OP_MISSING = 5  # a rank's exit code when the op build it waited on ended without the op: op_missing()
+BUILD_STOPPED = 128 + signal.SIGINT  # a rank's exit code when a signal stopped its op build's ninja
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what the launcher acts on
 REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
 
@@ -56,11 +59,19 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
         errors.put(str(e))
         time.sleep(_REPORT_WAIT_S)
         sys.exit(USER_ERROR)
+    except (ImportError, OSError) as e:
+        if op_missing(e) is None:
+            raise
+        # tester round 44: the op build this rank waited on (another rank's) ended without
+        # the op, stopped by the Ctrl-C that reached its ninja or failed; the builder's
+        # error, or the launcher's stop line, says why: this rank's ImportError traceback
+        # only repeated it. The launcher names this exit (describe_failures).
+        sys.exit(OP_MISSING)
     except RuntimeError as e:
         if build_interrupted(e):
             # tester round 44: a Ctrl-C reaches the op build (ninja, in this rank's process
             # group) while the rank ignores it: the launcher got it too and prints the stop line
-            sys.exit(128 + signal.SIGINT)
+            sys.exit(BUILD_STOPPED)
         if not peer_lost(e):
             raise
         # tester round 28: one rank killed, and each of the others printed gloo's "Connection
@@ -336,25 +347,6 @@ def launch_local(run: dict) -> int:
             signal.signal(s, signal.SIG_IGN)
 
 
-def build_interrupted(e: BaseException) -> bool:
-    """Whether ``e`` (or an exception it was raised from) is a DeepSpeed op build's
-    ``ninja`` stopped by SIGINT, SIGTERM or SIGHUP (exit 128+N, or -N): torch's loader
-    raises ``RuntimeError("Error building extension ...")`` from its
-    ``CalledProcessError``. A failed compile (exit 1) is not."""
-    import subprocess
-
-    stopped = {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    stopped |= {-s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    seen: BaseException | None = e
-    for _ in range(10):  # a chain, not a cycle
-        if seen is None:
-            return False
-        if isinstance(seen, subprocess.CalledProcessError) and seen.returncode in stopped:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def peer_lost(e: BaseException) -> bool:
     """Whether ``e`` is gloo's error for a peer rank that went away (its connection reset
     or closed in the middle of a collective), not a failure of this rank's own."""
@@ -376,13 +368,18 @@ def describe_failures(failed: dict[int, int], hint: bool = True) -> str:
                 return f"killed by signal {-code}"
         if code == PEER_LOST:
             return "lost the connection to a rank that ended"
+        if code == OP_MISSING:
+            return "found no DeepSpeed op after waiting on another rank's build of it (that build was stopped or failed)"
+        if code == BUILD_STOPPED:
+            return "had its DeepSpeed op build (ninja) stopped by a signal"
         return f"exit code {code}"
 
     by_kind: dict[str, list[int]] = {}
     for rank, code in sorted(failed.items()):
         by_kind.setdefault(one(code), []).append(rank)
-    killed = [k for k in by_kind if k.startswith("killed")]
-    parts = [f"rank(s) {ranks} {kind}" for kind, ranks in sorted(by_kind.items(), key=lambda kv: kv[0] not in killed)]
+    # the causes first (a kill, a stopped build), the ranks they took down after
+    causes = [k for k in by_kind if k.startswith("killed") or k == one(BUILD_STOPPED)]
+    parts = [f"rank(s) {ranks} {kind}" for kind, ranks in sorted(by_kind.items(), key=lambda kv: kv[0] not in causes)]
     why = ("; a rank killed by SIGKILL is often the out-of-memory killer's work (see dmesg), "
             "or a kill -9" if "killed by SIGKILL (signal 9)" in by_kind else "")
     if set(failed.values()) == {PEER_LOST}:  # none ended first: the connections themselves failed
