@@ -100,9 +100,11 @@ def _ranks(first: int, stride: int, count: int) -> str:
 def layout_report(world_size: int, replicas: int) -> str:
     """The text of ``topology.Layout.describe`` (identical up to :data:`_LISTED` groups of
     :data:`_LISTED` ranks; elided beyond), in time and memory independent of the world size."""
+    from hdet_scale.topology import LEGEND
+
     shards = world_size // replicas
     return "\n".join(
-        [f"world {world_size} = {replicas} replicas x {shards} shards"]
+        [f"world {world_size} = {replicas} replicas x {shards} shards{LEGEND}"]
         + _listed(replicas, lambda r: f"  shard group   {r}: ranks {_ranks(r * shards, 1, shards)}",
                   "  ... {} more shard groups ...")
         + _listed(shards, lambda j: f"  replica group {j}: ranks {_ranks(j, shards, replicas)}",

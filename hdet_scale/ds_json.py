@@ -42,11 +42,12 @@ def loads_json(text: str) -> Any:
 
     Raises:
         RepeatedKeyError: a key given twice (a ``ValueError``, naming the key).
-        ValueError: not valid JSON (``json.JSONDecodeError``).
+        ValueError: not valid JSON (``json.JSONDecodeError``), or nested too deeply
+            (``safe_parse.TooDeepError``: tester round 45, a RecursionError traceback).
     """
-    import json
+    from hdet_scale.safe_parse import json_loads
 
-    return json.loads(text, object_pairs_hook=_unique_pairs)
+    return json_loads(text, object_pairs_hook=_unique_pairs)
 
 
 def loads_json_object(text: str, where: str) -> dict:

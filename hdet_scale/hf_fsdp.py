@@ -13,7 +13,7 @@ replica's shard group exactly as :func:`hdet_scale.backends.fsdp2.initialize` do
   FSDP2 reduce-scatters over the shard group and all-reduces over the replica group.
   This is Accelerate's own ``ParallelismConfig(dp_replicate_size=R, dp_shard_size=S)``
   layout, without its restriction ``S > 1`` and with HDET's process groups.
-* ``"replica"``: FSDP2 on the 1-D shard mesh; no collective crosses replica groups
+* ``"replica"``: FSDP2 on the 1-D shard mesh; no collective runs over the replica group
   between syncs.
 
 Then :func:`attach` builds the :class:`~hdet_scale.ensemble.HDETScheduler` over the

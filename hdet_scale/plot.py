@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Callable
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.plot_out import PlotsFolder, claim
 
@@ -195,7 +195,7 @@ def _summary_val(run_dir: str) -> dict:
         return {"steps": [], "loss": []}
     try:
         with open(path) as f:
-            summary = json.load(f)
+            summary = json_load(f)
         val, step = summary["val_loss"], summary["steps"]
     except (OSError, ValueError, KeyError, TypeError):
         return {"steps": [], "loss": []}

@@ -29,6 +29,7 @@ import json
 import os
 import re
 
+from hdet_scale.safe_parse import json_loads  # tester round 45: deep nesting is a ValueError
 from hdet_scale.errors import HDETConfigError
 
 RECORD = ".hdet_plots.json"
@@ -72,7 +73,7 @@ def read_record(folder: str) -> dict | None:
         return _UNREADABLE
     try:
         with open(path, encoding="utf-8") as f:
-            rec = json.loads(f.read(1 << 20))
+            rec = json_loads(f.read(1 << 20))
     except (OSError, ValueError):
         return _UNREADABLE
     if not isinstance(rec, dict) or not isinstance(rec.get("metrics"), str) or not isinstance(rec.get("pngs"), list):

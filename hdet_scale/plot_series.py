@@ -8,12 +8,12 @@ indexed by optimizer step. Split from ``hdet_scale/plot.py``, which draws them.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
 from typing import Any
 
+from hdet_scale.safe_parse import json_loads  # tester round 45: deep nesting is a ValueError
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 
@@ -90,7 +90,7 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
         if not line.strip():
             continue
         try:
-            rec = json.loads(line, parse_float=_parse_float)
+            rec = json_loads(line, parse_float=_parse_float)
         except ValueError as e:
             if i == len(lines) and not line.endswith("\n"):
                 cut = f"{path}:{i}: not a JSON record ({e})"

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 from hdet_scale.errors import HDETConfigError
 
+#: What :meth:`Layout.describe`'s header adds: which group is which.
+LEGEND = (" (shard group r: the ranks of replica r; replica group s: the ranks holding shard s in every replica, "
+          "which converge averages over)")
+
 
 def _divisors(n: int) -> list[int] | str:
     """The divisors of ``n`` in order, by trial up to sqrt(n) (hdet-dryrun takes any
@@ -66,7 +70,8 @@ class Layout:
         return [r * self.shard_size + s for r in range(self.replicas)]
 
     def describe(self) -> str:
-        lines = [f"world {self.world_size} = {self.replicas} replicas x {self.shard_size} shards"]
+        # tester round 45: "replica group 0: ranks [0]" read as "replica 0"; the legend says which is which
+        lines = [f"world {self.world_size} = {self.replicas} replicas x {self.shard_size} shards{LEGEND}"]
         for r in range(self.replicas):
             lines.append(f"  shard group   {r}: ranks {self.shard_group_ranks(r)}")
         for s in range(self.shard_size):

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+
 LAYOUT_FILE = "hdet_layout.json"
 LATEST_FILE = "latest"
 # The default tag (``global_step<step>``): only folders named so are removed as crash leftovers.
@@ -104,7 +106,7 @@ def _read_layout(save_dir: str) -> dict[str, Any]:
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        return json.load(f)
+        return json_load(f)
 
 
 def checkpoint_index(layout: dict[str, Any], latest: str | None) -> dict[str, int]:

@@ -6,11 +6,12 @@ fairscale and DeepSpeed failed in every rank with torch's state-dict traceback."
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
+
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 
 _SHOWN = 3  # differing tensors named per kind
 
@@ -29,7 +30,7 @@ def saved_model_shapes(backend: str, folder: str) -> dict[str, tuple[int, ...]] 
         path = os.path.join(folder, name)
         if os.path.exists(os.path.join(folder, MANIFEST_FILE)):
             with open(os.path.join(folder, MANIFEST_FILE)) as f:
-                if json.load(f)["files"][name][0] != os.path.getsize(path):
+                if json_load(f)["files"][name][0] != os.path.getsize(path):
                     raise ValueError(f"{path} is not the file this checkpoint saved there")
         return path
 

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import (LATEST_FILE, LAYOUT_FILE, checkpoint_index, commit, damaged_files, latest_step, manifested,
                                                read_latest, retire_tag, rng_state, set_rng_state)
 from hdet_scale.backends.manifest import listing_problem, write_manifest
@@ -86,7 +87,7 @@ def read_layout(load_dir: str) -> dict:
         raise HDETStateError(f"{load_dir} holds no hdet checkpoint (no {LAYOUT_FILE})")
     try:
         with open(path) as f:
-            layout = json.load(f)
+            layout = json_load(f)
     except (ValueError, OSError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
         raise HDETStateError(f"{path} is damaged (not JSON: {e}): restore it from a copy, or start a new "
                              "run_dir") from None

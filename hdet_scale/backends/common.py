@@ -9,7 +9,6 @@ where its local tensors live and how it shares gradients; the HDET arithmetic is
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -17,6 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import BLOCK_EXAMPLE, HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
@@ -53,7 +53,7 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
     if isinstance(config, (str, os.PathLike)):
         require_regular(config, "hdet config")
         with open(config) as f:
-            config = json.load(f)
+            config = json_load(f)
     if isinstance(config, Mapping):
         if "hdet" not in config:
             from hdet_scale.ds_keys import valid_top_level_keys

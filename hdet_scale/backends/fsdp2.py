@@ -13,8 +13,8 @@ Mesh per gradient mode (``hdet.gradient_sharing``; HDET.md "Gradient sharing"):
   replica group, dividing by ``R x S`` in total: every replica applies the mean
   gradient of all W ranks, so the engine does the sharing (``shares_gradients``) and
   optimizer state stays identical across replicas.
-- ``"replica"``: FSDP on the 1-D ``shard`` mesh. Between syncs no collective crosses
-  replica groups; each replica's optimizer state diverges.
+- ``"replica"``: FSDP on the 1-D ``shard`` mesh. Between syncs no collective runs
+  over the replica group; each replica's optimizer state diverges.
 
 Optimizer state at converge: left alone, in both modes. Converge averages parameters
 and persistent floating buffers only, as the paper's Eq. 3 and the other backends and

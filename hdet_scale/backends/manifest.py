@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+
 MANIFEST_FILE = "hdet_manifest.json"
 _CHUNK = 1 << 20  # bytes read at a time: memory stays bounded whatever the file's size
 
@@ -92,7 +94,7 @@ def _read(path: str) -> dict[str, list[int]]:
     """``{file name: [size, CRC-32]}`` of the manifest at ``path``. Raises what reading or
     parsing raises (the callers name the file)."""
     with open(path) as f:
-        files = json.load(f)["files"]
+        files = json_load(f)["files"]
     return {n: [int(files[n][0]), int(files[n][1])] for n in sorted(files)}
 
 
@@ -100,7 +102,7 @@ def _place(path: str) -> tuple[str, str] | None:
     """``("replica_<r>", tag)`` the manifest at ``path`` was written for (``None``: a
     manifest of an older save, which did not record it)."""
     with open(path) as f:
-        data = json.load(f)
+        data = json_load(f)
     if "replica" not in data or "tag" not in data:
         return None
     return f"replica_{int(data['replica'])}", str(data["tag"])

@@ -61,13 +61,21 @@ def build_interrupted(e: BaseException) -> bool:
     """Whether ``e`` (or an exception it was raised from) is a DeepSpeed op build's
     ``ninja`` stopped by SIGINT, SIGTERM or SIGHUP (exit 128+N, or -N): torch's loader
     raises ``RuntimeError("Error building extension ...")`` from its
-    ``CalledProcessError``. A failed compile (exit 1) is not."""
+    ``CalledProcessError``, whose output torch puts in the message. ninja 1.13 exits 130 when
+    the signal reaches it first, but 2 when its compiler dies of the signal first: then only
+    its words, ``build stopped: interrupted by user`` (said for all three signals), tell
+    (tester round 45: exit 2, and the traceback came back). A failed compile (exit 1,
+    ``build stopped: subcommand failed``) is not."""
     import signal
     import subprocess
 
     sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     stopped = {128 + s for s in sigs} | {-s for s in sigs}
-    return any(isinstance(x, subprocess.CalledProcessError) and x.returncode in stopped for x in _chain(e))
+    chain = _chain(e)
+    if not any(isinstance(x, subprocess.CalledProcessError) for x in chain):
+        return False
+    return any((isinstance(x, subprocess.CalledProcessError) and x.returncode in stopped)
+               or "build stopped: interrupted by user" in str(x) for x in chain)
 
 
 def op_missing(e: BaseException) -> str | None:

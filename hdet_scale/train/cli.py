@@ -196,10 +196,10 @@ def _yaml_top(path: str | None) -> Any:
     if path is None:
         return _UNREAD
     try:
-        import yaml
+        from hdet_scale.safe_parse import yaml_load
 
-        with open(path) as f:
-            return yaml.safe_load(f)
+        with open(path) as f:  # safe_parse: never a cyclic value for the checks (tester round 45)
+            return yaml_load(f.read())
     except Exception:  # noqa: BLE001 - see the docstring
         return _UNREAD
 

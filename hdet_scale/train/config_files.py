@@ -16,6 +16,7 @@ import yaml
 from hdet_scale.ds_json import loads_json_object
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
+from hdet_scale.safe_parse import TooDeepError, yaml_compose
 
 #: YAML 1.1 booleans that YAML 1.2 (and hdet-train) read as strings (tester round 14).
 YAML11_BOOLS = ("yes", "no", "on", "off", "y", "n")
@@ -62,8 +63,8 @@ def ambiguous(value: str) -> str | None:
 
 def yaml11_scalar(text: str) -> tuple[str, int, str, str] | None:
     """``(dotted key, line, value, why)`` of the first unquoted value of the YAML ``text``
-    that :func:`ambiguous` names, or ``None``."""
-    todo = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
+    that :func:`ambiguous` names, or ``None``. Raises what ``safe_parse.yaml_load`` raises."""
+    todo = [("", yaml_compose(text))]  # a tree: an alias cycle made this loop endless (tester round 45)
     while todo:
         path, node = todo.pop()
         if isinstance(node, yaml.MappingNode):
@@ -77,8 +78,9 @@ def yaml11_scalar(text: str) -> tuple[str, int, str, str] | None:
 
 def repeated_key(text: str) -> tuple[str, int, int] | None:
     """``(dotted key, first line, second line)`` of the first key given twice in one
-    mapping of the YAML ``text`` (PyYAML keeps the last silently), or ``None``."""
-    todo = [("", yaml.compose(text, Loader=yaml.SafeLoader))]
+    mapping of the YAML ``text`` (PyYAML keeps the last silently), or ``None``. Raises
+    what ``safe_parse.yaml_load`` raises."""
+    todo = [("", yaml_compose(text))]  # a tree (tester round 45)
     while todo:
         path, node = todo.pop()
         if isinstance(node, yaml.MappingNode):
@@ -95,7 +97,12 @@ def repeated_key(text: str) -> tuple[str, int, int] | None:
 
 
 def load_deepspeed_json(path: str) -> dict:
-    """The DeepSpeed JSON of ``deepspeed_config``: one JSON object."""
+    """The DeepSpeed JSON of ``deepspeed_config``: one JSON object.
+
+    Raises:
+        HDETConfigError: the file is missing, unreadable, empty, not JSON, nested too
+            deeply (tester round 45), not an object, or a Hugging Face model config.
+    """
     text = read_text(path, "deepspeed_config: file")
     if not text.strip():
         raise HDETConfigError(f"deepspeed_config: file {path!r} is empty; it must hold a DeepSpeed JSON object")
@@ -103,6 +110,8 @@ def load_deepspeed_json(path: str) -> dict:
         ds = loads_json_object(text, f"deepspeed_config: file {path!r}")
     except HDETConfigError:
         raise
+    except TooDeepError as e:  # tester round 45: a RecursionError traceback
+        raise HDETConfigError(f"deepspeed_config: file {path!r} {e}") from None
     except ValueError as e:
         raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
     from hdet_scale.ds_keys import hf_model_type

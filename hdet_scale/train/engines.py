@@ -15,12 +15,12 @@ shard otherwise than, which gets a note (:func:`engine_notes`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from typing import Any
 
 import torch
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 from hdet_scale.backends import BACKENDS
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -206,7 +206,7 @@ def _other_model_message(path: str, difference: str) -> str:
     record = os.path.join(path, RECORD_FILE)
     try:
         with open(record) as f:
-            recorded = tag in json.load(f).get("runs", {})
+            recorded = tag in json_load(f).get("runs", {})
     except (OSError, ValueError, AttributeError, TypeError):
         recorded = False
     if recorded:

@@ -167,8 +167,11 @@ def start_lines(run: dict) -> list[str]:
         lines.append(f"hdet-train: note: {' '.join(ignored)} in the environment is not used: hdet-train starts its "
                      f"{n} ranks itself, at 127.0.0.1 on a free port; MASTER_ADDR/MASTER_PORT are read under torchrun "
                      "or the deepspeed launcher (with RANK and WORLD_SIZE)")
-    lines.append(f"hdet-train: starting {n} ranks on this machine ({run['backend']}: {replicas} replica group"
-                 f"{'s' if replicas != 1 else ''} of {n // replicas} rank{'s' if n // replicas != 1 else ''}); the "
+    # tester round 45: "2 replica groups of 1 rank" used "replica group" for one model copy,
+    # where the dry run and the docs mean the ranks holding one shard index in every replica
+    lines.append(f"hdet-train: starting {n} ranks on this machine ({run['backend']}: {replicas} replica"
+                 f"{'s' if replicas != 1 else ''} of the model, {n // replicas} rank{'s' if n // replicas != 1 else ''} "
+                 "each); the "
                  "first step follows once every rank has built its model and engine")
     return lines
 

@@ -37,6 +37,7 @@ import math
 import os
 from typing import Any
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, checkpoint_index, read_latest, write_atomic
 from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.config import HDETConfig
@@ -65,8 +66,13 @@ _ERRORS = {
     "deepspeed.hdet.sync_interval": _HDET_STATE,
     "deepspeed.hdet.auto.controller": _HDET_STATE,
     "deepspeed.hdet.auto.groups": _HDET_STATE,
-    "deepspeed.hdet.schedule.total_steps": "the schedule's length; train.steps sets it unless "
-                                           "deepspeed.hdet.schedule.total_steps is given",
+    # tester round 45: "train.steps sets it unless ... total_steps is given" read as a way to
+    # lengthen the run; giving it then failed ("shorter than train.steps")
+    "deepspeed.hdet.schedule.total_steps": "the schedule's length (train.steps sets it unless "
+                                           "deepspeed.hdet.schedule.total_steps is given), which a resumed run "
+                                           "keeps: resume with train.steps at most the checkpoint's value; to train "
+                                           "longer, start a new run_dir with schedule.total_steps set to the whole "
+                                           "length (a run can stop before its end and be resumed up to it)",
     **{f"deepspeed.{k}.enabled": "the precision the saved weights and optimizer state were written in (DeepSpeed "
                                  "names its optimizer files by it); converge first and start a new run to change it"
        for k in ("bf16", "fp16")},
@@ -95,7 +101,7 @@ def _read(path: str) -> dict:
         return {}
     try:
         with open(path) as f:
-            data = json.load(f)
+            data = json_load(f)
         if not isinstance(data, dict) or not isinstance(data.get("runs", {}), dict):
             raise ValueError("not a JSON object with a 'runs' object")
     except (OSError, ValueError) as e:
@@ -116,7 +122,7 @@ def save_record(save_dir: str, tag: str, run: dict, wandb_run_id: str | None = N
     try:
         runs = _read(path).get("runs", {})
         with open(os.path.join(save_dir, LAYOUT_FILE)) as f:
-            index = checkpoint_index(json.load(f), read_latest(save_dir))
+            index = checkpoint_index(json_load(f), read_latest(save_dir))
     except (HDETStateError, OSError, ValueError, TypeError, AttributeError):
         runs, index = {}, {}
     runs = {t: r for t, r in runs.items() if t in index and t != tag}

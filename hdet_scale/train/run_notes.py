@@ -33,18 +33,12 @@ def never_notes(run: dict) -> list[str]:
         cfg = HDETConfig.from_dict(hdet)
     except Exception:  # noqa: BLE001 - a note is never worth failing a validated run
         return notes
-    if cfg.replicas == 1 and "replicas" not in hdet:
-        # tester round 30: a block from overrides only (sync_interval, auto.*) ran one
-        # replica group, plain data parallelism, without a word
-        notes.append("deepspeed.hdet.replicas=1 (the default): one replica group, so no spread, converge or "
-                     "auto-LR acts and the run is plain data parallelism; set deepspeed.hdet.replicas=2 (or more, "
-                     "dividing nproc) and a spread (deepspeed.hdet.axes.lr.spread_ratio=0.2)")
     default = "" if "sync_interval" in hdet else " (the default)"
     if cfg.replicas > 1 and cfg.sync_interval > steps:
         notes.append(f"deepspeed.hdet.sync_interval={cfg.sync_interval}{default} > train.steps={steps}: no sync "
                      "during the run (no auto-LR step, the replicas are averaged only by the final converge)")
     if cfg.replicas > 1 and not any(a.spread_ratio for a in cfg.axes.values()):
-        notes.append(f"deepspeed.hdet: {cfg.replicas} replica groups but no axis has a spread (axes.<name>."
+        notes.append(f"deepspeed.hdet: {cfg.replicas} replicas but no axis has a spread (axes.<name>."
                      "spread_ratio, e.g. deepspeed.hdet.axes.lr.spread_ratio=0.2): they train with the same "
                      "hyperparameters, averaged every sync_interval steps, and nothing is searched")
     sched = hdet.get("schedule") if isinstance(hdet, dict) else None

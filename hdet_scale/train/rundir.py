@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 
+from hdet_scale.safe_parse import json_load, json_loads  # tester round 45: deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import LATEST_FILE, LAYOUT_FILE, checkpoint_index, read_latest, write_atomic
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import resume_config
@@ -48,7 +49,7 @@ def restarted_job(run_dir: str) -> bool:
         return False
     try:
         with open(os.path.join(run_dir, JOB_FILE)) as f:
-            return json.load(f).get("torchelastic_run_id") == run_id
+            return json_load(f).get("torchelastic_run_id") == run_id
     except (OSError, ValueError):
         return False
 
@@ -155,7 +156,7 @@ def _refuse_inside_a_checkpoint(run_dir: str) -> None:
 
 
 # What hdet-train writes at the top of checkpoint/ (checkpoint_io: the index, the tag
-# pointer, the settings record, one folder per replica group, write_atomic's temporaries).
+# pointer, the settings record, one folder per replica, write_atomic's temporaries).
 _OWN_CHECKPOINT_ENTRY = re.compile(r"(latest|hdet_layout\.json|hdet_run_config\.json|replica_\d+)(\.tmp\d+)?")
 
 
@@ -216,7 +217,7 @@ def _index(ckpt: str, latest: str | None) -> dict:
     ``{}`` when its layout cannot be read. For messages: never raises."""
     try:
         with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
-            return checkpoint_index(json.load(f), latest)
+            return checkpoint_index(json_load(f), latest)
     except (OSError, ValueError, TypeError, AttributeError):
         return {}
 
@@ -312,7 +313,7 @@ def truncate_metrics(path: str, step: int) -> int:
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                record = json.loads(line)
+                record = json_loads(line)
             except ValueError:
                 dropped += 1
                 continue

@@ -237,6 +237,26 @@ def claim_naming(lock: str) -> socket.socket | bool | None:
     return sock
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _builder(holders: list[int] | None) -> str:
+    """Who holds a lock this process waits on, in words: the job's own ranks share this
+    process's parent (the local launcher, or torchrun's agent). Tester round 45: "waiting
+    for process(es) [6469]" left a user to find that 6469 was the job's other rank."""
+    if not holders:
+        return "another process (on another machine sharing this extensions folder?)"
+    listed = ", ".join(map(str, holders))
+    if all(_parent(p) == os.getppid() for p in holders):
+        return f"another rank of this job (process {listed})"
+    return f"process(es) {listed}, not a rank of this job (another run using this extensions folder)"
+
+
 def _note_own_builds(building: dict[str, float], noted: set[str], note_s: float) -> None:
     """One line for each lock this process has held for ``note_s`` seconds: the op build
     itself (tester round 41: a first run's ``fused_adam`` build, after the process group
@@ -300,9 +320,10 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
                 release_held_locks()  # none while waiting, as torch loads one op at a time
                 os._exit(STALE_LOCK_EXIT)
             if announce and lock not in noted and time.monotonic() - waiting[1] >= waiting_note_s:
-                holders = lock_holders(lock)
-                who = f"process(es) {holders}" if holders else "another process"
-                os.write(2, f"hdet-train: waiting for {who} building a DeepSpeed op ({lock})\n".encode())
+                op = os.path.basename(os.path.dirname(lock))
+                os.write(2, (f"hdet-train: waiting for {_builder(lock_holders(lock))} building DeepSpeed's {op} op "
+                             "for this machine (once per extensions folder; it can take a few minutes, and later "
+                             f"starts load it): {lock}\n").encode())
                 noted.add(lock)
 
     thread = threading.Thread(target=watch, name="hdet-op-lock-watch", daemon=True)

@@ -20,11 +20,11 @@ exactly. Steps after it are lost (``train.checkpoint_every`` bounds how many).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from typing import Any
 
+from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, latest_step, read_latest
 
 #: Seconds the launcher gives its ranks to end after SIGTERM before it kills them.
@@ -76,7 +76,7 @@ def last_checkpoint(run_dir: str) -> tuple[str, int | None] | None:
         return None
     try:
         with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
-            step = latest_step(json.load(f), tag)
+            step = latest_step(json_load(f), tag)
     except (OSError, ValueError, TypeError, AttributeError):
         step = None
     return os.path.join(ckpt, f"replica_*/{tag}"), step
@@ -173,7 +173,7 @@ def run_completed(run: dict[str, Any], since: float) -> bool:
         if os.stat(path).st_mtime < since - _MTIME_SLACK_S:
             return False
         with open(path) as f:
-            return isinstance(json.load(f), dict)
+            return isinstance(json_load(f), dict)
     except (OSError, ValueError):
         return False
 

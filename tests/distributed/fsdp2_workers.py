@@ -2,7 +2,7 @@
 
 Spawned rank processes import this module by name (``fsdp2_workers``), so it must stay
 importable from tests/distributed (conftest.py puts the folder on ``sys.path``). Each
-worker runs on one of 4 gloo ranks (2 replica groups x 2 shards), builds one or more
+worker runs on one of 4 gloo ranks (2 replicas x 2 shards), builds one or more
 FSDP2 models and returns plain Python / numpy data (no torch tensors: they would travel
 through shared memory that dies with the rank process); the test process compares ranks
 and asserts.

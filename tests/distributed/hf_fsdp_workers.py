@@ -1,5 +1,5 @@
 """Rank side of test_hf_fsdp: a standard Hugging Face ``Trainer`` script on FSDP2 through
-Accelerate, 4 gloo ranks (2 replica groups x 2 shards under HDET; FSDP2 over all 4
+Accelerate, 4 gloo ranks (2 replicas x 2 shards under HDET; FSDP2 over all 4
 without it). Model, data and ``TrainingArguments`` as ``hf_workers`` (Llama from config,
 2 sequences per rank and micro-batch, accumulation 2, constant LR 1e-3, clipping 1.0),
 with ``fsdp="full_shard"`` and ``fsdp_config={"version": 2, ...}`` in place of the

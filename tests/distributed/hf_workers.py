@@ -1,5 +1,5 @@
 """Rank side of test_hf_trainer: a standard Hugging Face ``Trainer`` script on 4 gloo ranks
-(2 replica groups x 2 ZeRO-3 shards under HDET; plain data parallelism over 4 without it).
+(2 replicas x 2 ZeRO-3 shards under HDET; plain data parallelism over 4 without it).
 
 Model: ``LlamaForCausalLM`` from a tiny ``LlamaConfig`` (1 layer, hidden 32), built whole
 with the same seed on every rank. Data: 128 sequences of 16 tokens, each an arithmetic

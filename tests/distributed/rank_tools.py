@@ -367,7 +367,7 @@ def one_thread():
 
 
 def replica_of(rank: int) -> int:
-    """The replica group of global rank ``rank`` in the 2 x 2 layout."""
+    """The replica (model copy) of global rank ``rank`` in the 2 x 2 layout."""
     return rank // S
 
 

@@ -2,7 +2,7 @@
 rank at the same HDET step, and ranks out of step raise on every rank.
 
 Spawned rank processes import this module by name (conftest.py puts tests/distributed on
-``sys.path``). Every worker runs on 4 gloo ranks (2 replica groups x 2 shards; ranks 0, 1
+``sys.path``). Every worker runs on 4 gloo ranks (2 replicas x 2 shards; ranks 0, 1
 = replica 0) and returns plain Python / numpy data; the test process asserts.
 
 A NaN gradient is made for real: at step ``NAN_STEP`` rank 0 multiplies its loss by NaN

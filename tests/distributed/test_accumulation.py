@@ -1,6 +1,6 @@
 """Gradient accumulation in ``hdet-train`` on every backend, and activation checkpointing.
 
-Per backend, one launch of 4 ranks (2 replica groups x 2 shards) runs the real trainer
+Per backend, one launch of 4 ranks (2 replicas x 2 shards) runs the real trainer
 loop (``hdet_scale.train.loop.train``) several times, 10 optimizer steps each:
 
 - ``k2``: accumulation 2 over micro-batches of 4;

@@ -1,6 +1,6 @@
 """One API on every engine: the README's loop (``hdet_scale.prepare`` -> ``Ensemble``:
 ``accumulate`` / ``backward`` / ``step`` / ``save_checkpoint`` / ``load_checkpoint``) on
-DDP, fairscale OSS, FSDP2 and DeepSpeed ZeRO-3, 4 real gloo ranks (2 replica groups x 2
+DDP, fairscale OSS, FSDP2 and DeepSpeed ZeRO-3, 4 real gloo ranks (2 replicas x 2
 shards), one launch (``api_workers.run``).
 
 Each engine runs the same 4 optimizer steps (accumulation 2, clipping 0.5, LR spread 0.5,

@@ -1,4 +1,4 @@
-"""HDET on DeepSpeed ZeRO-3 across real ranks: 4 gloo ranks on CPU = 2 replica groups x 2
+"""HDET on DeepSpeed ZeRO-3 across real ranks: 4 gloo ranks on CPU = 2 replicas x 2
 shards (ranks 0, 1 = replica 0; ranks 2, 3 = replica 1; ranks s and 2 + s form replica
 group s).
 

@@ -2,7 +2,7 @@
 real gloo ranks, DeepSpeed ZeRO-3 through Accelerate, against the plain ``Trainer``.
 
 One launch (``hf_workers.run``, ~30 s) runs four ``train()`` calls on the same ranks; each
-test below reads one part of what they returned. Layout under HDET: 2 replica groups x 2
+test below reads one part of what they returned. Layout under HDET: 2 replicas x 2
 shards (ranks 0, 1 = replica 0; ranks 2, 3 = replica 1).
 
 Tolerances, stated where used:

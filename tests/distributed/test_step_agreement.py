@@ -1,7 +1,7 @@
 """Ranks in step: a skipped optimizer step still counts as an HDET step on every rank,
 and ranks at different steps raise on every rank at the next sync, without hanging.
 
-Two launches of 4 gloo ranks (2 replica groups x 2 shards; ranks 0, 1 = replica 0), one
+Two launches of 4 gloo ranks (2 replicas x 2 shards; ranks 0, 1 = replica 0), one
 per backend (``step_workers``): DeepSpeed ZeRO-3, and DDP stepped by
 ``hdet_scale.backends.torch_step.optimizer_step`` (what hdet-train's TorchEngine.step calls
 on FSDP2, DDP and fairscale).

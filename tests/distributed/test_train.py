@@ -1,6 +1,6 @@
 """``hdet-train`` end to end, and bad input exiting fast on every rank.
 
-The end-to-end run is the real trainer (4 local ranks = 2 replica groups x 2 ZeRO-3
+The end-to-end run is the real trainer (4 local ranks = 2 replicas x 2 ZeRO-3
 shards, CPU, gloo) on the default corpus, shortened to 40 steps.
 """
 

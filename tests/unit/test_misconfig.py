@@ -806,14 +806,14 @@ def test_a_deepspeed_json_without_an_hdet_block_is_refused_and_a_block_that_sear
                                                                                     else {"hdet": block})))
         for backend in ("deepspeed", "ddp"):
             with pytest.raises(HDETConfigError, match=rf"^deepspeed.hdet: {path} has {word} hdet block, so the run "
-                                                      r"would be plain data parallelism \(one replica group\)"):
+                                                      r"would be plain data parallelism \(one replica\)"):
                 load_run_config(None, [f"deepspeed_config={path}", f"backend={backend}"])
     (tmp_path / "r2.json").write_text(json.dumps({**ds, "hdet": {"replicas": 2}}))
     run = load_run_config(None, [f"deepspeed_config={tmp_path / 'r2.json'}", "train.steps=8"])
     notes = _never_notes(run)
     assert notes[0] == ("deepspeed.hdet.sync_interval=1000 (the default) > train.steps=8: no sync during the run (no "
                         "auto-LR step, the replicas are averaged only by the final converge)")
-    assert notes[1].startswith("deepspeed.hdet: 2 replica groups but no axis has a spread"), notes
+    assert notes[1].startswith("deepspeed.hdet: 2 replicas but no axis has a spread"), notes
     assert [n for n in _never_notes(load_run_config(None, ["train.steps=100"]))
             if n.startswith("deepspeed.hdet")] == []  # the packaged block: syncs and spreads
 
@@ -1170,7 +1170,8 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
     """Tester round 30: ``deepspeed=[1,2]`` (or a YAML list there) was OmegaConf's "Cannot
     merge incompatible container types" traceback, ``deepspeed=null`` ran the defaults; a
     DeepSpeed JSON without a block plus ``deepspeed.hdet.sync_interval=2`` ran one replica
-    group (plain data parallelism) without a word: a note names the default replicas=1."""
+    group (plain data parallelism) without a word: a note named the default replicas=1; since
+    tester round 45, a refusal (the same JSON without overrides is refused too)."""
     from hdet_scale.train.run_notes import never_notes as _never_notes
     from hdet_scale.train.config import load_run_config, packaged
 
@@ -1184,9 +1185,17 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
     ds = json.loads(open(packaged("deepspeed.json")).read())
     ds.pop("hdet")
     (tmp_path / "nohdet.json").write_text(json.dumps(ds))
-    run = load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.sync_interval=2",
-                                 "train.steps=20"])
-    assert any(n.startswith("deepspeed.hdet.replicas=1 (the default): one replica group") for n in _never_notes(run))
+    # tester round 45: that note was not enough (the same JSON alone is refused): now refused
+    with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.replicas: the hdet block \(.*nohdet.json and the "
+                                              r"overrides\) sets no replicas, .* plain data parallelism; set "
+                                              r"deepspeed.hdet.replicas=2 .* or deepspeed.hdet.replicas=1 for a plain "
+                                              r"data-parallel baseline$"):
+        load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.sync_interval=2",
+                               "train.steps=20"])
+    (tmp_path / "nullhdet.json").write_text(json.dumps({**ds, "hdet": None}))
+    with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.replicas: the hdet block"):
+        load_run_config(None, [f"deepspeed_config={tmp_path / 'nullhdet.json'}", "deepspeed.hdet.sync_interval=2",
+                               "train.steps=20"])
     run = load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.replicas=1",
                                  "deepspeed.hdet.sync_interval=2", "train.steps=20"])
     assert not any("replicas=1" in n for n in _never_notes(run))  # set on purpose: no note

@@ -76,6 +76,28 @@ def test_a_changed_precision_is_refused_and_its_default_is_no_change(tmp_path):
         resume_config.check(run_config(tmp_path, "deepspeed.zero_optimization.stage=2"), str(ckpt))
 
 
+SHORT = ("deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5")  # a 20-step run's HDET
+
+
+def test_a_longer_run_is_refused_with_advice_that_works(tmp_path):
+    """Tester round 45: lengthening a finished 20-step run was refused with "train.steps
+    sets it unless deepspeed.hdet.schedule.total_steps is given"; giving total_steps=20
+    then failed ("shorter than train.steps=30"). The advice now is a schedule set to the
+    whole length from the start, which a resume may then run up to: followed here."""
+    ckpt = tmp_path / "checkpoint"
+    save(ckpt, 20, run_config(tmp_path, "train.steps=20", *SHORT))
+    with pytest.raises(HDETStateError) as err:
+        resume_config.check(run_config(tmp_path, "train.steps=30", *SHORT), str(ckpt))
+    msg = str(err.value)
+    assert "deepspeed.hdet.schedule.total_steps: 20 -> 30: the schedule's length" in msg, msg
+    assert "resume with train.steps at most the checkpoint's value" in msg, msg
+    assert "new run_dir with schedule.total_steps set to the whole length" in msg, msg
+    other = tmp_path / "longer"
+    save(other / "checkpoint", 20, run_config(other, "train.steps=20", "deepspeed.hdet.schedule.total_steps=30", *SHORT))
+    resume_config.check(run_config(other, "train.steps=30", "deepspeed.hdet.schedule.total_steps=30", *SHORT),
+                        str(other / "checkpoint"))  # no HDETStateError: the advice works
+
+
 def test_the_warning_lists_each_change_and_the_value_used(tmp_path):
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 10, run_config(tmp_path))

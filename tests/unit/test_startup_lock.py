@@ -527,7 +527,38 @@ def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, 
             baton.wait()  # as torch's loader does while another process builds
             assert holder.wait(timeout=30) == 0
             err = capfd.readouterr().err
-            assert err == f"hdet-train: waiting for process(es) [{holder.pid}] building a DeepSpeed op ({held})\n", err
+            op = held.parent.name
+            assert err == (f"hdet-train: waiting for process(es) {holder.pid}, not a rank of this job (another run "
+                           f"using this extensions folder) building DeepSpeed's {op} op for this machine (once per "
+                           f"extensions folder; it can take a few minutes, and later starts load it): {held}\n"), err
+
+
+def test_a_wait_on_the_jobs_own_rank_says_so(tmp_path):
+    """Tester round 45: "waiting for process(es) [6469]" left the user to find out that
+    6469 was the job's other rank. Two sibling processes, as a launcher's ranks are: one
+    holds the lock, the other waits on it and names it as this job's rank."""
+    import subprocess
+    import sys
+
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    done = tmp_path / "done"  # the waiter has waited long enough: the holder releases (no race with start-up)
+    holder = subprocess.Popen([sys.executable, "-c", "import os, time\nfrom torch.utils.file_baton import FileBaton\n"
+                               f"b = FileBaton({str(lock)!r}); assert b.try_acquire(); print(flush=True)\n"
+                               f"end = time.monotonic() + 60\nwhile not os.path.exists({str(done)!r}) and "
+                               "time.monotonic() < end: time.sleep(0.05)\nb.release()"], stdout=subprocess.PIPE,
+                              text=True)
+    holder.stdout.readline()  # it holds the lock now
+    waiter = subprocess.run([sys.executable, "-c", "import threading\nfrom torch.utils.file_baton import FileBaton\n"
+                             "from hdet_scale.train import startup\n"
+                             "with startup.watch_op_locks(announce=True, poll_s=0.05, waiting_note_s=0.3):\n"
+                             f"    b = FileBaton({str(lock)!r}, wait_seconds=0.05); assert not b.try_acquire()\n"
+                             f"    threading.Timer(1.5, open, ({str(done)!r}, 'w')).start(); b.wait()"],
+                            capture_output=True, text=True, timeout=90)
+    assert holder.wait(timeout=30) == 0 and waiter.returncode == 0, waiter.stderr
+    assert waiter.stderr == (f"hdet-train: waiting for another rank of this job (process {holder.pid}) building "
+                             "DeepSpeed's fused_adam op for this machine (once per extensions folder; it can take a few "
+                             f"minutes, and later starts load it): {lock}\n"), waiter.stderr
 
 
 def test_an_op_build_stopped_by_a_signal_is_told_from_a_failed_one():
@@ -540,12 +571,12 @@ def test_an_op_build_stopped_by_a_signal_is_told_from_a_failed_one():
 
     from hdet_scale.train.launcher import build_interrupted
 
-    def loader_error(rc: int) -> RuntimeError:
+    def loader_error(rc: int, said: str = "") -> RuntimeError:
         try:
             try:
                 raise subprocess.CalledProcessError(rc, ["ninja", "-v"])
             except subprocess.CalledProcessError as e:
-                raise RuntimeError("Error building extension 'fused_adam'") from e
+                raise RuntimeError("Error building extension 'fused_adam'" + said) from e
         except RuntimeError as e:
             return e
 
@@ -553,4 +584,9 @@ def test_an_op_build_stopped_by_a_signal_is_told_from_a_failed_one():
         assert build_interrupted(loader_error(rc)), rc
     for rc in (1, 2, -9):
         assert not build_interrupted(loader_error(rc)), rc
+    # tester round 45: ninja 1.13 exits 2 when its compiler died of the Ctrl-C first; its
+    # output, which torch puts in the message, still says why
+    assert build_interrupted(loader_error(2, ": [1/3] c++ ...\nninja: build stopped: interrupted by user.\n"))
+    assert not build_interrupted(loader_error(1, ": FAILED: shm.o\nninja: build stopped: subcommand failed.\n"))
+    assert not build_interrupted(RuntimeError("ninja: build stopped: interrupted by user."))  # no build error
     assert not build_interrupted(RuntimeError("Connection reset by peer"))

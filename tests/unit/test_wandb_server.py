@@ -150,10 +150,10 @@ def test_the_launcher_says_it_starts_the_ranks_and_which_variables_it_does_not_r
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     run = load_run_config(None, ["nproc=4"])
-    assert start_lines(run) == ["hdet-train: starting 4 ranks on this machine (deepspeed: 2 replica groups of 2 "
-                                "ranks); the first step follows once every rank has built its model and engine"]
+    assert start_lines(run) == ["hdet-train: starting 4 ranks on this machine (deepspeed: 2 replicas of the "
+                                "model, 2 ranks each); the first step follows once every rank has built its model and engine"]
     monkeypatch.setenv("MASTER_PORT", "abc")
     note, start = start_lines(load_run_config(None, ["nproc=2", "backend=ddp", "deepspeed.hdet.replicas=2"]))
     assert note.startswith("hdet-train: note: MASTER_PORT=abc in the environment is not used: hdet-train starts its "
                            "2 ranks itself, at 127.0.0.1 on a free port")
-    assert start.startswith("hdet-train: starting 2 ranks on this machine (ddp: 2 replica groups of 1 rank);")
+    assert start.startswith("hdet-train: starting 2 ranks on this machine (ddp: 2 replicas of the model, 1 rank each);")
