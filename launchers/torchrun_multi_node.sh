@@ -23,6 +23,8 @@
 #                (set train.checkpoint_every), without train.resume. 0: no restarts.
 #                A stop (SIGINT, SIGTERM, SIGHUP to this script or its process group) is
 #                not restarted: the script exits 130 / 143 / 129 once every rank has ended.
+#                Nor is a refusal (exit 2: bad input; 3: a stale op build lock): the
+#                script exits with that code after the one message (torchrun_quiet.py).
 #
 # Checked before torchrun starts (exit 2, one line naming the variable): NNODES >= 1,
 # 0 <= NODE_RANK < NNODES, GPUS in [1, 4096], MASTER_PORT in [1, 65535], MAX_RESTARTS in

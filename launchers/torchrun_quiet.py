@@ -6,6 +6,15 @@ with torchrun's arguments; everything else is torchrun's (its agent still ends t
 on the signal; their output is untouched), but for the agent's warning lines about ending
 them, which a stop silences.
 
+A second difference: a refusal is not restarted. When the failed ranks exited 2 (hdet-train's
+bad input: the config, a file, the environment) or 3 (a stale DeepSpeed op build lock,
+which stays until removed), and the rest were ended by the agent, a restart meets the same
+answer: the agent restarts nothing, its lines about the failure are not printed, and this
+exits with that code after rank 0's one message, without torchrun's ``ChildFailedError``
+summary and traceback (tester round 48: the message three times, then the traceback, exit
+1). Any other failure (a crash: exit 1, a signal) is restarted and reported as torchrun
+does. This reads the exit codes of ``hdet_scale.train.cli`` ranks: run nothing else with it.
+
 Used by torchrun_stop.sh (sourced by torchrun_single_node.sh and torchrun_multi_node.sh)
 and slurm.sbatch.
 """
@@ -43,6 +52,52 @@ for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
 # torchrun sets its handler again when it starts the ranks: this one in its place
 elastic_api._terminate_process_handler = agent_stop
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+
+NOT_RESTARTED = (2, 3)  # as launchers/deepspeed_hostfile.sh: what a restart cannot fix
+ENDED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)  # the agent ends a failed rank's siblings
+refused: list[int] = []
+
+
+def refusal(codes) -> int | None:
+    """The code of a refusal when ``codes`` (the ranks' exit codes, None: running) are one
+    refusal's and the agent's ends of the others; None otherwise."""
+    own = {c for c in codes if c in NOT_RESTARTED}
+    if len(own) == 1 and all(c in (None, 0, *NOT_RESTARTED, *ENDED_BY_AGENT) for c in codes):
+        return own.pop()
+    return None
+
+
+def quiet_poll(self):  # the agent's poll of its ranks, silent when it finds a refusal
+    codes = [h.proc.poll() for h in self.subprocess_handlers.values()]
+    if refusal(codes) is None:
+        return poll(self)
+    # "Sending process N closing signal SIGTERM" and "failed (exitcode: 2)" would follow
+    # rank 0's message; a crash in the same instant loses these two lines, not its report
+    quiet = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+             if n.startswith("torch.distributed.elastic")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
+    try:
+        return poll(self)
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+
+
+def monitor(self, worker_group):  # the agent's monitor: a refusal leaves no restart
+    result = monitor_workers(self, worker_group)
+    if result.is_failed() and (code := refusal(f.exitcode for f in result.failures.values())) is not None:
+        self._remaining_restarts = 0
+        refused.append(code)
+    return result
+
+
+poll, elastic_api.SubprocessContext._poll = elastic_api.SubprocessContext._poll, quiet_poll
+monitor_workers, LocalElasticAgent._monitor_workers = LocalElasticAgent._monitor_workers, monitor
+
 from torch.distributed.run import main  # noqa: E402
 
 sys.argv[0] = "torchrun"
@@ -50,3 +105,14 @@ try:
     sys.exit(main())
 except SignalException as e:
     sys.exit(128 + int(e.sigval))
+except ChildFailedError:
+    if not refused:
+        raise
+    sys.exit(refused[-1])  # rank 0 printed the one message
+finally:
+    try:  # the refusal the ranks left for restarts that did not come (train/refusals.py)
+        from hdet_scale.train.refusals import forget_agent
+    except ImportError:  # torchrun for a program without hdet_scale installed
+        pass
+    else:
+        forget_agent(os.getpid())

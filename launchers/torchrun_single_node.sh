@@ -13,6 +13,8 @@
 #          (set train.checkpoint_every), without train.resume. 0: no restarts. A stop
 #          (SIGINT, SIGTERM, SIGHUP to this script or its process group) is not restarted:
 #          the script exits 130 / 143 / 129 once every rank has ended.
+#          Nor is a refusal (exit 2: bad input; 3: a stale op build lock): the
+#          script exits with that code after the one message (torchrun_quiet.py).
 #   Any other env (NCCL_*, OMP_NUM_THREADS, CUDA_VISIBLE_DEVICES) is passed through.
 #
 # All arguments are forwarded unchanged to `python -m hdet_scale.train.cli`

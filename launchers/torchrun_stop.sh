@@ -44,5 +44,5 @@ run_torchrun() {  # torchrun's arguments; never returns
   if (( stopped && rc != 0 )); then
     exit "${stopped}"
   fi
-  exit "${rc}"  # torchrun's own: 0, or its failure (a rank failed after the last restart: 1)
+  exit "${rc}"  # torchrun's own: 0, or its failure (a rank failed after the last restart: 1), or a refusal's 2 / 3
 }

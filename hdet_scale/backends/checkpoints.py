@@ -158,9 +158,15 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}; "
                              f"{_other_checkpoints(saved, tag)}or start a new run_dir")
     required = tag in manifested(saved)
-    damaged = [p for r in range(replicas) for p in damaged_files(os.path.join(load_dir, f"replica_{r}", tag))]
-    damaged += [p for r in range(replicas)
-                if (p := listing_problem(os.path.join(load_dir, f"replica_{r}", tag), required))]
+    damaged = []
+    for r in range(replicas):
+        folder = os.path.join(load_dir, f"replica_{r}", tag)
+        found = damaged_files(folder)  # "<path>: <what>"
+        named = frozenset(os.path.join(folder, n) for n in os.listdir(folder)
+                          if any(d.startswith(f"{os.path.join(folder, n)}: ") for d in found))
+        damaged += found
+        if (p := listing_problem(folder, required, named)) is not None:
+            damaged.append(p)
     if damaged:
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
                              f"{_other_checkpoints(saved, tag)}or start a new run_dir")

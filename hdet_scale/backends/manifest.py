@@ -108,14 +108,16 @@ def _place(path: str) -> tuple[str, str] | None:
     return f"replica_{int(data['replica'])}", str(data["tag"])
 
 
-def listing_problem(folder: str, required: bool) -> str | None:
+def listing_problem(folder: str, required: bool, named: frozenset[str] = frozenset()) -> str | None:
     """The cheap part of the check, by ``stat`` alone, for the pre-start check
     (``checkpoints.check_resumable``, run by the launcher before any rank starts and by every
     rank before a load): the manifest is there when the save wrote one (``required``:
     ``hdet_layout.json`` lists the tag under ``"manifests"``), it reads, and every file
     it lists exists at the recorded size. ``"<path> (<why>)"`` for the first problem,
     else ``None``. The CRC-32s are compared by the load (:func:`manifest_problem`),
-    which reads every file and so is split over the ranks."""
+    which reads every file and so is split over the ranks. A file in ``named`` (paths
+    another check already reported, e.g. a cut-short archive) is not named again (tester
+    round 48: one file, two explanations)."""
     path = os.path.join(folder, MANIFEST_FILE)
     if not os.path.isfile(path):
         return (f"{path} (missing: this checkpoint was saved with one, and without it files swapped or copied "
@@ -131,6 +133,8 @@ def listing_problem(folder: str, required: bool) -> str | None:
                 "in from another replica or checkpoint; each replica's state is its own)")
     for name, size in sizes.items():
         file = os.path.join(folder, name)
+        if file in named:
+            continue
         if not os.path.isfile(file):
             return f"{file} (missing: {MANIFEST_FILE} lists it)"
         if os.path.getsize(file) != size:

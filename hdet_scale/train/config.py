@@ -179,6 +179,14 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         if hint is None:
             raise
         raise HDETConfigError(f"{e}\n  {hint}") from None
+    unused = sorted(explicit_wandb - {"enabled"})
+    if not run["wandb"]["enabled"] and unused and os.environ.get("RANK", "0") == "0":
+        # tester round 48: wandb.project=myproj with wandb.enabled=false ran without a word
+        # (on stderr once, as _hdet_logging's warning: the launcher, or rank 0 under torchrun)
+        keys = ", ".join(f"wandb.{k}={run['wandb'][k]!r}" for k in unused)
+        print(f"hdet-train: note: {keys} {'is' if len(unused) == 1 else 'are'} not used: wandb.enabled=false starts no "
+              "W&B run (metrics go to run_dir/metrics.jsonl); set wandb.enabled=true to log to W&B",
+              file=sys.stderr, flush=True)
     explicit_wandb |= _hdet_logging(run, explicit_wandb)
     _wandb_environment(run["wandb"], explicit_wandb)
     return run
@@ -435,14 +443,15 @@ def _validate(run: dict) -> None:
         raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
     ModelConfig(**run["model"]).validate()
     check_deepspeed_values(run["deepspeed"], prefix="deepspeed.", title="invalid run config")
+    from hdet_scale.ds_keys import looks_like_hdet
+
+    # tester round 39: "hdett" was told to "add" the block the user believed they had;
+    # round 48: the same when overrides made an hdet block without replicas beside it
+    alike = "".join(f" ({k!r} is not read: did you mean 'hdet'?)" for k in run["deepspeed"] if looks_like_hdet(k))
     if run["deepspeed"].get("hdet", {}) == {}:  # null: refused above (an object expected)
         # tester round 28: a user's own DeepSpeed JSON without the block (or with "hdet": {})
         # trained plain data parallelism (one replica) without a word
         where = run["deepspeed_config"] or "the DeepSpeed JSON"
-        from hdet_scale.ds_keys import looks_like_hdet
-
-        # tester round 39: "hdett" was told to "add" the block the user believed they had
-        alike = "".join(f" ({k!r} is not read: did you mean 'hdet'?)" for k in run["deepspeed"] if looks_like_hdet(k))
         raise HDETConfigError(f"deepspeed.hdet: {where} has {'an empty' if 'hdet' in run['deepspeed'] else 'no'} hdet "
                               f"block{alike}, so the run would be plain data parallelism (one replica); hdet-train "
                               f"trains with HDET: add one, e.g. {BLOCK_EXAMPLE} (configs/deepspeed_cpu_2x2.json has "
@@ -453,7 +462,8 @@ def _validate(run: dict) -> None:
         # override such as deepspeed.hdet.sync_interval=5 onto a JSON without one) ran one
         # replica, plain data parallelism, while that JSON alone is refused above
         where = run["deepspeed_config"] or "the DeepSpeed JSON"
-        raise HDETConfigError(f"deepspeed.hdet.replicas: the hdet block ({where} and the overrides) sets no replicas, "
+        raise HDETConfigError(f"deepspeed.hdet.replicas: the hdet block ({where} and the overrides) sets no replicas"
+                              f"{alike}, "
                               "and the default, 1, is one model replica: no spread, converge or auto-LR acts and the "
                               "run would be plain data parallelism; set deepspeed.hdet.replicas=2 (or more, dividing "
                               "nproc) and a spread (deepspeed.hdet.axes.lr.spread_ratio=0.2), or "

@@ -25,14 +25,24 @@ import tempfile
 RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 
 
+def _folder() -> str:
+    return os.path.join(tempfile.gettempdir(), f"hdet-train-refusals-{os.getuid()}")
+
+
 def _marker(argv: list[str]) -> str | None:
     """The marker's path for this job and command, or ``None`` outside torchrun."""
     if RESTART_VAR not in os.environ:
         return None
     key = "\0".join([os.environ.get("TORCHELASTIC_RUN_ID", ""), os.getcwd(), *argv])
     digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:24]
-    folder = os.path.join(tempfile.gettempdir(), f"hdet-train-refusals-{os.getuid()}")
-    return os.path.join(folder, f"{os.getppid()}-{digest}")
+    return os.path.join(_folder(), f"{os.getppid()}-{digest}")
+
+
+def _last_attempt() -> bool:
+    try:
+        return _attempt() >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "-1"))
+    except ValueError:
+        return False
 
 
 def _attempt() -> int:
@@ -61,7 +71,7 @@ def remember(argv: list[str], message: str) -> None:
     rank writes it (whole, by rename: a reader sees one rank's complete text or none);
     a failure to write only costs the restarts their time. Never raises."""
     path = _marker(argv)
-    if path is None:
+    if path is None or _last_attempt():  # no restart follows to read it (--max-restarts=0)
         return
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -79,15 +89,27 @@ def forget_on_last_attempt(argv: list[str]) -> None:
     rank that reads later finds none and runs the checks itself (the agent ends it when
     rank 0 exits). Never raises."""
     path = _marker(argv)
-    try:
-        last = _attempt() >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "-1"))
-    except ValueError:
-        last = False
-    if path is not None and last:
+    if path is not None and _last_attempt():
         try:
             os.remove(path)
         except OSError:
             pass
+
+
+def forget_agent(agent_pid: int) -> None:
+    """Remove every marker left for the agent ``agent_pid`` (the ranks' parent): called by
+    ``launchers/torchrun_quiet.py`` as it ends, since it restarts no refusal and no last
+    attempt then removes the marker. Never raises."""
+    try:
+        names = os.listdir(_folder())
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"{agent_pid}-"):
+            try:
+                os.remove(os.path.join(_folder(), name))
+            except OSError:
+                pass
 
 
 #: How long a rank other than 0 waits after refusing, for rank 0 to print the message.

@@ -750,6 +750,31 @@ def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_
     assert seconds < EXIT_S and not leftovers
 
 
+def test_a_refusal_under_the_torchrun_launcher_is_exit_2_once_without_a_restart(tmp_path):
+    """Tester round 48: ``launchers/torchrun_single_node.sh`` with a misspelled key printed
+    rank 0's message three times (the first attempt and each restart, which cannot fix a
+    bad input), the agent's "closing signal" / "failed (exitcode: 2)" lines, then
+    torchrun's ChildFailedError traceback, and exited 1 (torchrun's code for any failure).
+    Now: exit 2, the message once, nothing of the agent's, no restart, and no refusal
+    marker left for restarts that do not come (train/refusals.py). A crash is still
+    restarted: test_resume's torchrun test runs through the same launcher script."""
+    from hdet_scale.train.refusals import _folder
+
+    before = set(os.listdir(_folder())) if os.path.isdir(_folder()) else set()
+    rc, err, seconds, leftovers = run_cli(
+        ["bash", os.path.join(ROOT, "launchers", "torchrun_single_node.sh"), "backend=ddp", "train.steps=10",
+         "deepspeed.hdet.replcas=2", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false"],
+        {"GPUS": "2", "MAX_RESTARTS": "3"})
+    assert rc == 2, (rc, err[-3000:])
+    assert err.count("deepspeed.hdet.replcas: unknown key") == 1, err[-3000:]
+    for noise in ("Traceback", "restart", "closing signal", "exitcode", "ChildFailedError"):
+        assert noise not in err, (noise, err[-3000:])
+    assert seconds < EXIT_S and not leftovers, (seconds, leftovers)
+    assert not (tmp_path / "run").exists()
+    after = set(os.listdir(_folder())) if os.path.isdir(_folder()) else set()
+    assert after <= before, after - before
+
+
 @pytest.mark.parametrize("code,max_restarts,calls", [(3, "2", 1), (2, "2", 1), (1, "02", 3)])
 def test_deepspeed_hostfile_script_does_not_retry_what_a_restart_cannot_fix(tmp_path, code, max_restarts, calls):
     """A tester: ``launchers/deepspeed_hostfile.sh`` reran hdet-train's exit 3 (a stale

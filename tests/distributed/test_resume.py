@@ -43,7 +43,9 @@ LOSSES = ("hdet/loss", "hdet/loss/replica_0", "hdet/loss/replica_1", "hdet/fitne
 
 
 def hdet_train(args: list[str], env: dict | None = None, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", *launcher, *(["-m"] if launcher else []), "hdet_scale.train.cli", *args]
+    # a launcher: a module (-m torch.distributed.run ...) or a script path (launchers/torchrun_quiet.py ...)
+    start = ([launcher[0]] if launcher[0].endswith(".py") else ["-m", launcher[0]]) if launcher else []
+    cmd = [sys.executable, *start, *launcher[1:], "-m", "hdet_scale.train.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=450, env={**ENV, **(env or {})})
 
 
@@ -139,15 +141,18 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
 
 
 def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrupted):
-    """FSDP2 under ``torchrun --max-restarts=1`` (as launchers/ start it): the kill fails
-    the first attempt, torchrun restarts every rank (``TORCHELASTIC_RESTART_COUNT=1``,
-    where the fault hook stays quiet), and the trainer resumes from the step-6 checkpoint
-    without ``train.resume``: the job exits 0 with the uninterrupted run's result.
+    """FSDP2 under ``torchrun --max-restarts=1``, started as launchers/ start it (through
+    launchers/torchrun_quiet.py, which restarts no refusal: a crash must still be
+    restarted): the kill fails the first attempt, torchrun restarts every rank
+    (``TORCHELASTIC_RESTART_COUNT=1``, where the fault hook stays quiet), and the trainer
+    resumes from the step-6 checkpoint without ``train.resume``: the job exits 0 with the
+    uninterrupted run's result.
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` as in the launchers: with torch's shared
     rendezvous store a restarted gloo world reads the dead attempt's addresses (pytorch
     issue 135712) and cannot connect."""
     run_dir = tmp_path / "run"
-    launcher = ("torch.distributed.run", "--standalone", "--nproc_per_node=4", "--max-restarts=1")
+    quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
+    launcher = (quiet, "--standalone", "--nproc_per_node=4", "--max-restarts=1")
     proc = hdet_train([f"run_dir={run_dir}", "backend=fsdp2", *SHORT], launcher=launcher,
                       env={**KILL, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

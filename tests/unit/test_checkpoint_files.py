@@ -325,6 +325,41 @@ def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_
     assert "global_step10 (step 10)" in str(err.value)
 
 
+def test_a_cut_short_archive_is_named_once(tmp_path):
+    """Tester round 48: a ``model_optim.pt`` truncated to 1000 bytes was named twice, as a
+    torch.save archive without its directory and as a size that differs from the
+    manifest's: one file, two explanations. It is named once, by the first."""
+    import zlib
+
+    import torch
+
+    from hdet_scale.backends.checkpoints import check_resumable
+    from hdet_scale.backends.manifest import MANIFEST_FILE
+    from hdet_scale.errors import HDETStateError
+
+    ckpt = tmp_path / "checkpoint"
+    tag = save(ckpt, 5)
+    for r in range(REPLICAS):
+        folder = ckpt / f"replica_{r}" / tag
+        (folder / "hdet_shard_1.pt").write_bytes(b"x")
+        torch.save({"w": torch.arange(4096.0)}, folder / "model_optim.pt")
+        files = {p.name: [p.stat().st_size, zlib.crc32(p.read_bytes())] for p in folder.iterdir()}
+        (folder / MANIFEST_FILE).write_text(json.dumps({"files": files, "replica": r, "tag": tag}))
+    check_resumable(str(ckpt), 4, REPLICAS, "ddp")  # whole: accepted
+    cut = ckpt / "replica_0" / tag / "model_optim.pt"
+    os.truncate(cut, 1000)
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert str(err.value).count(str(cut)) == 1, err.value
+    assert f"{cut}: truncated or damaged (1000 bytes;" in str(err.value), err.value
+    # a second file of the folder, cut by the size alone, is still named by the manifest
+    (ckpt / "replica_1" / tag / "hdet_shard_0.pt").write_bytes(b"xy")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert "hdet_shard_0.pt (not the file this checkpoint saved there: 2 bytes" in str(err.value), err.value
+    assert str(err.value).count(str(cut)) == 1, err.value
+
+
 def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
     """Tester round 13: ``train.resume=true`` into a run_dir a running job holds was told
     to start over (its checkpoint not written yet). The launcher now asks the lock first,

@@ -348,6 +348,29 @@ def test_hdet_logging_wandb_is_the_default_of_the_trainers_wandb(tmp_path, monke
     assert capsys.readouterr().err == ""
 
 
+def test_wandb_keys_given_with_wandb_off_get_a_note(tmp_path, monkeypatch, capsys):
+    """Tester round 48: ``wandb.project=myproj`` with ``wandb.enabled=false`` ran without a
+    word. One note names each wandb key the user gave (file or override), once (not on a
+    rank > 0 under torchrun); none for wandb.enabled=false alone or with W&B on."""
+    from hdet_scale.train.config import load_run_config
+
+    monkeypatch.delenv("RANK", raising=False)
+    load_run_config(None, ["wandb.enabled=false"])
+    load_run_config(None, ["wandb.project=myproj"])
+    assert capsys.readouterr().err == ""
+    load_run_config(None, ["wandb.enabled=false", "wandb.project=myproj"])
+    assert capsys.readouterr().err == (
+        "hdet-train: note: wandb.project='myproj' is not used: wandb.enabled=false starts no W&B run (metrics go to "
+        "run_dir/metrics.jsonl); set wandb.enabled=true to log to W&B\n")
+    path = tmp_path / "run.yaml"
+    path.write_text("wandb:\n  enabled: false\n  group: g\n")
+    load_run_config(str(path), ["wandb.name=n"])
+    assert capsys.readouterr().err.startswith("hdet-train: note: wandb.group='g', wandb.name='n' are not used: ")
+    monkeypatch.setenv("RANK", "1")
+    load_run_config(str(path), ["wandb.name=n"])
+    assert capsys.readouterr().err == ""
+
+
 def test_wandb_environment_variables_set_the_keys_the_user_did_not(tmp_path, monkeypatch):
     """Tester round 37: ``WANDB_PROJECT=envproj hdet-train`` logged to the packaged project
     ``hdet-scale`` without a word. W&B's variables now set the keys neither the run config
@@ -1191,6 +1214,15 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
                                               r"deepspeed.hdet.replicas=2 .* or deepspeed.hdet.replicas=1 for a plain "
                                               r"data-parallel baseline$"):
         load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.sync_interval=2",
+                               "train.steps=20"])
+    # tester round 48: the block spelled "hdett" (replicas and all) with overrides beside it
+    # was told only "sets no replicas": the typo came one fix later, as a second error
+    hdett = {**ds, "hdett": json.loads(open(packaged("deepspeed.json")).read())["hdet"]}
+    (tmp_path / "hdett.json").write_text(json.dumps(hdett))
+    with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.replicas: the hdet block \(.*hdett.json and the "
+                                              r"overrides\) sets no replicas \('hdett' is not read: did you mean "
+                                              r"'hdet'\?\), "):
+        load_run_config(None, [f"deepspeed_config={tmp_path / 'hdett.json'}", "deepspeed.hdet.sync_interval=2",
                                "train.steps=20"])
     (tmp_path / "nullhdet.json").write_text(json.dumps({**ds, "hdet": None}))
     with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.replicas: the hdet block"):
