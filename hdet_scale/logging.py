@@ -191,13 +191,18 @@ class MetricsLogger:
             first collective, and no rank sees a file another rank just created.
         advice: the way on that a failed write of the JSONL file (:meth:`log`) names, asked
             for when it fails (hdet-train: the checkpoint to resume from, or none).
+        on_step: called with a record's optimizer step just before the record is written
+            (hdet-train: the step its stop line names, so that no record is newer than the
+            step a stop names; tester round 49: "at step 69" beside a step-70 record).
     """
 
     def __init__(self, jsonl: str | None = None, wandb: WandbConfig | None = None,
                  config: dict | None = None, enabled: bool = True, append: bool = True,
-                 run_id: str | None = None, advice: Callable[[], str] | None = None) -> None:
+                 run_id: str | None = None, advice: Callable[[], str] | None = None,
+                 on_step: Callable[[int], None] | None = None) -> None:
         self.enabled = enabled
         self._advice = advice
+        self._on_step = on_step
         self._file = None
         self._wandb_run = None
         self._defined: set[str] = set()  # key namespaces given hdet/step as x axis (user's run)
@@ -255,6 +260,8 @@ class MetricsLogger:
         """
         if not self.enabled:
             return
+        if step is not None and self._on_step is not None:
+            self._on_step(step)
         try:
             if self._file is None and self._jsonl:
                 os.makedirs(os.path.dirname(os.path.abspath(self._jsonl)), exist_ok=True)

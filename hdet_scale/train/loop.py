@@ -33,7 +33,7 @@ from hdet_scale.train.engines import build_engine
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, loss_fn
 from hdet_scale.train.startup import watch_op_locks
-from hdet_scale.train.stopping import note_step, resume_advice
+from hdet_scale.train.stopping import attempt_step, note_step, resume_advice
 from hdet_scale.train.validate import _in_trainer_terms, validate  # validate: re-exported (cli, tests)
 
 
@@ -158,7 +158,8 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     wandb_id = rundir.saved_wandb_run_id(run) if resuming and rank == 0 else None
     # a full disk, a quota or ulimit -f stopping metrics.jsonl names the checkpoint to resume from
     logger = MetricsLogger(os.path.join(run_dir, "metrics.jsonl"), wandb_cfg, run, enabled=rank == 0,
-                           append=resuming, run_id=wandb_id, advice=lambda: resume_advice(run))
+                           append=resuming, run_id=wandb_id, advice=lambda: resume_advice(run),
+                           on_step=lambda s: note_step(max(s, attempt_step() or 0)))
     d = run["data"]
     micro = batch_sizes(run["deepspeed"], world)[0]
     probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world)

@@ -54,7 +54,50 @@ def never_notes(run: dict) -> list[str]:
     if isinstance(log_every, int) and log_every > steps:
         notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets one per-step "
                      "record, the last step's (and the syncs' records)")
-    return notes + probe_note(run, cfg) + repeated_data_note(run) + unread_notes(run, cfg)
+    return notes + probe_note(run, cfg) + repeated_data_note(run) + unread_notes(run, cfg) + off_notes(run, cfg)
+
+
+def off_notes(run: dict, cfg: HDETConfig) -> list[str]:
+    """Settings of something the run does not do (tester round 49: each was silent):
+    ``auto.*`` with auto-LR off, ``warm_init.*`` with warm init off, ``train.keep_checkpoints``
+    without ``train.checkpoint_every`` (the run saves one checkpoint, at its end), and
+    ``overlap_gradient_sharing=false`` / ``model.sharded_init=false`` on a backend that
+    does not read them. A value counts as set when it differs from both the default and the
+    packaged deepspeed.json's (a copy of that file, or its block left as it is, says
+    nothing)."""
+    import dataclasses
+    import json
+
+    from hdet_scale.config import AutoConfig, WarmInitConfig
+    from hdet_scale.train.config import TrainConfig, packaged
+
+    hdet = run["deepspeed"].get("hdet") or {}
+    with open(packaged("deepspeed.json")) as f:
+        shipped = json.load(f)["hdet"]
+    notes = []
+    for block, fields, on in (("auto", AutoConfig, cfg.auto.enabled), ("warm_init", WarmInitConfig,
+                                                                       cfg.warm_init.enabled)):
+        given = hdet.get(block) if isinstance(hdet.get(block), dict) else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(fields)}
+        unused = [f"deepspeed.hdet.{block}.{k}={v}" for k, v in sorted(given.items())
+                  if k != "enabled" and k in defaults and v != defaults[k] and v != (shipped.get(block) or {}).get(k)]
+        if not on and unused:
+            notes.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: "
+                         f"deepspeed.hdet.{block}.enabled is false (set it to true to use "
+                         f"{'it' if len(unused) == 1 else 'them'})")
+    t = run["train"]
+    if t["keep_checkpoints"] != TrainConfig.keep_checkpoints and not t.get("checkpoint_every") and t["checkpoint"]:
+        notes.append(f"train.keep_checkpoints={t['keep_checkpoints']} has no effect: without train.checkpoint_every "
+                     "the run saves one checkpoint, at its end (set train.checkpoint_every=N to save every N steps and "
+                     "keep the newest keep_checkpoints)")
+    backend = run["backend"]
+    if backend != "deepspeed" and hdet.get("overlap_gradient_sharing") is False:
+        notes.append(f"deepspeed.hdet.overlap_gradient_sharing=false is read by the deepspeed backend only: {backend} "
+                     "overlaps its own gradient all-reduce whatever it says")
+    if backend in ("ddp", "fairscale") and run["model"].get("sharded_init") is False:
+        notes.append(f"model.sharded_init=false has no effect on {backend}, which builds the whole model on every "
+                     "rank either way")
+    return notes
 
 
 def probe_note(run: dict, cfg: HDETConfig) -> list[str]:
@@ -147,3 +190,21 @@ def eval_overlap_note(run: dict, windows: int, val_bytes: int) -> list[str]:
             f"data.seq_len+1={d['seq_len'] + 1} bytes from a validation split of {val_bytes} bytes (data.val_fraction="
             f"{d['val_fraction']}): they overlap, each byte is read about {read / val_bytes:.1f} times, and the loss "
             f"rests on those {val_bytes} bytes (a larger data.val_fraction or more data for a steadier one)"]
+
+
+def split_note(run: dict, train_bytes: int, val_bytes: int) -> list[str]:
+    """Data read by neither split (tester round 49: two files, the larger held out for
+    validation and cut at its budget, 100 kB of it unused while training had room, without a
+    word). With several files the split is by file and each split reads its files up to
+    its share of ``data.max_bytes`` (``data_read.read_splits``): a full validation split
+    beside a training split short of its share means files held out for validation beyond
+    that share are read by neither."""
+    d = run["data"]
+    train_budget = max(1, int(d["max_bytes"] * (1.0 - d["val_fraction"])))
+    val_budget = max(1, d["max_bytes"] - train_budget)
+    if val_bytes < val_budget or train_bytes >= train_budget:
+        return []
+    return [f"data: the validation split is full at {val_bytes} bytes (data.val_fraction x data.max_bytes) and the "
+            f"training split has {train_bytes} of its {train_budget}: the split is by file, so what the files held out "
+            "for validation hold beyond that is read by neither split (to train on it, give more or smaller files, "
+            "or a single file, which is split by position; to validate on it, raise data.val_fraction)"]

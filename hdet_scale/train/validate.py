@@ -27,7 +27,7 @@ from hdet_scale.autolr import build_schedule, check_additive_floors
 from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, check_engine_config
 from hdet_scale.train.model import ModelConfig, check_buildable
-from hdet_scale.train.run_notes import eval_overlap_note
+from hdet_scale.train.run_notes import eval_overlap_note, split_note
 
 
 #: The optimizer's parameter groups in every hdet-train engine: ``engines.Engine`` hands it
@@ -164,6 +164,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               f"the validation split ({len(corpus.val)} bytes, data.val_fraction="
                               f"{d['val_fraction']}) has {val.num_windows}: at most {most}, or a larger "
                               "data.val_fraction")
+    for note in split_note(run, len(corpus.train), len(corpus.val)):
+        warnings.warn(f"hdet_scale: {note}", UserWarning, stacklevel=1)  # printed once: cli._validate_once
     for note in eval_overlap_note(run, asked, len(corpus.val)) if isinstance(micro, int) else []:
         warnings.warn(f"hdet_scale: {note}", UserWarning, stacklevel=1)  # printed once: cli._validate_once
     fault_hook.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike

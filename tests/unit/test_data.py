@@ -584,3 +584,36 @@ def test_unreadable_files_in_a_folder_are_refused_naming_them(tmp_path):
                                                       "Permission denied"
     readable = ",".join(f"corpus/f{i:02d}.txt" for i in range(16, 28))
     assert _load_as_nobody(tmp_path, readable) == "LOADED 12"
+
+
+def test_data_read_by_neither_split_gets_a_note(tmp_path):
+    """Tester round 49: a folder of two files (39,504 and 120,077 bytes) with
+    data.max_bytes=200000 trained on the smaller alone and validated on 20,000 bytes of the
+    larger: 100 kB read by neither split, without a word. The note names it; none when both
+    splits are full (max_bytes is what binds) or the validation split has room. (With seed
+    0, ``v.txt`` hashes to validation (0.07 < val_fraction 0.1) and ``t.txt`` to training.)"""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.data import load_corpus
+    from hdet_scale.train.run_notes import split_note
+
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "t.txt").write_text("t" * 39504)
+    (folder / "v.txt").write_text("v" * 120077)
+
+    def read(max_bytes):
+        run = load_run_config(None, ["wandb.enabled=false", f"data.path={folder}", f"data.max_bytes={max_bytes}",
+                                     "data.val_fraction=0.1", "seed=0", f"run_dir={tmp_path / 'run'}"])
+        d = run["data"]
+        corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"], run["run_dir"])
+        return (len(corpus.train), len(corpus.val)), split_note(run, len(corpus.train), len(corpus.val))
+
+    sizes, notes = read(200000)
+    assert sizes == (39504, 20000)
+    assert notes == ["data: the validation split is full at 20000 bytes (data.val_fraction x data.max_bytes) and the "
+                     "training split has 39504 of its 180000: the split is by file, so what the files held out for "
+                     "validation hold beyond that is read by neither split (to train on it, give more or smaller "
+                     "files, or a single file, which is split by position; to validate on it, raise "
+                     "data.val_fraction)"]
+    assert read(40000) == ((36000, 4000), [])  # both shares full: max_bytes binds, as documented
+    assert read(2_000_000) == ((39504, 120077), [])  # everything read

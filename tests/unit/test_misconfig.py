@@ -1403,3 +1403,34 @@ def test_a_config_file_with_an_equals_sign_in_its_name_is_read_as_the_file(tmp_p
     assert "train.steps" in err and "a: unknown key" not in err, err
     assert cli.main(["c=d.yaml", "wandb.enabled=false"]) == 2  # no such file: an override, refused as before
     assert "c: unknown key" in capsys.readouterr().err
+
+
+def test_settings_of_what_the_run_does_not_do_get_a_note():
+    """Tester round 49: auto.* with auto-LR off, warm_init.* with warm init off,
+    keep_checkpoints without checkpoint_every, overlap_gradient_sharing=false and
+    model.sharded_init=false on ddp: each ran without a word. One note each; none for the
+    packaged values left as they are, nor when the feature is on."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.run_notes import never_notes
+
+    base = ["wandb.enabled=false", "backend=ddp"]
+    assert never_notes(load_run_config(None, [*base, "deepspeed.hdet.auto.enabled=false"])) == []
+    run = load_run_config(None, [*base, "deepspeed.hdet.auto.enabled=false", "deepspeed.hdet.auto.temperature=0.5",
+                                 "deepspeed.hdet.auto.controller=paper", "deepspeed.hdet.warm_init.nu=0.05",
+                                 "train.keep_checkpoints=5", "deepspeed.hdet.overlap_gradient_sharing=false",
+                                 "model.sharded_init=false"])
+    assert never_notes(run) == [
+        "deepspeed.hdet.auto.controller=paper, deepspeed.hdet.auto.temperature=0.5 have no effect: "
+        "deepspeed.hdet.auto.enabled is false (set it to true to use them)",
+        "deepspeed.hdet.warm_init.nu=0.05 has no effect: deepspeed.hdet.warm_init.enabled is false (set it to true to "
+        "use it)",
+        "train.keep_checkpoints=5 has no effect: without train.checkpoint_every the run saves one checkpoint, at its "
+        "end (set train.checkpoint_every=N to save every N steps and keep the newest keep_checkpoints)",
+        "deepspeed.hdet.overlap_gradient_sharing=false is read by the deepspeed backend only: ddp overlaps its own "
+        "gradient all-reduce whatever it says",
+        "model.sharded_init=false has no effect on ddp, which builds the whole model on every rank either way"]
+    on = load_run_config(None, ["wandb.enabled=false", "backend=deepspeed", "deepspeed.hdet.auto.temperature=0.5",
+                                "deepspeed.hdet.warm_init.enabled=true", "deepspeed.hdet.warm_init.nu=0.05",
+                                "train.keep_checkpoints=5", "train.checkpoint_every=50",
+                                "deepspeed.hdet.overlap_gradient_sharing=false", "model.sharded_init=false"])
+    assert never_notes(on) == []

@@ -383,6 +383,24 @@ def test_a_torch_engine_switches_to_sgd_in_any_letters(backend, spelling):
         validate(ds, 4, build_model=False)
 
 
+def test_a_misspelt_optimizer_on_deepspeed_is_one_line_with_the_near_name():
+    """Tester round 48: ``"AdamWW"`` on DeepSpeed gave two lines, the second ZeRO's
+    untested-optimizer advice (set zero_allow_untested_optimizer), which then failed with
+    the first. Now one line, naming the near torch.optim class; a real but untested
+    optimizer (SGD) still gets ZeRO's line."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    ds = load_run_config(None, ["backend=deepspeed", "wandb.enabled=false", "deepspeed.optimizer.type=AdamWW"])
+    with pytest.raises(HDETConfigError) as e:
+        validate(ds, 4, build_model=False)
+    assert "'AdamWW' is neither a DeepSpeed optimizer" in str(e.value) and "did you mean 'AdamW'?" in str(e.value)
+    assert "zero_allow_untested_optimizer" not in str(e.value), e.value
+    sgd = load_run_config(None, ["backend=deepspeed", "wandb.enabled=false", "deepspeed.optimizer.type=SGD"])
+    with pytest.raises(HDETConfigError, match="unless zero_allow_untested_optimizer is true"):
+        validate(sgd, 4, build_model=False)
+
+
 def test_an_eps_of_0_spread_multiplicatively_is_refused_in_english():
     """Tester round 18: "a eps"."""
     from hdet_scale.autolr import build_schedule, check_additive_floors

@@ -14,6 +14,7 @@ The auto-LR tests here check the paper's update (``PAPER``: controller "paper", 
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -591,3 +592,28 @@ def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
     records, _ = syncs(last=15, steps=15)
     assert [r["step"] for r in records if "hdet/lr/group_0/base" in r] == [5, 10]
 
+
+
+def test_the_step_a_stop_names_is_noted_before_its_record_is_written(tmp_path):
+    """Tester round 49: a SIGTERM between a step's record (written inside the scheduler's
+    step) and the trainer's note of that step named "step 69" beside a step-70 record. The
+    logger now hands each record's step to ``on_step`` before writing it, so no record is
+    newer than the step a stop line names; the trainer's stopping.note_step gets it."""
+    from hdet_scale.logging import MetricsLogger
+    from hdet_scale.train import stopping
+
+    path = tmp_path / "metrics.jsonl"
+    seen = []
+
+    def on_step(step):
+        lines = path.read_text().splitlines() if path.exists() else []
+        seen.append((step, len(lines)))
+        stopping.note_step(step)
+
+    logger = MetricsLogger(str(path), on_step=on_step)
+    for step in (1, 2, 3):
+        logger.log({"train/loss": 1.0}, step=step)
+        assert stopping.attempt_step() == step == json.loads(path.read_text().splitlines()[-1])["step"]
+    logger.log({"summary": 1})  # a record without a step: nothing to note
+    logger.close()
+    assert seen == [(1, 0), (2, 1), (3, 2)]  # noted before the record was written
