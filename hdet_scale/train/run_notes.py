@@ -198,11 +198,21 @@ def split_note(run: dict, train_bytes: int, val_bytes: int) -> list[str]:
     word). With several files the split is by file and each split reads its files up to
     its share of ``data.max_bytes`` (``data_read.read_splits``): a full validation split
     beside a training split short of its share means files held out for validation beyond
-    that share are read by neither."""
+    that share are read by neither. Otherwise, a validation split holding more than twice
+    ``data.val_fraction`` of the bytes read (and 10 points more) gets a note too (tester
+    round 50: 76% with 0.1, few files of unequal size)."""
     d = run["data"]
     train_budget = max(1, int(d["max_bytes"] * (1.0 - d["val_fraction"])))
     val_budget = max(1, d["max_bytes"] - train_budget)
     if val_bytes < val_budget or train_bytes >= train_budget:
+        share = val_bytes / max(1, train_bytes + val_bytes)
+        if share > max(2 * d["val_fraction"], d["val_fraction"] + 0.1):
+            # tester round 50: three files, the largest held out: 76% of the bytes validated
+            # with val_fraction 0.1, without a word
+            return [f"data: validation holds {val_bytes} of the {train_bytes + val_bytes} bytes read ({share:.0%}; "
+                    f"data.val_fraction={d['val_fraction']}): with several files the split is by file, so a few files "
+                    "split unevenly (to train on more, give more or smaller files, or a single file, which is split "
+                    "by position)"]
         return []
     return [f"data: the validation split is full at {val_bytes} bytes (data.val_fraction x data.max_bytes) and the "
             f"training split has {train_bytes} of its {train_budget}: the split is by file, so what the files held out "

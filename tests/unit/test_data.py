@@ -616,4 +616,11 @@ def test_data_read_by_neither_split_gets_a_note(tmp_path):
                      "files, or a single file, which is split by position; to validate on it, raise "
                      "data.val_fraction)"]
     assert read(40000) == ((36000, 4000), [])  # both shares full: max_bytes binds, as documented
-    assert read(2_000_000) == ((39504, 120077), [])  # everything read
+    # tester round 50: everything read, but 75% of it validates (val_fraction 0.1)
+    sizes, notes = read(2_000_000)
+    assert sizes == (39504, 120077)
+    assert notes == ["data: validation holds 120077 of the 159581 bytes read (75%; data.val_fraction=0.1): with "
+                     "several files the split is by file, so a few files split unevenly (to train on more, give "
+                     "more or smaller files, or a single file, which is split by position)"]
+    (folder / "t.txt").write_text("t" * 1_000_000)  # training's share: no note
+    assert read(2_000_000) == ((1_000_000, 120077), [])
