@@ -758,21 +758,22 @@ def test_a_refusal_under_the_torchrun_launcher_is_exit_2_once_without_a_restart(
     Now: exit 2, the message once, nothing of the agent's, no restart, and no refusal
     marker left for restarts that do not come (train/refusals.py). A crash is still
     restarted: test_resume's torchrun test runs through the same launcher script."""
-    from hdet_scale.train.refusals import _folder
-
-    before = set(os.listdir(_folder())) if os.path.isdir(_folder()) else set()
+    # a private temporary folder: the job's refusal marker goes there (tempfile reads
+    # TMPDIR), apart from other jobs' on this machine
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     rc, err, seconds, leftovers = run_cli(
         ["bash", os.path.join(ROOT, "launchers", "torchrun_single_node.sh"), "backend=ddp", "train.steps=10",
          "deepspeed.hdet.replcas=2", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false"],
-        {"GPUS": "2", "MAX_RESTARTS": "3"})
+        {"GPUS": "2", "MAX_RESTARTS": "3", "TMPDIR": str(tmp)})
     assert rc == 2, (rc, err[-3000:])
     assert err.count("deepspeed.hdet.replcas: unknown key") == 1, err[-3000:]
     for noise in ("Traceback", "restart", "closing signal", "exitcode", "ChildFailedError"):
         assert noise not in err, (noise, err[-3000:])
     assert seconds < EXIT_S and not leftovers, (seconds, leftovers)
     assert not (tmp_path / "run").exists()
-    after = set(os.listdir(_folder())) if os.path.isdir(_folder()) else set()
-    assert after <= before, after - before
+    markers = tmp / f"hdet-train-refusals-{os.getuid()}"
+    assert not markers.exists() or not list(markers.iterdir()), list(markers.iterdir())
 
 
 @pytest.mark.parametrize("code,max_restarts,calls", [(3, "2", 1), (2, "2", 1), (1, "02", 3)])
