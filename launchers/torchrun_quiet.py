@@ -12,8 +12,12 @@ which stays until removed), and the rest were ended by the agent, a restart meet
 answer: the agent restarts nothing, its lines about the failure are not printed, and this
 exits with that code after rank 0's one message, without torchrun's ``ChildFailedError``
 summary and traceback (tester round 48: the message three times, then the traceback, exit
-1). Any other failure (a crash: exit 1, a signal) is restarted and reported as torchrun
-does. This reads the exit codes of ``hdet_scale.train.cli`` ranks: run nothing else with it.
+1). Any other failure (a crash: exit 1, a signal) is restarted as torchrun does, and
+reported in one line naming the failed ranks and what comes next (a restart, or none left:
+exit 1) in place of the agent's lines and of torchrun's summary and traceback; the ranks
+the agent then ends find a note of it (``train/refusals.py``), so rank 0's line names the
+failure and the checkpoint, not a SIGTERM (tester round 51). This reads the exit codes of
+``hdet_scale.train.cli`` ranks: run nothing else with it.
 
 Used by torchrun_stop.sh (sourced by torchrun_single_node.sh and torchrun_multi_node.sh)
 and slurm.sbatch.
@@ -53,7 +57,17 @@ for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
 elastic_api._terminate_process_handler = agent_stop
 
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent  # noqa: E402
+from torch.distributed.elastic.agent.server.api import WorkerState  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+
+try:  # hdet-train's words for failed ranks; torchrun's own lines for a program without it
+    from hdet_scale.train.launcher import describe_failures as describe
+    from hdet_scale.train.refusals import clear_failure, note_failure
+except ImportError:
+    describe = None
+failed: list[dict] = []  # {global rank: exit code} of a crash as first seen, until a restart runs
+reported: list[bool] = []  # monitor() printed its line about it
+global_rank: dict[int, int] = {}  # of each local rank, for the poll, which knows local ones
 
 NOT_RESTARTED = (2, 3)  # as launchers/deepspeed_hostfile.sh: what a restart cannot fix
 ENDED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)  # the agent ends a failed rank's siblings
@@ -69,12 +83,17 @@ def refusal(codes) -> int | None:
     return None
 
 
-def quiet_poll(self):  # the agent's poll of its ranks, silent when it finds a refusal
-    codes = [h.proc.poll() for h in self.subprocess_handlers.values()]
-    if refusal(codes) is None:
+def quiet_poll(self):  # the agent's poll of its ranks, silent when it finds a failure
+    codes = {local: h.proc.poll() for local, h in self.subprocess_handlers.items()}
+    if not any(codes.values()) or describe is None and refusal(codes.values()) is None:
         return poll(self)
+    if describe is not None and not failed and refusal(codes.values()) is None:
+        # a crash, seen before poll() ends the other ranks: a note for them, whose stop
+        # line would otherwise blame a SIGTERM (tester round 51)
+        failed.append({global_rank.get(local, local): c for local, c in codes.items() if c})
+        note_failure(os.getpid(), describe(failed[0], hint=False).removeprefix("failed: "))
     # "Sending process N closing signal SIGTERM" and "failed (exitcode: 2)" would follow
-    # rank 0's message; a crash in the same instant loses these two lines, not its report
+    # rank 0's message on a refusal, and on a crash repeat the line monitor() prints
     quiet = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
              if n.startswith("torch.distributed.elastic")]
     levels = [q.level for q in quiet]
@@ -88,10 +107,27 @@ def quiet_poll(self):  # the agent's poll of its ranks, silent when it finds a r
 
 
 def monitor(self, worker_group):  # the agent's monitor: a refusal leaves no restart
+    global_rank.update({w.local_rank: w.global_rank for w in worker_group.workers})
     result = monitor_workers(self, worker_group)
-    if result.is_failed() and (code := refusal(f.exitcode for f in result.failures.values())) is not None:
+    if not result.is_failed():
+        if failed and result.state == WorkerState.HEALTHY:  # restarted: the ranks run again
+            failed.clear()
+            reported.clear()
+            clear_failure(os.getpid())
+        return result
+    codes = {rank: f.exitcode for rank, f in result.failures.items()}
+    if (code := refusal(codes.values())) is not None:
         self._remaining_restarts = 0
         refused.append(code)
+    elif failed and not reported:
+        # a crash: one line saying which ranks failed first and what comes next (tester
+        # round 51: no line named the checkpoint, then ChildFailedError's traceback)
+        reported.append(True)
+        left, limit = self._remaining_restarts, worker_group.spec.max_restarts
+        then = (f"torchrun ends the other ranks and restarts the job (restart {limit - left + 1} of {limit}), "
+                "which resumes from its last checkpoint" if left > 0 else
+                f"no restarts left (--max-restarts={limit}): torchrun ends the other ranks and exits 1")
+        print(f"hdet-train: torchrun: {describe(failed[0])}; {then}.", file=sys.stderr, flush=True)
     return result
 
 
@@ -105,9 +141,13 @@ try:
     sys.exit(main())
 except SignalException as e:
     sys.exit(128 + int(e.sigval))
-except ChildFailedError:
+except ChildFailedError as e:
     if not refused:
-        raise
+        # a failure with no restarts left: monitor() named the ranks and rank 0 the checkpoint;
+        # no traceback of the agent's own (tester round 51)
+        if not failed:
+            print(str(e).strip("\n"), file=sys.stderr, flush=True)
+        sys.exit(1)
     sys.exit(refused[-1])  # rank 0 printed the one message
 finally:
     try:  # the refusal the ranks left for restarts that did not come (train/refusals.py)

@@ -150,13 +150,13 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
     if missing:  # a deleted folder: the older checkpoints may be whole (tester round 32)
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}; "
-                             f"{_other_checkpoints(saved, tag)}or start a new run_dir")
+                             f"{_ways_on(saved, tag)}")
     # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
     lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
             if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
     if lost:
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}; "
-                             f"{_other_checkpoints(saved, tag)}or start a new run_dir")
+                             f"{_ways_on(saved, tag)}")
     required = tag in manifested(saved)
     damaged = []
     for r in range(replicas):
@@ -169,16 +169,19 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
             damaged.append(p)
     if damaged:
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
-                             f"{_other_checkpoints(saved, tag)}or start a new run_dir")
+                             f"{_ways_on(saved, tag)}")
     return tag
 
 
-def _other_checkpoints(saved: dict, tag: str) -> str:
-    """The advice to resume from another complete checkpoint than ``tag`` (those the
-    layout ``saved`` lists), ending in ", "; empty when there is none."""
+def _ways_on(saved: dict, tag: str) -> str:
+    """The ways on from a damaged or incomplete checkpoint ``tag``: restore its files from
+    a copy, resume from another complete checkpoint (those the layout ``saved`` lists,
+    when there is one), or start a new run_dir (tester round 51: with no other checkpoint
+    the advice was "; or start a new run_dir" alone)."""
     older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
     listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
-    return f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
+    other = f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
+    return f"restore them from a copy, {other}or start a new run_dir"
 
 
 def _hdet_state_path(rdir: str, topology: Topology) -> str:

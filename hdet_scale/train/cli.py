@@ -355,14 +355,18 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{where} ({reason}); choose a free MASTER_PORT, or let torchrun choose "
                                       "(--standalone)") from None
             except RuntimeError as e:
-                from hdet_scale.train.launcher import PEER_LOST, peer_lost
+                from hdet_scale.train.launcher import PEER_LOST, gloo_reason, peer_lost
 
                 if not peer_lost(e):
                     raise
                 # tester round 30: under torchrun, gloo's "Connection reset by peer" traceback on
                 # each rank that outlived a dead one; torchrun's own lines name the failure
+                from hdet_scale.train.stopping import resume_advice
+
+                # tester round 51: with no restarts left, nothing else named the checkpoint
+                advice = f" {resume_advice(run)}" if rank == 0 else ""
                 print(f"hdet-train: rank {rank}: lost the connection to a rank that ended "
-                      f"({str(e).strip().splitlines()[0][:200]})", file=sys.stderr, flush=True)
+                      f"({gloo_reason(e)}).{advice}", file=sys.stderr, flush=True)
                 return PEER_LOST
             settle(0)  # done: a signal now (the launcher ending the job) changes nothing
             if rank == 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -356,6 +357,17 @@ def peer_lost(e: BaseException) -> bool:
     text = str(e)
     return "gloo" in text and any(k in text for k in (
         "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed"))
+
+
+def gloo_reason(e: BaseException) -> str:
+    """gloo's error in a few words: its first sentence without the source location
+    (``[.../pair.cc:537] Read error [127.0.0.1]:2455: Connection reset by peer. This is
+    typically caused by ...`` -> ``Read error [127.0.0.1]:2455: Connection reset by
+    peer``; tester round 51: cut mid-word at 200 characters)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
+    text = text.split(". ")[0].rstrip(".")
+    return text if len(text) <= 200 else text[:200].rsplit(" ", 1)[0] + " ..."
 
 
 def describe_failures(failed: dict[int, int], hint: bool = True) -> str:

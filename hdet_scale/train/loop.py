@@ -262,6 +262,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         "wall_s": wall,
         "checkpoint_s": checkpoint_s,  # periodic saves (train.checkpoint_every), inside wall_s
         "resumed_from_step": start_step if resuming else None,
+        "checkpointed": bool(run["train"]["checkpoint"]),  # the final checkpoint saved (rundir reads it)
         "params": engine.param_count(),
         "backward_passes": engine.backward_passes,  # this rank's, this process's
         "tokens_seen": engine.tokens * world,

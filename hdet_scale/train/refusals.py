@@ -112,6 +112,49 @@ def forget_agent(agent_pid: int) -> None:
                 pass
 
 
+# What the agent saw fail, for the ranks it then ends (launchers/torchrun_quiet.py): a rank
+# cannot tell the agent's SIGTERM after a failure from a user's signal it forwards (tester
+# round 51: rank 0 said "stopped by SIGTERM" after another rank was killed).
+def _failure_file(agent_pid: int) -> str:
+    return os.path.join(_folder(), f"{agent_pid}-failed")
+
+
+def note_failure(agent_pid: int, text: str) -> None:
+    """The agent ``agent_pid`` found its ranks failed (``text``: which, in words) and is about
+    to end the others: leave it for their signal handlers (:func:`failure_noted`). Written
+    whole, by rename. Never raises."""
+    path = _failure_file(agent_pid)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def clear_failure(agent_pid: int) -> None:
+    """The agent's ranks run again (a restart): no failure is theirs. Never raises."""
+    try:
+        os.remove(_failure_file(agent_pid))
+    except OSError:
+        pass
+
+
+def failure_noted() -> str | None:
+    """In a rank under ``torchrun`` (through launchers/torchrun_quiet.py): the failure its
+    agent (the parent) noted before ending this rank, in words; ``None`` otherwise (a
+    user's signal, another launcher). Never raises."""
+    if RESTART_VAR not in os.environ:
+        return None
+    try:
+        with open(_failure_file(os.getppid()), encoding="utf-8") as f:
+            return f.read() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 #: How long a rank other than 0 waits after refusing, for rank 0 to print the message.
 QUIET_RANK_WAIT_S = 10.0
 

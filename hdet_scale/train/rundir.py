@@ -75,13 +75,25 @@ def restart_line(run: dict, start: str) -> str | None:
     return f"torchrun restart {k}: the failed attempt saved no checkpoint; starting over (its files replaced)"
 
 
-def _why_no_checkpoint(held: list[str]) -> str:
+def _why_no_checkpoint(held: list[str], run_dir: str) -> str:
     """Why a run whose files ``held`` (of :data:`RUN_FILES`) lack ``checkpoint/`` has none:
     a ``summary.json`` is written only when a run completes (tester round 41: a completed
-    ``train.checkpoint=false`` run was said to have stopped before its first save)."""
-    if "summary.json" in held:
+    ``train.checkpoint=false`` run was said to have stopped before its first save), and
+    says whether it saved a final checkpoint (``checkpointed``; tester round 51: a deleted
+    ``checkpoint/`` was put down to ``train.checkpoint=false``). Never raises."""
+    if "summary.json" not in held:
+        return "it stopped before its first save; train.checkpoint_every=N saves every N steps"
+    try:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            saved = json_load(f).get("checkpointed")
+    except (OSError, ValueError, AttributeError):
+        saved = None
+    if saved is False:
         return "it completed with train.checkpoint=false, which saves none"
-    return "it stopped before its first save; train.checkpoint_every=N saves every N steps"
+    if saved is True:
+        return f"it completed and saved a checkpoint, but {os.path.join(run_dir, 'checkpoint')} is gone: moved or deleted"
+    return ("it completed, and its checkpoint/ folder is not there: deleted or moved, or the run had "
+            "train.checkpoint=false")
 
 
 def start_mode(run: dict) -> str:
@@ -123,12 +135,12 @@ def start_mode(run: dict) -> str:
         raise HDETConfigError(_no_latest(ckpt))
     if t["resume"] and held and not t["overwrite"]:
         raise HDETConfigError(f"train.resume: {run_dir} holds a run ({', '.join(held)}) but no checkpoint to resume "
-                              f"from ({_why_no_checkpoint(held)}): start it over with train.resume=false "
+                              f"from ({_why_no_checkpoint(held, run_dir)}): start it over with train.resume=false "
                               "train.overwrite=true, or choose another run_dir")
     if held and not t["overwrite"]:
         # no checkpoint/ at all (has_latest is False here): a resume is no way on (tester round 39)
         resume = ("continue it with train.resume=true (needs its checkpoint/latest), " if os.path.isdir(ckpt) else
-                  f"it has no checkpoint to resume from ({_why_no_checkpoint(held)}); ")
+                  f"it has no checkpoint to resume from ({_why_no_checkpoint(held, run_dir)}); ")
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); {resume}choose another "
                               "run_dir, or set train.overwrite=true to replace it")
     if not held and not t["overwrite"] and t.get("plots", True):

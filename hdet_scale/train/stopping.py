@@ -92,6 +92,26 @@ def stop_message(signum: int, run: dict[str, Any], who: str, step: int | None) -
     return f"{head} {resume_advice(run)}"
 
 
+def failed_message(failure: str, run: dict[str, Any], step: int | None) -> str:
+    """The line of rank 0 when torchrun's agent ended it because other ranks failed
+    (``failure``: which, in words, noted by launchers/torchrun_quiet.py): what failed, the
+    step this attempt reached, and what comes next: torchrun's restart, which resumes by
+    itself, or (none left) the checkpoint to continue from. Never raises."""
+    at = f" at step {step}" if step is not None else " before its first step"
+    head = f"hdet-train: torchrun ended every rank{at} after a failure ({failure})."
+    try:
+        used = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", ""))
+    except ValueError:
+        used = limit = 0
+    if used >= limit:
+        return f"{head} {resume_advice(run)}"
+    saved = last_checkpoint(run["run_dir"])
+    where = (f"resumes from {saved[0]}" + (f" (step {saved[1]})" if saved[1] is not None else "")
+             if saved else "starts again (no checkpoint was saved yet)")
+    return f"{head} It restarts the job (restart {used + 1} of {limit}), which {where} by itself."
+
+
 def resume_advice(run: dict[str, Any]) -> str:
     """Where the last checkpoint of ``run`` is and how to continue from it (or that there
     is none and what to do instead): the second half of :func:`stop_message`, also said
@@ -230,8 +250,13 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
                 os.write(2, (completed_message(signum, run, since) + "\n").encode())
             os._exit(0)
         if announce:
-            os.write(2, (stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",
-                                      attempt_step()) + "\n").encode())
+            from hdet_scale.train.refusals import failure_noted
+
+            failure = failure_noted()
+            line = (failed_message(failure, run, attempt_step()) if failure else
+                    stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",
+                                 attempt_step()))
+            os.write(2, (line + "\n").encode())
         os._exit(exit_code(signum))
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

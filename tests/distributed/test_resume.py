@@ -140,6 +140,33 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
         assert sorted(p.name for p in (ckpt / f"replica_{r}").iterdir() if p.is_dir()) == ["global_step6", "global_step8"]
 
 
+def test_a_crash_with_no_restarts_left_names_the_checkpoint_without_a_traceback(tmp_path):
+    """Tester round 51: through the launchers' torchrun with no restarts left, a killed rank
+    ended in torchrun's ChildFailedError traceback, rank 0 said "stopped by SIGTERM" (the
+    agent's, after the kill), and no line named the checkpoint. Now exit 1 (torchrun's code
+    for a failure), one line of the launcher naming the killed rank, rank 0's naming the
+    failure and the checkpoint, no traceback, no agent lines, no marker left."""
+    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
+    proc = hdet_train([f"run_dir={run_dir}", "backend=ddp", *SHORT],
+                      launcher=(quiet, "--standalone", "--nproc_per_node=4", "--max-restarts=0"),
+                      env={**KILL, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp)})
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    for absent in ("Traceback", "stopped by SIGTERM", "closing signal", "exitcode"):
+        assert absent not in err, (absent, err[-3000:])
+    assert ("hdet-train: torchrun: failed: rank(s) [3] killed by SIGKILL (signal 9); a rank killed by SIGKILL is "
+            "often the out-of-memory killer's work (see dmesg), or a kill -9; no restarts left (--max-restarts=0): "
+            "torchrun ends the other ranks and exits 1.") in err, err[-3000:]
+    # rank 0's line: the agent's SIGTERM (which names the failure) or gloo's lost peer first
+    assert f"Last checkpoint: {run_dir}/checkpoint/replica_*/global_step6 (step 6); continue with train.resume=true" \
+        in err, err[-3000:]
+    ended = [line for line in err.splitlines() if line.startswith("hdet-train: torchrun ended every rank")]
+    assert all("after a failure (rank(s) [3] killed by SIGKILL (signal 9))." in line for line in ended), ended
+    assert not [p for p in tmp.rglob("*") if p.is_file()]  # the failure note is the agent's to remove
+
+
 def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrupted):
     """FSDP2 under ``torchrun --max-restarts=1``, started as launchers/ start it (through
     launchers/torchrun_quiet.py, which restarts no refusal: a crash must still be
@@ -156,13 +183,18 @@ def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrup
     proc = hdet_train([f"run_dir={run_dir}", "backend=fsdp2", *SHORT], launcher=launcher,
                       env={**KILL, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exitcode: -9" in proc.stderr  # the first attempt did die
+    # the first attempt did die, and the launcher's one line says so and what comes next
+    assert ("hdet-train: torchrun: failed: rank(s) [3] killed by SIGKILL (signal 9)" in proc.stderr
+            and "torchrun ends the other ranks and restarts the job (restart 1 of 1)" in proc.stderr), proc.stderr[-3000:]
     # and the restart says what it does (tester round 25: only summary.json's resumed_from_step did)
     assert (f"hdet-train: torchrun restart 1: resuming from the newest checkpoint, "
             f"{run_dir}/checkpoint/replica_*/global_step6") in proc.stderr, proc.stderr[-3000:]
-    # a survivor's stop line, if one got to print it, says that torchrun restarts by itself
-    stops = [line for line in proc.stderr.splitlines() if line.startswith("hdet-train: stopped by")]
-    assert all("it restarts the job (restart 1 of 1)" in line for line in stops), stops
+    # rank 0's line, if the agent's SIGTERM came first, names the failure and the restart
+    # (tester round 51: "stopped by SIGTERM", as if the user had sent it)
+    assert "stopped by SIGTERM" not in proc.stderr, proc.stderr[-3000:]
+    ended = [line for line in proc.stderr.splitlines() if line.startswith("hdet-train: torchrun ended every rank")]
+    assert all(f"It restarts the job (restart 1 of 1), which resumes from {run_dir}/checkpoint/replica_*/global_step6 "
+               "(step 6) by itself." in line for line in ended), ended
     # tester round 30: a rank that outlived the dead one printed gloo's connection-reset
     # traceback; now one line when it happens (torchrun's own SIGTERM may come first)
     assert not ("Traceback" in proc.stderr and "Connection reset by peer" in proc.stderr), proc.stderr[-3000:]

@@ -309,7 +309,7 @@ def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_
         save(ckpt, step)
         for r in range(REPLICAS):  # the second shard's file, which save() leaves out
             (ckpt / f"replica_{r}" / f"global_step{step}" / "hdet_shard_1.pt").write_bytes(b"x")
-    advice = "resume from another complete checkpoint by writing its tag into latest ("
+    advice = "restore them from a copy, resume from another complete checkpoint by writing its tag into latest ("
     (ckpt / "replica_1" / "global_step20" / "hdet_shard_0.pt").unlink()
     with pytest.raises(HDETStateError) as err:
         check_resumable(str(ckpt), 4, REPLICAS, "ddp")
@@ -352,6 +352,8 @@ def test_a_cut_short_archive_is_named_once(tmp_path):
         check_resumable(str(ckpt), 4, REPLICAS, "ddp")
     assert str(err.value).count(str(cut)) == 1, err.value
     assert f"{cut}: truncated or damaged (1000 bytes;" in str(err.value), err.value
+    # tester round 51: with no other checkpoint the advice was "; or start a new run_dir" alone
+    assert str(err.value).endswith("; restore them from a copy, or start a new run_dir"), err.value
     # a second file of the folder, cut by the size alone, is still named by the manifest
     (ckpt / "replica_1" / tag / "hdet_shard_0.pt").write_bytes(b"xy")
     with pytest.raises(HDETStateError) as err:
@@ -802,12 +804,21 @@ def test_a_completed_run_without_a_checkpoint_is_not_said_to_have_stopped(tmp_pa
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    (run_dir / "summary.json").write_text("{}")
+    (run_dir / "summary.json").write_text('{"checkpointed": false}')
     for extra in ([], ["train.resume=true"]):
         with pytest.raises(HDETConfigError) as e:
             rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", *extra]))
         assert "it completed with train.checkpoint=false, which saves none" in str(e.value), str(e.value)
         assert "stopped" not in str(e.value), str(e.value)
+    # tester round 51: a run that saved, whose checkpoint/ was deleted, was put down to
+    # train.checkpoint=false; the summary says whether it saved (older ones do not: both named)
+    for text, said in (('{"checkpointed": true}', f"it completed and saved a checkpoint, but {run_dir}/checkpoint "
+                                                  "is gone: moved or deleted"),
+                       ("{}", "not there: deleted or moved, or the run had train.checkpoint=false")):
+        (run_dir / "summary.json").write_text(text)
+        with pytest.raises(HDETConfigError) as e:
+            rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"]))
+        assert said in str(e.value) and "which saves none" not in str(e.value), str(e.value)
     (run_dir / "summary.json").unlink()  # a run stopped before its first save: said so, as before
     for extra in ([], ["train.resume=true"]):
         with pytest.raises(HDETConfigError, match="it stopped before its first save"):

@@ -39,3 +39,32 @@ def test_forget_agent_removes_only_that_agents_markers(monkeypatch, tmp_path):
     assert os.listdir(refusals._folder()) == [os.path.basename(other)]
     refusals.forget_agent(12345678)  # none of its own: nothing happens, nothing raises
     assert os.path.exists(other)
+
+
+def test_the_agents_failure_note_names_the_failure_in_rank_0s_line(monkeypatch, tmp_path):
+    """Tester round 51: rank 0, ended by the agent after another rank was killed, said
+    "stopped by SIGTERM" as if the user had sent it. The agent's note (written by
+    launchers/torchrun_quiet.py before it ends the ranks) makes the line name the failure
+    and what comes next: a restart that resumes by itself, or (none left) the checkpoint."""
+    from hdet_scale.train.stopping import failed_message
+
+    _attempt(monkeypatch, tmp_path, 0, 1)
+    assert refusals.failure_noted() is None  # no note: a user's signal
+    refusals.note_failure(os.getppid(), "rank(s) [3] killed by SIGKILL (signal 9)")
+    assert refusals.failure_noted() == "rank(s) [3] killed by SIGKILL (signal 9)"
+    run = {"run_dir": str(tmp_path / "run"), "train": {"checkpoint_every": 3}}
+    line = failed_message(refusals.failure_noted(), run, 7)
+    assert line == ("hdet-train: torchrun ended every rank at step 7 after a failure (rank(s) [3] killed by SIGKILL "
+                    "(signal 9)). It restarts the job (restart 1 of 1), which starts again (no checkpoint was "
+                    "saved yet) by itself."), line
+    _attempt(monkeypatch, tmp_path, 1, 1)  # the last attempt: the checkpoint and train.resume
+    line = failed_message("rank(s) [3] killed by SIGKILL (signal 9)", run, 7)
+    assert "restart" not in line and "No checkpoint was saved yet (train.checkpoint_every=3)" in line, line
+    refusals.clear_failure(os.getppid())  # the restarted ranks run: no failure is theirs
+    assert refusals.failure_noted() is None
+    refusals.note_failure(os.getppid(), "x")
+    refusals.forget_agent(os.getppid())  # the agent ends: nothing of it is left
+    assert os.listdir(refusals._folder()) == []
+    monkeypatch.delenv(refusals.RESTART_VAR)  # outside torchrun: never a note
+    refusals.note_failure(os.getppid(), "x")
+    assert refusals.failure_noted() is None
