@@ -25,6 +25,17 @@ import tempfile
 RESTART_VAR = "TORCHELASTIC_RESTART_COUNT"
 
 
+def attempts() -> tuple[int, int] | None:
+    """``(this attempt's restart count, --max-restarts)`` under ``torchrun``
+    (``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``); ``None`` outside it or
+    when either is not an integer. The one reader of the two (they were read in four
+    places). Never raises."""
+    try:
+        return int(os.environ[RESTART_VAR]), int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return None
+
+
 def _folder() -> str:
     return os.path.join(tempfile.gettempdir(), f"hdet-train-refusals-{os.getuid()}")
 
@@ -39,10 +50,8 @@ def _marker(argv: list[str]) -> str | None:
 
 
 def _last_attempt() -> bool:
-    try:
-        return _attempt() >= int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "-1"))
-    except ValueError:
-        return False
+    now = attempts()
+    return now is not None and now[0] >= now[1]
 
 
 def _attempt() -> int:

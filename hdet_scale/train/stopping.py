@@ -99,11 +99,9 @@ def failed_message(failure: str, run: dict[str, Any], step: int | None) -> str:
     itself, or (none left) the checkpoint to continue from. Never raises."""
     at = f" at step {step}" if step is not None else " before its first step"
     head = f"hdet-train: torchrun ended every rank{at} after a failure ({failure})."
-    try:
-        used = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
-        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", ""))
-    except ValueError:
-        used = limit = 0
+    from hdet_scale.train.refusals import attempts
+
+    used, limit = attempts() or (0, 0)
     if used >= limit:
         return f"{head} {resume_advice(run)}"
     saved = last_checkpoint(run["run_dir"])
@@ -153,11 +151,9 @@ def _restart_note() -> str:
     workers with SIGTERM when one fails and then restarts the job, which resumes by
     itself: the advice above is then for a stop the user asked for. (The agent forwards
     a user's signal the same way; a worker cannot tell the two apart.)"""
-    try:
-        used = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
-        limit = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", ""))
-    except ValueError:
-        return ""
+    from hdet_scale.train.refusals import attempts
+
+    used, limit = attempts() or (0, 0)
     if used >= limit:
         return ""
     return (f" If torchrun ended this attempt because a rank failed, it restarts the job (restart {used + 1} of "
