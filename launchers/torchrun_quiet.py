@@ -37,11 +37,32 @@ def stop(signum, frame):  # a signal before torchrun's own handlers are set
 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(s, stop)
 
+# Started by torchrun_stop.sh (HDET_LAUNCHER_PID: the script) in a process group of its own:
+# a kill -9 of the script forwards nothing, and torchrun and its ranks trained on, detached
+# (tester round 52). The kernel sends SIGTERM when the script dies (Linux
+# prctl(PR_SET_PDEATHSIG)), which ends the job as a stop does. Only for the script: run
+# directly under nohup, this must outlive the shell that started it.
+launcher = os.environ.pop("HDET_LAUNCHER_PID", "")
+if launcher == str(os.getppid()):
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        sys.exit(128 + signal.SIGTERM)
+else:
+    launcher = ""
+
 import torch.distributed.elastic.multiprocessing.api as elastic_api  # noqa: E402
 from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
 
 
 def agent_stop(signum, frame):  # torchrun's handler, whose agent then ends the ranks
+    if launcher and os.getppid() != int(launcher):
+        print(f"hdet-train: torchrun: its launcher script (process {launcher}) is gone without passing a signal on "
+              "(a kill -9?): torchrun ends the ranks", file=sys.stderr, flush=True)
     # The agent's warnings about ending the ranks ("Received 15 death signal", "Sending
     # process N closing signal SIGTERM") repeat the trainer's stop line three times over:
     # silenced from the stop on; its errors still show. Its loggers carry their own level.

@@ -31,7 +31,9 @@ trap 'forward TERM 143' TERM
 trap 'forward HUP 129' HUP
 run_torchrun() {  # torchrun's arguments; never returns
   set -m
-  "${python_bin}" "${quiet_torchrun}" "$@" &
+  # HDET_LAUNCHER_PID: torchrun_quiet.py ends torchrun (and so the ranks) when this script
+  # dies without passing a signal on (kill -9): its own process group outlives the script
+  HDET_LAUNCHER_PID=$$ "${python_bin}" "${quiet_torchrun}" "$@" &
   child=$!
   set +m
   send  # a signal that came while torchrun was being started

@@ -244,16 +244,18 @@ def _empty_file_notes(path: str | None) -> list[str]:
 
 
 def _switch_notes(run: dict, file_ds: dict | None = None) -> list[str]:
-    """What a new ``optimizer.type`` left out of the DeepSpeed JSON's params
-    (``optimizer_switch``); ``file_ds``: that JSON as read (read here if not given)."""
+    """What a new ``optimizer.type`` left out of the DeepSpeed JSON's params, and a new
+    ``hdet.schedule.name`` of its schedule keys (``optimizer_switch``); ``file_ds``: that
+    JSON as read (read here if not given)."""
     from hdet_scale.train.config import packaged
     from hdet_scale.train.config_files import load_deepspeed_json
-    from hdet_scale.train.optimizer_switch import switch_note
+    from hdet_scale.train.optimizer_switch import schedule_switch_note, switch_note
 
     path = run["deepspeed_config"] or packaged("deepspeed.json")
-    note = switch_note(load_deepspeed_json(path) if file_ds is None else file_ds, run["deepspeed"],
-                       path if run["deepspeed_config"] else "the packaged deepspeed.json")
-    return [note] if note else []
+    file_ds = load_deepspeed_json(path) if file_ds is None else file_ds
+    name = path if run["deepspeed_config"] else "the packaged deepspeed.json"
+    return [n for n in (switch_note(file_ds, run["deepspeed"], name),
+                        schedule_switch_note(file_ds, run["deepspeed"], name)) if n]
 
 
 def main(argv: list[str] | None = None) -> int:

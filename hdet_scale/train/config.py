@@ -27,7 +27,7 @@ from hdet_scale.train.config_merge import container_clash as _container_clash
 from hdet_scale.train.config_merge import empty_over_full as _empty_over_full
 from hdet_scale.train.config_merge import null_over_file_hint
 from hdet_scale.train.config_merge import refuse_empty_over_full as _refuse_empty_over_full
-from hdet_scale.train.optimizer_switch import drop_foreign_params
+from hdet_scale.train.optimizer_switch import drop_foreign_params, drop_foreign_schedule
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.safe_parse import yaml_load
 from hdet_scale.backends import BACKENDS
@@ -172,6 +172,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         raise HDETConfigError(f"deepspeed: {describe(e)} (merging the overrides into {ds_path})") from None
     # optimizer.type=SGD over the file's AdamW
     drop_foreign_params(ds, given, run["deepspeed"], torch_engine=run.get("backend") != "deepspeed")
+    drop_foreign_schedule(ds, given, run["deepspeed"])  # schedule.name=constant over the file's onecycle
     try:
         _validate(run)
     except HDETConfigError as e:

@@ -222,7 +222,8 @@ def _walk(top: str, rel_top: str, real_top: str, walked: set[tuple[int, int]], f
         stack.extend(reversed(subdirs))
 
 
-def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, int], part: str = "") -> _Found:
+def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, int], part: str = "",
+                  run_dir: str | None = None) -> _Found:
     """Regular, non-hidden files under ``folder`` (``(st_dev, st_ino)`` ``ident``) as
     ``(relative posix path, path, (st_dev, st_ino), real path)`` (strings but the
     identity), sorted by relative path; not judged text here.
@@ -236,7 +237,8 @@ def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, i
         HDETConfigError: a folder met inside ``folder`` (a link to it, or to ``/``) whose
             real path is in /proc or /sys; files or folders inside it that this process
             may not read (:func:`_refuse_unreadable`, naming ``part``, the item of
-            ``data.path``).
+            ``data.path``); a linked folder that is ``run_dir``, lies inside it or holds
+            it (tester round 52: found only at the resume, once run_dir held files).
     """
     found: _Found = []
     walked = {ident}
@@ -254,11 +256,27 @@ def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, i
                 walked.add((st.st_dev, st.st_ino))
                 real = os.path.realpath(full)
                 _refuse_pseudo(full, real)
+                _refuse_run_dir(full, real, run_dir)
                 _walk(full, rel, real, walked, found, links, progress, unreadable)
     if unreadable:
         _refuse_unreadable(part or str(folder), unreadable)
     found.sort(key=lambda item: item[0])
     return found
+
+
+def _refuse_run_dir(full: str, real: str, run_dir: str | None) -> None:
+    """Refuse a linked folder ``full`` (real path ``real``) of a data folder that leads
+    into ``run_dir`` or holds it: the run's files would be training data (:func:`collect`
+    refuses the files themselves; at a fresh start run_dir has none yet)."""
+    if run_dir is None:
+        return
+    own = os.path.realpath(os.path.expanduser(run_dir)).rstrip(os.sep) + os.sep
+    linked = real.rstrip(os.sep) + os.sep
+    if linked.startswith(own) or own.startswith(linked):
+        how = "leads into" if linked.startswith(own) else "holds"
+        raise HDETConfigError(f"data.path: {full!r} {how} run_dir {run_dir!r} (it links to {real!r}): the run's own "
+                              "files (metrics, checkpoints) would be read as training data; remove the link or put "
+                              "run_dir elsewhere")
 
 
 def _refuse_unreadable(part: str, unreadable: _Unreadable) -> None:
@@ -397,7 +415,7 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
                                   "describe the running system and change while it runs: data.path takes text "
                                   "files or folders of them")
         if stat.S_ISDIR(st.st_mode):
-            members = _folder_files(p, progress, (st.st_dev, st.st_ino), part)
+            members = _folder_files(p, progress, (st.st_dev, st.st_ino), part, run_dir)
             if not any(files.judge_path(full, ident) for _, full, ident, _ in members):
                 raise HDETConfigError(f"data.path: folder {part!r} contains no readable, non-hidden UTF-8 text "
                                       "files")

@@ -27,10 +27,12 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what the launch
 REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
 
 
-def _die_with_launcher(launcher: int) -> None:
+def die_with_launcher(launcher: int) -> None:
     """Ask the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) to send this rank SIGTERM when
     the launcher dies, even by SIGKILL or the OOM killer: ranks must never train on
-    unseen, holding the machine and writing into a run_dir a restart would reuse."""
+    unseen, holding the machine and writing into a run_dir a restart would reuse.
+    ``launcher``: the parent's process id (this launcher's, torchrun's agent, the
+    deepspeed launcher's). Sends SIGTERM at once when the parent is already gone."""
     try:
         import ctypes
 
@@ -41,8 +43,35 @@ def _die_with_launcher(launcher: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _RankMessages:
+    """The ranks' refusals (``str``) for the launcher: one pipe per rank, written by that
+    rank alone. Not a ``SimpleQueue``: its two locks are semaphores, which
+    multiprocessing's resource tracker reported as "leaked" (a raw ``UserWarning``) when
+    the launcher was killed (tester round 52). The launcher keeps every writing end open,
+    so a reader never meets an end-of-file."""
+
+    def __init__(self, ctx: Any, n: int) -> None:
+        self._pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+
+    def writer(self, rank: int) -> Any:
+        return self._pipes[rank][1]
+
+    def empty(self) -> bool:
+        return not any(reader.poll() for reader, _ in self._pipes)
+
+    def get_all(self) -> list[str]:
+        out = []
+        for reader, _ in self._pipes:
+            while reader.poll():
+                try:
+                    out.append(reader.recv())
+                except (EOFError, OSError):
+                    break
+        return out
+
+
 def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: int, progress) -> None:
-    _die_with_launcher(launcher)
+    die_with_launcher(launcher)
     if rank == 0:
         from hdet_scale.train.stopping import share_progress
 
@@ -57,7 +86,7 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
         # The launcher prints each distinct message once and ends every rank. Until then this
         # rank stays, its connections open: its peers, maybe inside a collective with it,
         # end by SIGTERM instead of each printing a "connection closed" traceback.
-        errors.put(str(e))
+        errors.send(str(e))
         time.sleep(_REPORT_WAIT_S)
         sys.exit(USER_ERROR)
     except (ImportError, OSError) as e:
@@ -265,10 +294,10 @@ def launch_local(run: dict) -> int:
         resource_tracker.ensure_running()
     finally:
         signal.signal(signal.SIGHUP, hup)
-    errors = ctx.SimpleQueue()
+    errors = _RankMessages(ctx, n)
     port = _free_port()
     progress = ctx.Value("q", -1, lock=False)  # rank 0's last optimizer step (stopping.note_step)
-    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors, os.getpid(), progress))
+    procs = [ctx.Process(target=_rank_main, args=(run, r, n, port, errors.writer(r), os.getpid(), progress))
              for r in range(n)]
     stops = StopSignals()
     received = stops.received
@@ -323,8 +352,7 @@ def launch_local(run: dict) -> int:
             return 0
         _end(procs, 10)
         messages = []
-        while not errors.empty():
-            msg = errors.get()
+        for msg in errors.get_all():
             if msg not in messages:
                 messages.append(msg)
         for msg in messages:

@@ -7,6 +7,11 @@ new ``optimizer.type`` kept the file's ``optimizer.params``: the packaged AdamW'
 the file's params that the new type does not take are dropped, the ones it takes (``lr``,
 ``weight_decay``) are kept, and params the user set next to the type are kept as given
 (a wrong one is still refused, naming it). One note says what was dropped and from where.
+
+The same for ``deepspeed.hdet.schedule.name``: a new schedule over the file's drops the
+file's keys of the old one (tester round 52: ``schedule.name=constant`` over the packaged
+OneCycle block warned that ``pct_start`` and ``final_div_factor`` are not read and said
+"remove them", which no override can do).
 """
 
 from __future__ import annotations
@@ -70,3 +75,46 @@ def switch_note(file_ds: Mapping, merged: Mapping, ds_path: str) -> str | None:
     return (f"deepspeed.optimizer.type={new} replaces {ds_path}'s {old}: its optimizer.params "
             f"{', '.join(dropped)} are not {new}'s and are left out"
             + (f" ({', '.join(kept)} kept)" if kept else ""))
+
+
+def _schedule(ds: Any) -> Mapping | None:
+    hdet = ds.get("hdet") if isinstance(ds, Mapping) else None
+    sched = hdet.get("schedule") if isinstance(hdet, Mapping) else None
+    return sched if isinstance(sched, Mapping) else None
+
+
+def _schedule_change(file_ds: Any, given: Any) -> tuple[str, str] | None:
+    old, new = _schedule(file_ds), _schedule(given)
+    if old is None or new is None or not isinstance(new.get("name"), str):
+        return None
+    old_name = old.get("name", "onecycle")  # HDETConfig's default schedule
+    return (old_name, new["name"]) if isinstance(old_name, str) and old_name != new["name"] else None
+
+
+def drop_foreign_schedule(file_ds: Mapping, given: Mapping, merged: dict) -> None:
+    """Remove from ``merged["hdet"]["schedule"]`` (in place) the keys that came from the
+    file ``file_ds`` only, when ``given`` changes ``hdet.schedule.name`` and the new
+    schedule does not read them (``config.SCHEDULE_READS``; the momentum pair stays with
+    ``cycle_momentum``). Keys the user set beside the name stay (the checks then name
+    any the schedule does not read). An unknown name drops nothing. Never raises."""
+    from hdet_scale.config import SCHEDULE_READS
+
+    change = _schedule_change(file_ds, given)
+    if change is None or change[1] not in SCHEDULE_READS or change[0] not in SCHEDULE_READS:
+        return
+    own = set(_schedule(given))
+    reads = SCHEDULE_READS[change[1]] | {"name", "total_steps", "max_lr", "base_momentum", "max_momentum"}
+    for key in [k for k in _schedule(file_ds) if k not in own and k not in reads]:
+        merged["hdet"]["schedule"].pop(key, None)
+
+
+def schedule_switch_note(file_ds: Mapping, merged: Mapping, ds_path: str) -> str | None:
+    """The note for :func:`drop_foreign_schedule`'s work, or ``None`` when it dropped nothing."""
+    change = _schedule_change(file_ds, merged)
+    if change is None:
+        return None
+    dropped = [k for k in _schedule(file_ds) if k not in _schedule(merged)]
+    if not dropped:
+        return None
+    return (f"deepspeed.hdet.schedule.name={change[1]} replaces {ds_path}'s {change[0]} schedule: its "
+            f"{', '.join(dropped)} {'is' if len(dropped) == 1 else 'are'} {change[0]}'s and left out")

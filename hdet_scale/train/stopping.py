@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
@@ -119,6 +120,11 @@ def resume_advice(run: dict[str, Any]) -> str:
     if saved is not None:
         folder, ck_step = saved
         of = f" (step {ck_step})" if ck_step is not None else ""
+        if _an_earlier_runs(run):
+            # tester round 52: a train.overwrite=true run stopped before its start replaced
+            # the earlier run was told to resume that run's final checkpoint (then refused)
+            return (f"No checkpoint of this run was saved: {folder}{of} is the earlier run's in {run_dir}, which "
+                    f"this run had not yet replaced (nothing of it was changed); start again with the same command.")
         return (f"Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
                 f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0
@@ -129,6 +135,26 @@ def resume_advice(run: dict[str, Any]) -> str:
              else f"start again with the same command (no checkpoint or metrics of this run were written in "
              f"{run_dir}{_wandb_left(run_dir)})")
     return f"No checkpoint was saved yet ({why}): {again}."
+
+
+# When this process started: a checkpoint older than this is no save of this attempt's
+# (the launcher, and every rank, import this module before anything is trained or removed).
+_STARTED = time.time()
+
+
+def _an_earlier_runs(run: dict[str, Any]) -> bool:
+    """Whether ``run_dir/checkpoint/latest`` is another run's: this one neither resumes
+    (``train.resume``) nor is a torchrun restart of the job that saved it, and ``latest``
+    is older than this process (so this run saved nothing yet). Never raises."""
+    if run["train"].get("resume"):
+        return False
+    from hdet_scale.train.rundir import restarted_job
+
+    try:
+        return (not restarted_job(run["run_dir"]) and os.stat(os.path.join(run["run_dir"], "checkpoint", "latest"))
+                .st_mtime < _STARTED - _MTIME_SLACK_S)
+    except OSError:
+        return False
 
 
 def _wandb_left(run_dir: str) -> str:
@@ -221,6 +247,20 @@ def _plots_left(run: dict[str, Any], since: float | None) -> str:
     return "" if fresh else f"; its plots were not written: hdet-plot {run['run_dir']} writes them"
 
 
+def _gone(launcher: int, wait_s: float = 1.0) -> bool:
+    """Whether the parent ``launcher`` died (this process was handed to another). The
+    kernel sends the parent-death signal when the thread that started this process exits:
+    in a parent being killed that can come while its other threads still live, and the
+    parent's process id stays for a moment (seen under torchrun), so a signal from a live
+    parent (a stop it forwards) costs ``wait_s`` more to tell apart."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == launcher:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
     """A rank started by ``torchrun`` or the ``deepspeed`` launcher: on SIGINT or SIGTERM
     end at once with :func:`exit_code` (``os._exit``: no ``KeyboardInterrupt`` traceback,
@@ -231,11 +271,15 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
     :func:`completed_message`. A rank that does not announce prints nothing.
     Python runs the handler between bytecodes of the main thread: a rank inside a
     collective whose peer already ended gets the peer's error first, then the handler."""
-    import time
 
+    from hdet_scale.train.launcher import die_with_launcher
     from hdet_scale.train.startup import release_held_locks
 
     since = time.time()
+    # tester round 52: a kill -9 of torchrun's agent left its ranks training, orphaned,
+    # holding the run_dir; the kernel now sends SIGTERM to this handler when it dies
+    launcher = os.getppid()
+    die_with_launcher(launcher)
 
     def handler(signum: int, frame: Any) -> None:
         release_held_locks()  # a DeepSpeed op lock this rank holds (start-up) must not outlive it
@@ -249,9 +293,16 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
             from hdet_scale.train.refusals import failure_noted
 
             failure = failure_noted()
-            line = (failed_message(failure, run, attempt_step()) if failure else
-                    stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",
-                                 attempt_step()))
+            if _gone(launcher):  # the launcher died without ending the ranks
+                at = attempt_step()
+                line = (f"hdet-train: the launcher (process {launcher}) is gone without stopping the ranks (a kill -9, "
+                        f"or the out-of-memory killer?): every rank stops, "
+                        f"{f'at step {at}' if at is not None else 'before its first step'}. {resume_advice(run)}")
+            elif failure:
+                line = failed_message(failure, run, attempt_step())
+            else:
+                line = stop_message(signum, run, "every rank ends (its launcher forwards the signal to each)",
+                                    attempt_step())
             os.write(2, (line + "\n").encode())
         os._exit(exit_code(signum))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -580,6 +581,34 @@ def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path)
     assert "nothing of this run is kept" not in msg
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert "with train.overwrite=true" in stop_message(signal.SIGINT, run, "all 2 ranks ended", 1)
+
+
+def test_a_stop_before_an_overwrite_replaced_the_earlier_run_names_no_checkpoint_of_it(tmp_path, monkeypatch):
+    """Tester round 52: a ``train.overwrite=true`` run stopped before its start replaced the
+    earlier, completed run was told "Last checkpoint: .../global_step40; continue with
+    train.resume=true", the earlier run's checkpoint, and the resume was then refused
+    (nothing left to do). A ``latest`` older than this process is no save of this run's,
+    unless this run resumes it (train.resume, or a torchrun restart of the job)."""
+    import signal
+
+    from hdet_scale.train.stopping import stop_message
+
+    outside_torchrun(monkeypatch)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "latest").write_text("global_step40")
+    (run_dir / "metrics.jsonl").write_text('{"step": 40}\n')
+    old = time.time() - 3600
+    os.utime(run_dir / "checkpoint" / "latest", (old, old))
+    run = load_run_config(None, [f"run_dir={run_dir}", "train.overwrite=true"])
+    msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", None)
+    assert msg.endswith(f"No checkpoint of this run was saved: {run_dir}/checkpoint/replica_*/global_step40 is the "
+                        f"earlier run's in {run_dir}, which this run had not yet replaced (nothing of it was "
+                        "changed); start again with the same command."), msg
+    resumed = load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])
+    assert "continue with train.resume=true" in stop_message(signal.SIGINT, resumed, "all 2 ranks ended", 41)
+    os.utime(run_dir / "checkpoint" / "latest")  # saved by this process: this run's own
+    assert "continue with train.resume=true" in stop_message(signal.SIGINT, run, "all 2 ranks ended", 3)
 
 
 def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_path, monkeypatch):

@@ -421,6 +421,17 @@ def test_a_link_in_a_data_folder_into_run_dir_is_refused(tmp_path):
     (data / "runs").symlink_to(other)
     c = load_corpus(str(data), 0.3, 10**9, seed=0, run_dir=str(run_dir))
     assert c.train_files + c.val_files == 2
+    # tester round 52: a link to a run_dir that holds nothing yet (a fresh start) was
+    # accepted, and the resume of the same command refused; and a link to a folder that
+    # holds run_dir. Both refused at the start now, naming the link.
+    (data / "runs").unlink()
+    fresh = tmp_path / "fresh"
+    for target, how in ((fresh, "leads into"), (tmp_path / "runs", "holds")):
+        (data / "zlink").symlink_to(target, target_is_directory=True)
+        fresh.mkdir(exist_ok=True)
+        with pytest.raises(HDETConfigError, match=rf"data.path: '{data / 'zlink'}' {how} run_dir '.*' \(it links to "):
+            load_corpus(str(data), 0.3, 10**9, seed=0, run_dir=str(fresh if how == "leads into" else run_dir))
+        (data / "zlink").unlink()
 
 
 # ----------------------------------------------------------------- tester round 26

@@ -1434,3 +1434,27 @@ def test_settings_of_what_the_run_does_not_do_get_a_note():
                                 "train.keep_checkpoints=5", "train.checkpoint_every=50",
                                 "deepspeed.hdet.overlap_gradient_sharing=false", "model.sharded_init=false"])
     assert never_notes(on) == []
+
+
+def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():
+    """Tester round 52: ``deepspeed.hdet.schedule.name=constant`` over the packaged OneCycle
+    block warned that ``final_div_factor=10.0`` and ``pct_start=0.2`` are not read, "remove
+    them", which no override can do (``=null`` is refused as not a float). A new name is a
+    new schedule, as a new ``optimizer.type`` is a new optimizer: the file's keys of the old
+    one are left out with a note; keys the user sets beside the name stay (and are warned
+    about when unread); the same name, or none, drops nothing."""
+    from hdet_scale.config import HDETConfig
+    from hdet_scale.train.cli import _switch_notes
+    from hdet_scale.train.config import load_run_config
+
+    run = load_run_config(None, ["deepspeed.hdet.schedule.name=constant"])
+    assert run["deepspeed"]["hdet"]["schedule"] == {"name": "constant", "total_steps": 300}
+    assert HDETConfig.from_dict(run["deepspeed"]["hdet"]).schedule_unused_warning is None
+    assert _switch_notes(run) == ["deepspeed.hdet.schedule.name=constant replaces the packaged deepspeed.json's "
+                                  "onecycle schedule: its pct_start, final_div_factor are onecycle's and left out"]
+    run = load_run_config(None, ["deepspeed.hdet.schedule.name=constant", "deepspeed.hdet.schedule.pct_start=0.25"])
+    assert run["deepspeed"]["hdet"]["schedule"]["pct_start"] == 0.25  # the user's own: kept, and warned about
+    assert "pct_start=0.25" in HDETConfig.from_dict(run["deepspeed"]["hdet"]).schedule_unused_warning
+    for same in ([], ["deepspeed.hdet.schedule.name=onecycle"], ["deepspeed.hdet.schedule.pct_start=0.25"]):
+        run = load_run_config(None, same)
+        assert "final_div_factor" in run["deepspeed"]["hdet"]["schedule"] and _switch_notes(run) == [], same
