@@ -139,6 +139,13 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
            f"must be finite and >= 0, got {a.step_size}")
     _check(errors, a.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0 (optimizer steps), got {a.warmup_steps}")
     _check(errors, 1 <= a.max_factor < math.inf, f"{k}.max_factor", f"must be finite and >= 1, got {a.max_factor}")
+    pinned = [n for n, ax in cfg.axes.items()
+              if ax.kind == "multiplicative" and cfg.axis_auto(n)]
+    if a.enabled and a.controller == "log" and a.max_factor == 1 and pinned:  # tester round 53: silent
+        _check(errors, False, f"{k}.max_factor",
+               f"must be > 1 with auto.controller 'log': 1 bounds the multiplier of {', '.join(pinned)} to "
+               f"[1, 1], so auto-LR would move nothing; raise it (default 100) or set {k}.enabled=false",
+               reads=(f"{k}.enabled", f"{k}.controller"))
     for name in ("dropout", "label_smoothing"):  # tester round 19: a bias, not a measure
         if a.enabled and a.fitness == "train_loss" and name in cfg.axes and cfg.axes[name].auto is True:
             _check(errors, False, f"{p}.axes.{name}.auto",

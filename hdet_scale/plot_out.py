@@ -81,6 +81,23 @@ def read_record(folder: str) -> dict | None:
     return {"metrics": rec["metrics"], "pngs": {n for n in rec["pngs"] if isinstance(n, str) and _is_plot_name(n)}}
 
 
+def plotted_since(folder: str, since: float) -> bool:
+    """Whether a plotting finished in ``folder`` at or after ``since`` (``time.time()``,
+    with 2 s for the kernel's coarse file clock): its record says complete and is that
+    new. A folder of PNGs without a record (an older hdet-plot) counts when one PNG is
+    that new. Raises nothing."""
+    try:
+        path = os.path.join(folder, RECORD)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                rec = json_loads(f.read(1 << 20))
+            return (isinstance(rec, dict) and rec.get("complete") is True
+                    and os.stat(path).st_mtime >= since - 2.0)
+        return any(e.name.endswith(".png") and e.stat().st_mtime >= since - 2.0 for e in os.scandir(folder))
+    except (OSError, ValueError):
+        return False
+
+
 def _run_of(folder: str) -> str | None:
     """The run_dir whose ``plots`` folder ``folder`` is (its parent holds metrics.jsonl)."""
     real = os.path.realpath(folder)
@@ -151,15 +168,18 @@ class PlotsFolder:
             for name in os.listdir(self.path):
                 if _TEMP.fullmatch(name) and name != f"{RECORD}.tmp{os.getpid()}":
                     os.remove(os.path.join(self.path, name))
-        self._write_record([*self.written, *kept])
+        self._write_record([*self.written, *kept], complete=True)
         return removed
 
-    def _write_record(self, names: list[str]) -> None:
+    def _write_record(self, names: list[str], complete: bool = False) -> None:
         path = os.path.join(self.path, RECORD)
         tmp = f"{path}.tmp{os.getpid()}"
+        # "complete": written by finish() alone, after the last PNG (a stop during the
+        # end-of-run plots can then say they were not all written: tester round 53)
+        record = {"metrics": self.metrics, "pngs": names, "complete": complete}
         try:
             with open(tmp, "w", encoding="utf-8") as f:
-                f.write(json.dumps({"metrics": self.metrics, "pngs": names}, indent=1) + "\n")
+                f.write(json.dumps(record, indent=1) + "\n")
             os.replace(tmp, path)  # a reader sees the old record or the new one
         except OSError:
             with contextlib.suppress(OSError):

@@ -16,7 +16,10 @@ summary and traceback (tester round 48: the message three times, then the traceb
 reported in one line naming the failed ranks and what comes next (a restart, or none left:
 exit 1) in place of the agent's lines and of torchrun's summary and traceback; the ranks
 the agent then ends find a note of it (``train/refusals.py``), so rank 0's line names the
-failure and the checkpoint, not a SIGTERM (tester round 51). This reads the exit codes of
+failure and the checkpoint, not a SIGTERM (tester round 51). A failure after the run
+completed (rank 0 wrote summary.json: a rank killed during the end-of-run plots) is no
+failed run: one line says so, nothing is restarted, exit 0 (tester round 53: a restart then
+refused "nothing is left to do", or exit 1). This reads the exit codes of
 ``hdet_scale.train.cli`` ranks: run nothing else with it.
 
 Used by torchrun_stop.sh (sourced by torchrun_single_node.sh and torchrun_multi_node.sh)
@@ -83,7 +86,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 
 try:  # hdet-train's words for failed ranks; torchrun's own lines for a program without it
     from hdet_scale.train.launcher import describe_failures as describe
-    from hdet_scale.train.refusals import clear_failure, note_failure
+    from hdet_scale.train.refusals import clear_failure, completed_noted, note_failure
 except ImportError:
     describe = None
 failed: list[dict] = []  # {global rank: exit code} of a crash as first seen, until a restart runs
@@ -93,6 +96,7 @@ global_rank: dict[int, int] = {}  # of each local rank, for the poll, which know
 NOT_RESTARTED = (2, 3)  # as launchers/deepspeed_hostfile.sh: what a restart cannot fix
 ENDED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)  # the agent ends a failed rank's siblings
 refused: list[int] = []
+completed: list[str] = []  # summary.json of a completed run that a rank failed after
 
 
 def refusal(codes) -> int | None:
@@ -140,6 +144,16 @@ def monitor(self, worker_group):  # the agent's monitor: a refusal leaves no res
     if (code := refusal(codes.values())) is not None:
         self._remaining_restarts = 0
         refused.append(code)
+    elif failed and not reported and (done := completed_noted(os.getpid())) is not None:
+        # after rank 0 wrote summary.json (tester round 53: a rank's SIGABRT in its exit after
+        # a restart, reported as a failed run, exit 1): nothing to restart, exit 0
+        reported.append(True)
+        self._remaining_restarts = 0
+        completed.append(done[0])
+        if not done[1]:  # rank 0 had ended and said nothing of it
+            print(f"hdet-train: torchrun: {describe(failed[0], hint=False).removeprefix('failed: ')} after the run "
+                  f"completed ({done[0]} written, final checkpoint saved): nothing is lost and nothing is left to "
+                  "resume.", file=sys.stderr, flush=True)
     elif failed and not reported:
         # a crash: one line saying which ranks failed first and what comes next (tester
         # round 51: no line named the checkpoint, then ChildFailedError's traceback)
@@ -163,6 +177,8 @@ try:
 except SignalException as e:
     sys.exit(128 + int(e.sigval))
 except ChildFailedError as e:
+    if completed:  # a rank failed after the run completed: said by monitor() or rank 0
+        sys.exit(0)
     if not refused:
         # a failure with no restarts left: monitor() named the ranks and rank 0 the checkpoint;
         # no traceback of the agent's own (tester round 51)

@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if launched:
             from hdet_scale.train.loop import train, validate
             from hdet_scale.train.startup import check_extensions_dir
-            from hdet_scale.train.stopping import install_rank_handlers, settle
+            from hdet_scale.train.stopping import exit_completed, install_rank_handlers, settle
 
             rank = int(os.environ["RANK"])
             local = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             quiet = False
             from torch.distributed import DistNetworkError
 
+            started = time.time()  # summary.json written since: this attempt's
             try:
                 summary = train(run, checked)
             except (HDETConfigError, HDETStateError):
@@ -363,7 +365,15 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 # tester round 30: under torchrun, gloo's "Connection reset by peer" traceback on
                 # each rank that outlived a dead one; torchrun's own lines name the failure
-                from hdet_scale.train.stopping import resume_advice
+                from hdet_scale.train.stopping import completed_message, resume_advice, run_completed
+
+                if run_completed(run, started):  # a rank ended in the last barrier: nothing lost
+                    settle(0)
+                    if rank == 0:
+                        print(completed_message(f"rank 0 lost the connection to a rank that ended "
+                                                f"({gloo_reason(e)})", run, started), file=sys.stderr, flush=True)
+                        refusals.note_completed(os.path.join(run["run_dir"], "summary.json"), said=True)
+                    exit_completed()
 
                 # tester round 51: with no restarts left, nothing else named the checkpoint
                 advice = f" {resume_advice(run)}" if rank == 0 else ""
@@ -372,8 +382,11 @@ def main(argv: list[str] | None = None) -> int:
                 return PEER_LOST
             settle(0)  # done: a signal now (the launcher ending the job) changes nothing
             if rank == 0:
+                # a rank that fails from now on fails a completed run: torchrun's agent
+                # restarts nothing and exits 0 (launchers/torchrun_quiet.py)
+                refusals.note_completed(os.path.join(run["run_dir"], "summary.json"), said=False)
                 print(json.dumps(summary, indent=2), flush=True)
-            return 0
+            exit_completed()  # as the hdet-train launcher's ranks: no interpreter teardown
         _check_local_ranks(run["nproc"])  # first: a world that cannot start names nproc, not a symptom
         from hdet_scale.train.run_lock import check_not_in_use
 

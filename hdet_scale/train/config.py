@@ -180,15 +180,18 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         if hint is None:
             raise
         raise HDETConfigError(f"{e}\n  {hint}") from None
-    unused = sorted(explicit_wandb - {"enabled"})
+    from_block = _hdet_logging(run, explicit_wandb)
+    unused = sorted((explicit_wandb | from_block) - {"enabled"})
     if not run["wandb"]["enabled"] and unused and os.environ.get("RANK", "0") == "0":
         # tester round 48: wandb.project=myproj with wandb.enabled=false ran without a word
-        # (on stderr once, as _hdet_logging's warning: the launcher, or rank 0 under torchrun)
-        keys = ", ".join(f"wandb.{k}={run['wandb'][k]!r}" for k in unused)
+        # (on stderr once, as _hdet_logging's warning: the launcher, or rank 0 under torchrun);
+        # tester round 53: the same keys from the hdet block's logging.wandb
+        keys = ", ".join(f"{'wandb' if k in explicit_wandb else 'deepspeed.hdet.logging.wandb'}.{k}="
+                         f"{run['wandb'][k]!r}" for k in unused)
         print(f"hdet-train: note: {keys} {'is' if len(unused) == 1 else 'are'} not used: wandb.enabled=false starts no "
               "W&B run (metrics go to run_dir/metrics.jsonl); set wandb.enabled=true to log to W&B",
               file=sys.stderr, flush=True)
-    explicit_wandb |= _hdet_logging(run, explicit_wandb)
+    explicit_wandb |= from_block
     _wandb_environment(run["wandb"], explicit_wandb)
     return run
 

@@ -110,16 +110,9 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
         sys.exit(PEER_LOST)
     if rank == 0:
         print(json.dumps(summary, indent=2), flush=True)
-    # Done: every file is written and closed, every rank passed train's last barrier. The
-    # atexit handlers run (W&B's teardown), the interpreter's own teardown does not: its full
-    # garbage collection of torch's and DeepSpeed's module graphs kept each rank alive 3-6 s
-    # after summary.json on a loaded 2-core machine (measured), with nothing left to save.
-    import atexit
+    from hdet_scale.train.stopping import exit_completed
 
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_completed()  # no interpreter teardown: nothing is left to save
 
 
 class StopSignals:

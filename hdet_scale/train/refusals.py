@@ -132,7 +132,10 @@ def note_failure(agent_pid: int, text: str) -> None:
     """The agent ``agent_pid`` found its ranks failed (``text``: which, in words) and is about
     to end the others: leave it for their signal handlers (:func:`failure_noted`). Written
     whole, by rename. Never raises."""
-    path = _failure_file(agent_pid)
+    _write(_failure_file(agent_pid), text)
+
+
+def _write(path: str, text: str) -> None:
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         tmp = f"{path}.tmp"
@@ -162,6 +165,34 @@ def failure_noted() -> str | None:
             return f.read() or None
     except (OSError, UnicodeDecodeError):
         return None
+
+
+# Rank 0's word to the agent that the run completed (tester round 53: a rank that died after
+# summary.json was reported as a failed run, exit 1): the agent then restarts nothing and
+# exits 0 (launchers/torchrun_quiet.py), as hdet-train's own launcher does.
+def _completed_file(agent_pid: int) -> str:
+    return os.path.join(_folder(), f"{agent_pid}-completed")
+
+
+def note_completed(summary_path: str, said: bool) -> None:
+    """In rank 0 under ``torchrun``: this attempt wrote ``summary_path`` (the run is
+    complete), for its agent (:func:`completed_noted`); ``said``: rank 0 printed the line
+    about a stop or failure after it (``stopping.completed_message``), so the agent prints
+    none. Nothing outside torchrun. Never raises."""
+    if RESTART_VAR in os.environ:
+        _write(_completed_file(os.getppid()), f"{'said' if said else 'quiet'}\n{summary_path}")
+
+
+def completed_noted(agent_pid: int) -> tuple[str, bool] | None:
+    """``(summary.json's path, whether rank 0 said so)`` when a rank 0 of the agent
+    ``agent_pid`` noted a completed run (:func:`note_completed`); ``None`` otherwise.
+    Never raises."""
+    try:
+        with open(_completed_file(agent_pid), encoding="utf-8") as f:
+            said, _, path = f.read().partition("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return (path, said == "said") if path else None
 
 
 #: How long a rank other than 0 waits after refusing, for rank 0 to print the message.

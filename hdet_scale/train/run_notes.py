@@ -85,8 +85,15 @@ def off_notes(run: dict, cfg: HDETConfig) -> list[str]:
             notes.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: "
                          f"deepspeed.hdet.{block}.enabled is false (set it to true to use "
                          f"{'it' if len(unused) == 1 else 'them'})")
+    if cfg.warm_init.enabled and cfg.warm_init.nu == 0:  # tester round 53: allowed, and does nothing
+        notes.append("deepspeed.hdet.warm_init.nu=0 adds no noise: warm init with it on changes nothing (the replicas "
+                     "start equal, as with warm_init.enabled=false); the paper uses nu=0.01")
     t = run["train"]
-    if t["keep_checkpoints"] != TrainConfig.keep_checkpoints and not t.get("checkpoint_every") and t["checkpoint"]:
+    if t["keep_checkpoints"] != TrainConfig.keep_checkpoints and not t["checkpoint"]:
+        # tester round 53 (checkpoint_every > 0 with checkpoint=false is refused)
+        notes.append(f"train.keep_checkpoints={t['keep_checkpoints']} has no effect: train.checkpoint=false saves no "
+                     "checkpoint")
+    elif t["keep_checkpoints"] != TrainConfig.keep_checkpoints and not t.get("checkpoint_every"):
         notes.append(f"train.keep_checkpoints={t['keep_checkpoints']} has no effect: without train.checkpoint_every "
                      "the run saves one checkpoint, at its end (set train.checkpoint_every=N to save every N steps and "
                      "keep the newest keep_checkpoints)")

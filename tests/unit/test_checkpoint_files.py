@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -696,13 +697,26 @@ def test_a_stop_after_the_run_completed_names_hdet_plot_when_its_plots_were_not_
     line = completed_message(2, run, since)
     assert line == (f"hdet-train: SIGINT (Ctrl-C) came after the run completed ({tmp_path / 'summary.json'} written, "
                     f"final checkpoint saved): nothing is lost and nothing is left to resume; its plots were not "
-                    f"written: hdet-plot {tmp_path} writes them.")
+                    f"all written: hdet-plot {tmp_path} writes them.")
     (tmp_path / "plots").mkdir()
     old = tmp_path / "plots" / "loss.png"
     old.write_bytes(b"png")
     os.utime(old, (since - 3600,) * 2)  # an earlier attempt's plot does not count
     assert "hdet-plot" in completed_message(2, run, since)
-    (tmp_path / "plots" / "lr.png").write_bytes(b"png")
+    (tmp_path / "plots" / "lr.png").write_bytes(b"png")  # no record: an older hdet-plot's folder
+    assert completed_message(2, run, since).endswith("nothing is left to resume.")
+    # tester round 53: a stop half-way through the plots (one PNG of several written) said
+    # nothing; the record says complete only after the last PNG (plot_out.PlotsFolder.finish)
+    from hdet_scale.plot_out import claim
+
+    shutil.rmtree(tmp_path / "plots")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    folder = claim(str(tmp_path))
+    folder.create()
+    folder.add("loss.png")
+    (tmp_path / "plots" / "loss.png").write_bytes(b"png")
+    assert "its plots were not all written" in completed_message(2, run, since)
+    folder.finish()
     assert completed_message(2, run, since).endswith("nothing is left to resume.")
     assert "hdet-plot" not in completed_message(2, {**run, "train": {"plots": False}}, since)
     assert completed_message("rank(s) [1] killed by SIGKILL (signal 9)", run, since).startswith(

@@ -449,8 +449,16 @@ def test_max_factor_must_be_finite_and_at_least_one(value):
     assert "hdet.auto.max_factor" in msg and ">= 1" in msg
 
 
-def test_max_factor_one_accepted():
-    assert HDETConfig.from_dict(_bad(**{"auto.max_factor": 1})).auto.max_factor == 1.0
+def test_max_factor_one_refused_where_it_pins_the_log_multiplier():
+    """Tester round 53: max_factor 1 under the "log" controller bounds the multiplier to
+    [1, 1], auto-LR then moves nothing and said nothing. It stays valid where it pins
+    nothing: the "paper" controller (it bounds the floor, min(schedule floor, peak)),
+    auto off, or only additive axes under auto."""
+    msg = _error(_bad(**{"auto.max_factor": 1}))
+    assert "hdet.auto.max_factor: must be > 1 with auto.controller 'log'" in msg and "lr" in msg
+    for ok in ({"auto.controller": "paper"}, {"auto.enabled": False}):
+        assert HDETConfig.from_dict(_bad(**{"auto.max_factor": 1, **ok})).auto.max_factor == 1.0
+    assert HDETConfig.from_dict(_bad(**{"auto.max_factor": 1.001})).auto.max_factor == 1.001
 
 
 @pytest.mark.parametrize("key,value", [("auto.step_size", float("inf")), ("auto.momentum", -0.1),

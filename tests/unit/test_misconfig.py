@@ -366,6 +366,12 @@ def test_wandb_keys_given_with_wandb_off_get_a_note(tmp_path, monkeypatch, capsy
     path.write_text("wandb:\n  enabled: false\n  group: g\n")
     load_run_config(str(path), ["wandb.name=n"])
     assert capsys.readouterr().err.startswith("hdet-train: note: wandb.group='g', wandb.name='n' are not used: ")
+    # tester round 53: the same keys from the hdet block's logging.wandb, named as given there
+    load_run_config(None, ["wandb.enabled=false", "deepspeed.hdet.logging.wandb.project=foo"])
+    assert capsys.readouterr().err.startswith(
+        "hdet-train: note: deepspeed.hdet.logging.wandb.project='foo' is not used: wandb.enabled=false ")
+    load_run_config(None, ["deepspeed.hdet.logging.wandb.project=foo"])  # the trainer's default: W&B on
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "1")
     load_run_config(str(path), ["wandb.name=n"])
     assert capsys.readouterr().err == ""
@@ -1434,6 +1440,13 @@ def test_settings_of_what_the_run_does_not_do_get_a_note():
                                 "train.keep_checkpoints=5", "train.checkpoint_every=50",
                                 "deepspeed.hdet.overlap_gradient_sharing=false", "model.sharded_init=false"])
     assert never_notes(on) == []
+    # tester round 53: keep_checkpoints with train.checkpoint=false, and warm init with nu=0
+    off = load_run_config(None, [*base, "train.checkpoint=false", "train.keep_checkpoints=5",
+                                 "deepspeed.hdet.warm_init.enabled=true", "deepspeed.hdet.warm_init.nu=0"])
+    assert never_notes(off) == [
+        "deepspeed.hdet.warm_init.nu=0 adds no noise: warm init with it on changes nothing (the replicas start equal, "
+        "as with warm_init.enabled=false); the paper uses nu=0.01",
+        "train.keep_checkpoints=5 has no effect: train.checkpoint=false saves no checkpoint"]
 
 
 def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():

@@ -274,6 +274,12 @@ def test_a_binary_metrics_file_is_named_as_not_json_lines(tmp_path):
     path.write_text('{"step": 1, "hdet/lo')
     with pytest.raises(HDETConfigError, match=r"holds no record \(did the run log a step\?\)"):
         read_records(str(path))
+    # tester round 53: a cut-off last line after whole records was left out without a word
+    path.write_text('{"step": 1, "hdet/loss": 2.0}\n{"step": 2, "hdet/lo')
+    notes: list[str] = []
+    assert read_records(str(path), notes.append) == [{"step": 1, "hdet/loss": 2.0}]
+    assert notes == [f"{path}:2: the last line is cut short (the record a stopped or running job was writing): left "
+                     "out"], notes
 
 
 # --- the folder the PNGs go to (hdet_scale/plot_out.py): never another run's plots, never a user's files ---

@@ -68,3 +68,23 @@ def test_the_agents_failure_note_names_the_failure_in_rank_0s_line(monkeypatch, 
     monkeypatch.delenv(refusals.RESTART_VAR)  # outside torchrun: never a note
     refusals.note_failure(os.getppid(), "x")
     assert refusals.failure_noted() is None
+
+
+def test_rank_0s_completed_note_reaches_the_agent_and_goes_with_it(monkeypatch, tmp_path):
+    """Tester round 53: a rank lost after the run completed was reported by the launchers'
+    torchrun as a failed run. Rank 0 leaves its agent a note once summary.json is written
+    (``said``: rank 0 printed the line itself, so the agent prints none); nothing outside
+    torchrun; the agent's end removes it."""
+    _attempt(monkeypatch, tmp_path, 0, 1)
+    agent = os.getppid()
+    assert refusals.completed_noted(agent) is None
+    refusals.note_completed("/runs/a b/summary.json", said=False)
+    assert refusals.completed_noted(agent) == ("/runs/a b/summary.json", False)
+    refusals.note_completed("/runs/a b/summary.json", said=True)
+    assert refusals.completed_noted(agent) == ("/runs/a b/summary.json", True)
+    assert refusals.completed_noted(agent + 1) is None  # another agent's job
+    refusals.forget_agent(agent)
+    assert refusals.completed_noted(agent) is None and os.listdir(refusals._folder()) == []
+    monkeypatch.delenv(refusals.RESTART_VAR)  # outside torchrun: no note
+    refusals.note_completed("/runs/x/summary.json", said=False)
+    assert refusals.completed_noted(agent) is None
