@@ -82,7 +82,13 @@ def _figure(rows: int = 1):
 def _save(fig, folder: PlotsFolder, name: str, written: list[str]) -> None:
     folder.add(name)  # in the folder's record before the file is there
     path = os.path.join(folder.path, name)
-    fig.savefig(path, format="png")
+    import warnings
+
+    with warnings.catch_warnings():
+        # tester round 54: a loss of 1e308 printed numpy's "overflow encountered in
+        # multiply" from matplotlib's tick placement; the plot is drawn all the same
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fig.savefig(path, format="png")
     written.append(path)
 
 

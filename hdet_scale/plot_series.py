@@ -68,8 +68,10 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
     """The JSON records of ``path``, one per line (blank lines and a cut-off last line,
     without its newline, skipped). A value the plots draw that is not a number (a list,
     text, ``1e999``) is left out of its record, and a record whose ``step`` is not an
-    integer is left out whole: ``log`` gets one line per key, naming the first line and
-    how many more there are.
+    integer is left out whole; a plotted value at a step before the one it was last
+    logged at (at that step again, but for a replica's axis value, logged twice at a
+    sync) is left out too: ``log`` gets one line per key, naming the first line and how
+    many more there are.
 
     Raises:
         HDETConfigError: the file is missing, unreadable, has no record, or a line is not
@@ -86,6 +88,8 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
                               "pass the run_dir of an hdet-train run") from None
     records, cut = [], None
     bad: dict[str, list] = {}  # key -> [first line, its value, how many]
+    last: dict[str, int] = {}  # key -> the step it was last drawn at
+    order: dict[str, list] = {}  # key -> [first line, its step, the step before, how many]
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -102,7 +106,23 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
                     or k == "step" and not isinstance(v, int)]:
             bad.setdefault(key, [i, rec[key], 0])[2] += 1
             rec.pop(key)  # a record without a step is left out of every plot (series)
+        if isinstance(step := rec.get("step"), int):
+            # tester round 54: a record appended at an earlier step drew the curve back to it
+            # without a word. A replica's axis value is logged twice at a sync (before and
+            # after it): only a step before the last is out of order for those.
+            for key in [k for k in rec if _PLOTTED.match(k)]:
+                prev = last.get(key)
+                if prev is not None and (step < prev or step == prev and not _VALUE.match(key)):
+                    order.setdefault(key, [i, step, prev, 0])[3] += 1
+                    rec.pop(key)
+                else:
+                    last[key] = step
         records.append(rec)
+    for key, (i, step, prev, count) in order.items():
+        if log is not None:
+            more = f" (and {count - 1} more such value(s) of {key})" if count > 1 else ""
+            log(f"{path}:{i}: {key} at step {step}, not after step {prev} where it was logged before: skipped, the "
+                f"records are out of step order (lines appended from another run?){more}")
     for key, (i, value, count) in bad.items():
         if log is not None:
             more = f" (and {count - 1} more such value(s) of {key})" if count > 1 else ""

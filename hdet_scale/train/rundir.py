@@ -245,8 +245,37 @@ def _no_latest(ckpt: str) -> str:
         listed = ", ".join(f"{t} (step {s})" for t, s in index.items())
         msg += (f"Its {LAYOUT_FILE} lists complete checkpoint(s) {listed}: to resume from the newest, write its tag "
                 f"into it (echo {tag} > {os.path.join(ckpt, LATEST_FILE)}). ")
+    elif on_disk := _tag_folders(ckpt):
+        # tester round 54: with the layout emptied too, the one way named was the overwrite
+        # that deletes these folders
+        layout = os.path.join(ckpt, LAYOUT_FILE)
+        why = "is missing" if not os.path.lexists(layout) else "cannot be read (damaged?)"
+        msg += (f"It holds checkpoint folder(s) {', '.join(on_disk)}, but its {LAYOUT_FILE}, which lists the "
+                f"complete ones, {why}: restore {layout} from a copy, then write the newest complete tag into "
+                f"{LATEST_FILE} (echo {on_disk[-1]} > {os.path.join(ckpt, LATEST_FILE)}). ")
+        return msg + ("To start over (this deletes those folders), set train.resume=false train.overwrite=true; or "
+                      "choose another run_dir")
     return msg + ("To start over, set train.resume=false train.overwrite=true (removes it); or choose another "
                   "run_dir")
+
+
+def _tag_folders(ckpt: str) -> list[str]:
+    """The checkpoint tag folders inside ``ckpt``'s ``replica_*`` folders, by step
+    (``global_step<N>``), complete or not: for messages. Never raises."""
+    tags: set[str] = set()
+    try:
+        for replica in os.listdir(ckpt):
+            folder = os.path.join(ckpt, replica)
+            if replica.startswith("replica_") and os.path.isdir(folder):
+                tags.update(t for t in os.listdir(folder) if os.path.isdir(os.path.join(folder, t)))
+    except OSError:
+        pass
+
+    def step(tag: str) -> tuple[int, str]:
+        digits = tag.removeprefix("global_step")
+        return (int(digits) if digits.isdigit() else -1, tag)
+
+    return sorted(tags, key=step)
 
 
 def _check_kinds(run_dir: str) -> None:

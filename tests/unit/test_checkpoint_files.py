@@ -883,3 +883,25 @@ def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
     assert rundir.restart_line(run, "replace") is None
     run = load_run_config(None, [f"run_dir={tmp_path / 'new'}"])
     assert rundir.restart_line(run, rundir.start_mode(run)) is None
+
+
+def test_no_latest_and_an_unreadable_layout_names_the_folders_on_disk_not_only_overwrite(tmp_path):
+    """Tester round 54: ``latest`` removed and ``hdet_layout.json`` emptied; the refusal's
+    only way on was train.overwrite=true, which deletes the two complete checkpoints still
+    on disk. It now names them, the layout to restore and the tag to write into latest,
+    and says the overwrite deletes them; with the layout missing, the same."""
+    ckpt = tmp_path / "checkpoint"
+    for r in range(2):
+        for step in (98, 91, 7):
+            (ckpt / f"replica_{r}" / f"global_step{step}").mkdir(parents=True)
+    (ckpt / "hdet_layout.json").write_text("")
+    msg = rundir._no_latest(str(ckpt))
+    assert ("holds checkpoint folder(s) global_step7, global_step91, global_step98, but its hdet_layout.json, which "
+            "lists the complete ones, cannot be read (damaged?)") in msg, msg
+    assert f"echo global_step98 > {ckpt}/latest" in msg and "this deletes those folders" in msg, msg
+    (ckpt / "hdet_layout.json").unlink()
+    assert "hdet_layout.json, which lists the complete ones, is missing" in rundir._no_latest(str(ckpt))
+    shutil.rmtree(ckpt / "replica_0")
+    shutil.rmtree(ckpt / "replica_1")  # nothing on disk: only the ways to start over
+    msg = rundir._no_latest(str(ckpt))
+    assert "folder(s)" not in msg and "train.overwrite=true (removes it)" in msg, msg

@@ -202,6 +202,33 @@ def test_values_that_are_not_numbers_are_skipped_with_one_note_per_key(tmp_path,
     assert s["fanout"][("lr", 0)]["replicas"][0][2] != s["fanout"][("lr", 0)]["replicas"][0][2]  # step 3's: NaN
 
 
+def test_values_out_of_step_order_are_skipped_with_a_note(tmp_path, capsys):
+    """Tester round 54: a record appended at step 3 after step 30, and a repeated step 30,
+    were drawn (the curve ran back to step 3) without a word. A value at a step before the
+    last one of its key, or at the same step again, is skipped with one note per key; a
+    replica's axis value, which the trainer logs twice at a sync step, may repeat its step."""
+    from hdet_scale.plot import read_records
+
+    recs = _records()
+    last = recs[-2]["step"]  # the last training step (the val record follows)
+    _write(tmp_path, recs + [{"step": 3, "hdet/loss": 2.5}, {"step": last, "hdet/loss": 9.0},
+                             {"step": 2, "hdet/lr/replica_0/group_0": 1.0}])
+    path = tmp_path / "metrics.jsonl"
+    assert main([str(tmp_path)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if not line.endswith(".png")]
+    n = len(recs)
+    assert notes == [f"{path}:{n + 1}: hdet/loss at step 3, not after step {last} where it was logged before: skipped, "
+                     "the records are out of step order (lines appended from another run?) (and 1 more such value(s) "
+                     "of hdet/loss)",
+                     f"{path}:{n + 3}: hdet/lr/replica_0/group_0 at step 2, not after step {last} where it was "
+                     "logged before: skipped, the records are out of step order (lines appended from another run?)"]
+    s = series(read_records(str(path)))
+    assert s["train"]["steps"] == sorted(s["train"]["steps"]) and 9.0 not in s["train"]["loss"]
+    _write(tmp_path, recs)  # the trainer's own file: no note
+    assert main([str(tmp_path), "--out", str(tmp_path / "again")]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if not line.endswith(".png")] == []
+
+
 def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
     """Tester round 22: ``hdet-plot`` on a run_dir whose ``metrics.jsonl`` is a FIFO
     printed nothing and blocked in open() until killed (hdet-train refuses FIFOs). Now
