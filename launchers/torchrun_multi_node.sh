@@ -64,6 +64,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
 # A stop (Ctrl-C, a scheduler's SIGTERM, a closed terminal) ends the job with 130 / 143 /
 # 129 and the trainer's one line, without a restart or torchrun's traceback: torchrun_stop.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/torchrun_stop.sh"
+# tester round 55: node 0 waiting for the others printed nothing at all
+echo "$(basename "$0"): node ${NODE_RANK} of ${NNODES}: torchrun starts ${GPUS} rank(s) here once all ${NNODES} nodes" \
+  "have joined the rendezvous at ${MASTER_ADDR}:${MASTER_PORT} (id ${RDZV_ID}); until then it waits" >&2
 run_torchrun \
   --nnodes="${NNODES}" \
   --node_rank="${NODE_RANK}" \

@@ -433,6 +433,44 @@ def test_torchrun_scripts_stop_on_a_signal_with_one_line_and_no_restart(tmp_path
     assert steps == list(range(1, len(steps) + 1)), steps
 
 
+def test_a_stop_during_a_rendezvous_that_gets_no_answer_ends_the_multi_node_script_at_once(tmp_path):
+    """Tester round 55: node 1 of ``torchrun_multi_node.sh`` whose MASTER_ADDR does not
+    answer printed nothing about waiting, and a SIGTERM ended it only 47 s later (torchrun
+    blocked in its store's connect, in C++, sees no signal). Now the script says it waits
+    for the rendezvous, and a stop with no rank started ends torchrun within about 10 s,
+    one line, exit 143, nothing left. The rendezvous endpoint here is a socket that
+    accepts connections and never answers."""
+    import socket
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_multi_node.sh")
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        port = mute.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GPUS": "2", "NNODES": "2", "NODE_RANK": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        proc = subprocess.Popen(["bash", path, f"run_dir={tmp_path / 'run'}", "backend=ddp", *ARGS],
+                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        first = proc.stderr.readline()
+        assert (f"node 1 of 2: torchrun starts 2 rank(s) here once all 2 nodes have joined the rendezvous at "
+                f"127.0.0.1:{port}") in first, first
+        time.sleep(8)  # torchrun is in its connect attempts (60 s of retries)
+        assert proc.poll() is None
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+        seconds = time.monotonic() - start
+    assert proc.returncode == 143, (proc.returncode, err[-3000:])
+    # 10 s of grace for torchrun's own stop, then the SIGKILL (a loaded machine: 20 s)
+    assert seconds < 20, seconds
+    assert "torchrun had started no rank 10 s after the SIGTERM (still in its rendezvous): ended at once" in err, \
+        err[-3000:]
+    assert "Killed" not in err, err[-3000:]
+    out = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not out.strip(), out
+
+
 def test_scancel_of_the_slurm_script_stops_with_one_line_and_no_traceback(tmp_path):
     """A tester: scancel (SIGTERM to every process of the job) put torchrun's
     ``SignalException`` traceback into the job's output after the trainer's stop line.
