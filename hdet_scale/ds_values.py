@@ -250,6 +250,14 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
                       f"progress lines) or inf (never), got {spp!r}")
     errors += batch_errors(ds, p, world_size)
     errors += flag_errors(ds, p)
+    if "bfloat16" in ds:  # tester round 55: FSDP2 trained in float32 under it, without a word
+        errors.append(f"{p}bfloat16: DeepSpeed's old name of the bf16 block, which hdet_scale does not read (the "
+                      "FSDP2 precision, the engine checks, the cost report): rename it to bf16")
+    if isinstance(opt.get("type"), str) and opt["type"].lower() == "adamw" and params.get("adam_w_mode") is False:
+        # tester round 55: DeepSpeed takes type AdamW as decoupled weight decay whatever adam_w_mode says
+        errors.append(f"{p}optimizer.params.adam_w_mode: false is ignored under type AdamW (DeepSpeed decouples "
+                      "the weight decay for AdamW whatever it says); for Adam's L2 weight decay set type Adam "
+                      "with adam_w_mode false, else remove it")
     autos = [e for e in errors if "got 'auto'" in e]
     if len(autos) > 1 or (autos and not any("is filled by the Hugging Face Trainer" in e for e in errors)):
         # tester round 26: a Trainer's DeepSpeed JSON gave eight such lines, one explained

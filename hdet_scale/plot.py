@@ -79,7 +79,7 @@ def _figure(rows: int = 1):
     return fig, [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
 
 
-def _save(fig, folder: PlotsFolder, name: str, written: list[str]) -> None:
+def _save(fig, folder: PlotsFolder, name: str, written: list[str], log: Callable[[str], None]) -> None:
     folder.add(name)  # in the folder's record before the file is there
     path = os.path.join(folder.path, name)
     import warnings
@@ -88,7 +88,16 @@ def _save(fig, folder: PlotsFolder, name: str, written: list[str]) -> None:
         # tester round 54: a loss of 1e308 printed numpy's "overflow encountered in
         # multiply" from matplotlib's tick placement; the plot is drawn all the same
         warnings.simplefilter("ignore", RuntimeWarning)
-        fig.savefig(path, format="png")
+        try:
+            fig.savefig(path, format="png")
+        except (ValueError, OverflowError) as e:
+            # tester round 55: losses alternating +-1e308 were matplotlib's "arange: cannot
+            # compute length" traceback; the other plots are still worth having
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            log(f"skipped {name}: matplotlib cannot draw its values ({str(e).splitlines()[0][:120]}; values near "
+                "the float64 limit?)")
+            return
     written.append(path)
 
 
@@ -134,7 +143,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
             ax.set(title=f"{axis}, group {g}: every replica's value (grey: syncs)", xlabel="optimizer step",
                    ylabel=axis)
             ax.legend(fontsize="small")
-            _save(fig, folder, f"fanout_{axis}_group{g}.png", written)
+            _save(fig, folder, f"fanout_{axis}_group{g}.png", written, log)
         b = s["base"][(axis, g)]
         fig, (ax,) = _figure()
         ax.plot(b["steps"], b["base"], label="base (mean of replicas)", lw=1.5)
@@ -145,7 +154,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ax.set_title(f"{axis}, group {g}: {b['shown']}", fontsize="small")
         ax.set(xlabel="optimizer step", ylabel=axis)
         ax.legend(fontsize="small")
-        _save(fig, folder, f"base_{axis}_group{g}.png", written)
+        _save(fig, folder, f"base_{axis}_group{g}.png", written, log)
     if not s["fanout"]:
         log("skipped fanout_*.png and base_*.png: no per-replica values in the metrics")
     sy = s["sync"]
@@ -168,7 +177,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
                    xlabel="optimizer step", ylabel="weight", ylim=(-0.05, 1.05))
         if sy["weight_steps"]:
             bottom.legend(fontsize="x-small")
-        _save(fig, folder, "sync.png", written)
+        _save(fig, folder, "sync.png", written, log)
     if not s["train"]["steps"] and not s["val"]["steps"]:
         log("skipped loss.png: no loss in the metrics")
     else:
@@ -181,7 +190,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
             log("loss.png: no validation loss in the run (train loss only)")
         ax.set(title="loss", xlabel="optimizer step", ylabel="loss (nats/byte)")
         ax.legend(fontsize="small")
-        _save(fig, folder, "loss.png", written)
+        _save(fig, folder, "loss.png", written, log)
     if not written:  # nothing of an hdet-train run in the file: say so, not exit 0
         if not existed:  # and leave no empty folder made for it (tester round 43)
             with contextlib.suppress(OSError):

@@ -97,9 +97,16 @@ def read_layout(load_dir: str) -> dict:
                              "restore it from a copy, or start a new run_dir")
     _require_ints(path, layout, ("step", "total_steps"), low=0, optional=True)
     try:
-        step = latest_step(layout, read_latest(load_dir))
+        tag = read_latest(load_dir)
+        step = latest_step(layout, tag)
     except (ValueError, TypeError, AttributeError, OSError) as e:  # a damaged index or latest
         raise HDETStateError(f"{path} or {LATEST_FILE} next to it is damaged ({e})") from None
+    if ("checkpoints" in layout and isinstance(tag, str) and tag.startswith("global_step") and tag[11:].isdigit()
+            and tag in layout["checkpoints"] and step != int(tag[11:])):  # a layout with the index
+        # tester round 55: an edited index said step 15 for global_step10; the engines restore the
+        # step saved in the tag itself (10), so the resume line and the schedule would disagree
+        raise HDETStateError(f"{path} is damaged: it lists {tag} (saved after optimizer step {int(tag[11:])}) at step "
+                             f"{step}: restore it from a copy, or start a new run_dir")
     return layout if step is None else {**layout, "step": step}
 
 

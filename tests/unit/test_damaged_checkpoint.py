@@ -249,3 +249,28 @@ def test_the_pre_start_listing_check_finds_missing_resized_and_unreadable(tmp_pa
     assert "a.pt (missing: hdet_manifest.json lists it)" in listing_problem(str(tmp_path), required=True)
     (tmp_path / MANIFEST_FILE).write_text("{")
     assert "(unreadable: JSONDecodeError" in listing_problem(str(tmp_path), required=False)
+
+
+def test_an_index_whose_step_disagrees_with_its_tag_is_damaged(tmp_path):
+    """Tester round 55: hdet_layout.json edited to list global_step10 at step 15 resumed
+    with "the state after optimizer step 15" while the engine restored step 10. A default
+    tag names its step: an index that disagrees is refused as damaged; one that agrees,
+    or a user's own tag, reads as before."""
+    import pytest
+
+    from hdet_scale.backends.checkpoints import read_layout
+    from hdet_scale.errors import HDETStateError
+
+    layout = {"world_size": 2, "replicas": 2, "shard_size": 1, "step": 10, "checkpoints": {"global_step10": 15}}
+    (tmp_path / "hdet_layout.json").write_text(json.dumps(layout))
+    (tmp_path / "latest").write_text("global_step10")
+    with pytest.raises(HDETStateError, match=r"hdet_layout.json is damaged: it lists global_step10 \(saved after "
+                                             r"optimizer step 10\) at step 15: restore it from a copy"):
+        read_layout(str(tmp_path))
+    layout["checkpoints"] = {"global_step10": 10}
+    (tmp_path / "hdet_layout.json").write_text(json.dumps(layout))
+    assert read_layout(str(tmp_path))["step"] == 10
+    layout["checkpoints"] = {"best": 15}
+    (tmp_path / "hdet_layout.json").write_text(json.dumps(layout))
+    (tmp_path / "latest").write_text("best")
+    assert read_layout(str(tmp_path))["step"] == 15

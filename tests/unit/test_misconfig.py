@@ -1471,3 +1471,20 @@ def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():
     for same in ([], ["deepspeed.hdet.schedule.name=onecycle"], ["deepspeed.hdet.schedule.pct_start=0.25"]):
         run = load_run_config(None, same)
         assert "final_div_factor" in run["deepspeed"]["hdet"]["schedule"] and _switch_notes(run) == [], same
+
+
+def test_the_old_bfloat16_block_and_adam_w_mode_false_under_adamw_are_refused():
+    """Tester round 55: a DeepSpeed JSON with DeepSpeed's old block name "bfloat16" trained
+    FSDP2 in float32 (hdet_scale reads "bf16") and the cost report said fp32, without a
+    word; ``adam_w_mode: false`` under type AdamW is ignored by DeepSpeed. Both refused,
+    naming the key and the fix; their right forms pass."""
+    from hdet_scale.ds_values import check_deepspeed_values
+
+    with pytest.raises(HDETConfigError, match=r"deepspeed.bfloat16: DeepSpeed's old name of the bf16 block.*rename "
+                                              r"it to bf16"):
+        check_deepspeed_values({"bfloat16": {"enabled": True}}, prefix="deepspeed.")
+    with pytest.raises(HDETConfigError, match=r"optimizer.params.adam_w_mode: false is ignored under type AdamW"):
+        check_deepspeed_values({"optimizer": {"type": "adamw", "params": {"lr": 1e-3, "adam_w_mode": False}}})
+    check_deepspeed_values({"bf16": {"enabled": True},
+                            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}})
+    check_deepspeed_values({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "adam_w_mode": True}}})

@@ -489,3 +489,20 @@ def test_train_overwrite_removes_the_plots_and_their_record_but_not_a_users_file
             assert sorted(os.listdir(run / "plots")) == ["my_figure.png"]
         else:
             assert not (run / "plots").exists()
+
+
+def test_values_matplotlib_cannot_draw_skip_that_plot_with_a_note(tmp_path, capsys):
+    """Tester round 55: train losses alternating +-1e308 ended hdet-plot in matplotlib's
+    "arange: cannot compute length" traceback. That plot is skipped with one line naming
+    it; the others are written, exit 0, no partial file left."""
+    recs = _records()
+    for i, r in enumerate(recs):
+        if "hdet/loss" in r:
+            r["hdet/loss"] = 1e308 if i % 2 else -1e308
+    _write(tmp_path, recs)
+    out = tmp_path / "out"
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped loss.png: matplotlib cannot draw its values (arange: cannot compute length" in printed, printed
+    assert "Traceback" not in printed and not (out / "loss.png").exists()
+    assert _pngs(out) == ["base_lr_group0.png", "fanout_lr_group0.png", "sync.png"]
