@@ -232,6 +232,11 @@ class Controller:
         temp = auto.resolved("temperature")
         temp = ctl.auto_temperature(fitness) if temp == "auto" else float(temp)
         weights = ctl.softmax_weights(fitness, temp)
+        if not any(weights.finite):
+            # tester round 55: a probe that returned NaN at every sync moved nothing, without a word
+            _warn_once("auto-LR: no replica had a finite fitness at a meta-update (every probe or interval loss was "
+                       "NaN or inf): its weights are 0 and nothing moved; check the probe (hdet_scale.initialize's "
+                       "probe, or auto.fitness) or the loss itself. Said once; hdet/weight/replica_<r> logs each sync")
         record["hdet/temperature"] = temp
         for r, w in enumerate(weights.weights):
             record[f"hdet/weight/replica_{r}"] = w

@@ -436,6 +436,29 @@ def test_nonfinite_probe_loss_leaves_the_replica_out():
     assert sch.last_sync["hdet/weight/replica_0"] == 0.0 and sch.last_sync["hdet/weight/replica_1"] == 1.0
 
 
+def test_a_probe_with_no_finite_value_warns_once_that_nothing_moved():
+    """Tester round 55: a probe returning NaN for every replica at every sync ran without
+    a word (the weights all 0, the multiplier held). One warning names it."""
+    import warnings
+
+    cfg = config(replicas=2, sync_interval=2, total_steps=20)
+    sch, _, _ = make(cfg)
+    sch.set_probe(lambda: [NAN, NAN])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            sch.step([1.0, 1.0])
+    said = [w for w in caught if "no replica had a finite fitness" in str(w.message)]
+    assert len(said) == 2 and sch.last_sync["hdet/weight/replica_0"] == 0.0  # "always": once per meta-update here
+    assert sch.last_sync["hdet/lr/group_0/multiplier"] == 1.0
+    sch.set_probe(lambda: [1.0, 2.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sch.step([1.0, 1.0])
+        sch.step([1.0, 1.0])
+    assert not [w for w in caught if "no replica had a finite fitness" in str(w.message)]
+
+
 def test_probe_fitness_missing_probe_raises_at_first_meta_update():
     cfg = config(replicas=2, sync_interval=2, total_steps=10)
     sch, _, _ = make(cfg)
