@@ -126,6 +126,12 @@ def resume_advice(run: dict[str, Any]) -> str:
             # the earlier run was told to resume that run's final checkpoint (then refused)
             return (f"No checkpoint of this run was saved: {folder}{of} is the earlier run's in {run_dir}, which "
                     f"this run had not yet replaced (nothing of it was changed); start again with the same command.")
+        if ck_step is not None and ck_step >= run["train"]["steps"]:
+            # tester round 56: a stop between the final checkpoint and summary.json was told to
+            # resume, which is refused (nothing is left to do at train.steps)
+            return (f"Last checkpoint: {folder}{of}, the final one (train.steps={run['train']['steps']}): the "
+                    f"training is done, but summary.json and the plots were not written (hdet-plot {run_dir} "
+                    "draws the plots); to train on, continue with a larger train.steps and train.resume=true.")
         return (f"Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
                 f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0

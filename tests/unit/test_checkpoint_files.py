@@ -905,3 +905,27 @@ def test_no_latest_and_an_unreadable_layout_names_the_folders_on_disk_not_only_o
     shutil.rmtree(ckpt / "replica_1")  # nothing on disk: only the ways to start over
     msg = rundir._no_latest(str(ckpt))
     assert "folder(s)" not in msg and "train.overwrite=true (removes it)" in msg, msg
+
+
+def test_a_stop_after_the_final_checkpoint_before_the_summary_advises_no_refused_resume(tmp_path, monkeypatch):
+    """Tester round 56: SIGINT between the final checkpoint (step = train.steps) and
+    summary.json said "continue with train.resume=true", which is then refused (nothing
+    left to do). The line now says training is done, names hdet-plot for the plots and a
+    larger train.steps to train on; an earlier checkpoint keeps the resume advice."""
+    import signal
+
+    from hdet_scale.train.stopping import stop_message
+
+    outside_torchrun(monkeypatch)
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoint"
+    save(ckpt, 10)
+    save(ckpt, 20)
+    (run_dir / "metrics.jsonl").write_text('{"step": 20}\n')
+    run = load_run_config(None, [f"run_dir={run_dir}", "train.steps=20", "train.resume=true"])
+    msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", 20)
+    assert (f"global_step20 (step 20), the final one (train.steps=20): the training is done, but summary.json and "
+            f"the plots were not written (hdet-plot {run_dir} draws the plots); to train on, continue with a larger "
+            "train.steps and train.resume=true.") in msg, msg
+    (ckpt / "latest").write_text("global_step10")
+    assert "continue with train.resume=true and the same run_dir" in stop_message(signal.SIGINT, run, "x", 12)
