@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 # tester round 30: under torchrun, gloo's "Connection reset by peer" traceback on
                 # each rank that outlived a dead one; torchrun's own lines name the failure
-                from hdet_scale.train.stopping import completed_message, resume_advice, run_completed
+                from hdet_scale.train.stopping import after_failure, completed_message, run_completed
 
                 if run_completed(run, started):  # a rank ended in the last barrier: nothing lost
                     settle(0)
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                     exit_completed()
 
                 # tester round 51: with no restarts left, nothing else named the checkpoint
-                advice = f" {resume_advice(run)}" if rank == 0 else ""
+                advice = f" {after_failure(run)}" if rank == 0 else ""  # or the restart to come
                 print(f"hdet-train: rank {rank}: lost the connection to a rank that ended "
                       f"({gloo_reason(e)}).{advice}", file=sys.stderr, flush=True)
                 return PEER_LOST

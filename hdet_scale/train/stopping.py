@@ -100,16 +100,22 @@ def failed_message(failure: str, run: dict[str, Any], step: int | None) -> str:
     step this attempt reached, and what comes next: torchrun's restart, which resumes by
     itself, or (none left) the checkpoint to continue from. Never raises."""
     at = f" at step {step}" if step is not None else " before its first step"
-    head = f"hdet-train: torchrun ended every rank{at} after a failure ({failure})."
+    return f"hdet-train: torchrun ended every rank{at} after a failure ({failure}). {after_failure(run)}"
+
+
+def after_failure(run: dict[str, Any]) -> str:
+    """What comes after a failure: under ``torchrun`` with restarts left, the restart (which
+    resumes by itself); otherwise :func:`resume_advice` (tester round 56: a rank that lost
+    its peer advised train.overwrite=true beside the agent's "restarts the job"). Never raises."""
     from hdet_scale.train.refusals import attempts
 
     used, limit = attempts() or (0, 0)
     if used >= limit:
-        return f"{head} {resume_advice(run)}"
+        return resume_advice(run)
     saved = last_checkpoint(run["run_dir"])
     where = (f"resumes from {saved[0]}" + (f" (step {saved[1]})" if saved[1] is not None else "")
              if saved else "starts again (no checkpoint was saved yet)")
-    return f"{head} It restarts the job (restart {used + 1} of {limit}), which {where} by itself."
+    return f"It restarts the job (restart {used + 1} of {limit}), which {where} by itself."
 
 
 def resume_advice(run: dict[str, Any]) -> str:

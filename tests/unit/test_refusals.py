@@ -88,3 +88,18 @@ def test_rank_0s_completed_note_reaches_the_agent_and_goes_with_it(monkeypatch, 
     monkeypatch.delenv(refusals.RESTART_VAR)  # outside torchrun: no note
     refusals.note_completed("/runs/x/summary.json", said=False)
     assert refusals.completed_noted(agent) is None
+
+
+def test_a_rank_that_lost_its_peer_names_the_restart_to_come_not_a_fresh_start(monkeypatch, tmp_path):
+    """Tester round 56: under the launchers' torchrun with restarts left and no checkpoint
+    yet, rank 0's line for a lost peer advised "start again ... with train.overwrite=true"
+    beside the agent's "restarts the job". It now names the restart, as the agent's note
+    does; with no restart left, the resume advice."""
+    from hdet_scale.train.stopping import after_failure
+
+    run = {"run_dir": str(tmp_path / "run"), "train": {"checkpoint_every": 3, "steps": 20}}
+    _attempt(monkeypatch, tmp_path, 0, 3)
+    assert after_failure(run) == ("It restarts the job (restart 1 of 3), which starts again (no checkpoint was saved "
+                                  "yet) by itself.")
+    _attempt(monkeypatch, tmp_path, 3, 3)
+    assert after_failure(run).startswith("No checkpoint was saved yet (train.checkpoint_every=3)")
