@@ -7,6 +7,7 @@ the batch sizes, the run_dir (writable, resumable), W&B's settings. Split out of
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 
@@ -134,6 +135,15 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               "'global')")
     d = run["data"]
     check_apart(d["path"], run["run_dir"])
+    wdir = run["wandb"].get("dir")
+    if run["wandb"]["enabled"] and isinstance(wdir, str) and wdir and d["path"] is not None:
+        # tester round 56: W&B's logs inside data.path were training data at the resume
+        out = os.path.realpath(os.path.expanduser(wdir))
+        for part in (p.strip() for p in str(d["path"]).split(",") if p.strip()):
+            real = os.path.realpath(os.path.expanduser(part))
+            if out == real or out.startswith(real.rstrip(os.sep) + os.sep):
+                raise HDETConfigError(f"wandb.dir: {wdir!r} is inside data.path {part!r}: W&B's logs would be read "
+                                      "as training data (at a resume); put wandb.dir outside data.path")
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"], run["run_dir"])
     # the keys the config leaves out derived as DeepSpeed does (a bad one: named by the checks)
     micro, gas = batch_sizes(run["deepspeed"], world_size)

@@ -635,3 +635,25 @@ def test_data_read_by_neither_split_gets_a_note(tmp_path):
                      "more or smaller files, or a single file, which is split by position)"]
     (folder / "t.txt").write_text("t" * 1_000_000)  # training's share: no note
     assert read(2_000_000) == ((1_000_000, 120077), [])
+
+
+def test_a_wandb_dir_inside_data_path_is_refused_before_the_start(tmp_path):
+    """Tester round 56: wandb.dir inside data.path put W&B's logs into the training data of
+    the resume (the train/val split moved from 53759/27306 bytes to 85703/5454), without a
+    word. Refused by the run's checks (every rank, before any collective); outside it, or
+    with W&B off, the same config passes that check."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.validate import validate
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("hello world, some text to train on\n" * 20000)
+    args = [f"data.path={data}", f"run_dir={tmp_path / 'run'}", "wandb.enabled=true", "wandb.mode=offline",
+            "train.steps=40", "backend=ddp", "nproc=2"]
+    run = load_run_config(None, [*args, f"wandb.dir={data / 'wb'}"])
+    with pytest.raises(HDETConfigError, match=r"wandb.dir: .* is inside data.path .*: W&B's logs would be read as "
+                                              r"training data \(at a resume\); put wandb.dir outside data.path"):
+        validate(run, 2, build_model=False)
+    validate(load_run_config(None, [*args, f"wandb.dir={tmp_path / 'wb'}"]), 2, build_model=False)
+    validate(load_run_config(None, [*args[:2], "wandb.enabled=false", *args[4:], f"wandb.dir={data / 'wb'}"]), 2,
+             build_model=False)
