@@ -333,6 +333,18 @@ def _pseudo_root(p: pathlib.Path) -> str | None:
     return next((r for r in PSEUDO_ROOTS if real == r or real.startswith(r + "/")), None)
 
 
+def holding_part(path: str, folder: str) -> str | None:
+    """The first comma-separated part of ``data.path`` that is ``folder`` or holds it
+    (real paths, links resolved), or ``None``: a folder whose files would be read as
+    training data. Never raises."""
+    out = os.path.realpath(os.path.expanduser(folder))
+    for part in (p.strip() for p in path.split(",") if p.strip()):
+        real = os.path.realpath(os.path.expanduser(part))
+        if out == real or out.startswith(real.rstrip(os.sep) + os.sep):
+            return part
+    return None
+
+
 def check_apart(path: str | None, run_dir: str) -> None:
     """Refuse a ``data.path`` part that holds ``run_dir`` or lies inside it.
 
@@ -348,12 +360,12 @@ def check_apart(path: str | None, run_dir: str) -> None:
     if path is None:
         return
     out = os.path.realpath(os.path.expanduser(run_dir))
+    if (part := holding_part(path, run_dir)) is not None:
+        raise HDETConfigError(f"data.path: {part!r} holds run_dir {run_dir!r}: the run's own files (metrics, "
+                              "checkpoints) would be read as training data, and a resume would train on other "
+                              "data than the run it continues; put run_dir outside data.path")
     for part in (p.strip() for p in path.split(",") if p.strip()):
         real = os.path.realpath(os.path.expanduser(part))
-        if out == real or out.startswith(real.rstrip(os.sep) + os.sep):
-            raise HDETConfigError(f"data.path: {part!r} holds run_dir {run_dir!r}: the run's own files (metrics, "
-                                  "checkpoints) would be read as training data, and a resume would train on other "
-                                  "data than the run it continues; put run_dir outside data.path")
         if real.startswith(out + os.sep):
             raise HDETConfigError(f"data.path: {part!r} is inside run_dir {run_dir!r}, whose contents belong to "
                                   "the run (train.overwrite=true removes them); keep the data outside run_dir")

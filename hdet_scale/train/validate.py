@@ -7,7 +7,6 @@ the batch sizes, the run_dir (writable, resumable), W&B's settings. Split out of
 
 from __future__ import annotations
 
-import os
 import re
 import warnings
 
@@ -23,7 +22,7 @@ from hdet_scale.logging import check_wandb_settings
 from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus
-from hdet_scale.train.data_files import check_apart
+from hdet_scale.train.data_files import check_apart, holding_part
 from hdet_scale.autolr import build_schedule, check_additive_floors
 from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, check_engine_config
@@ -138,12 +137,9 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     wdir = run["wandb"].get("dir")
     if run["wandb"]["enabled"] and isinstance(wdir, str) and wdir and d["path"] is not None:
         # tester round 56: W&B's logs inside data.path were training data at the resume
-        out = os.path.realpath(os.path.expanduser(wdir))
-        for part in (p.strip() for p in str(d["path"]).split(",") if p.strip()):
-            real = os.path.realpath(os.path.expanduser(part))
-            if out == real or out.startswith(real.rstrip(os.sep) + os.sep):
-                raise HDETConfigError(f"wandb.dir: {wdir!r} is inside data.path {part!r}: W&B's logs would be read "
-                                      "as training data (at a resume); put wandb.dir outside data.path")
+        if (part := holding_part(str(d["path"]), wdir)) is not None:
+            raise HDETConfigError(f"wandb.dir: {wdir!r} is inside data.path {part!r}: W&B's logs would be read "
+                                  "as training data (at a resume); put wandb.dir outside data.path")
     corpus = load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"], run["run_dir"])
     # the keys the config leaves out derived as DeepSpeed does (a bad one: named by the checks)
     micro, gas = batch_sizes(run["deepspeed"], world_size)
