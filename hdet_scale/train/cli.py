@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rank == 0:
                         print(completed_message(f"rank 0 lost the connection to a rank that ended "
                                                 f"({gloo_reason(e)})", run, started), file=sys.stderr, flush=True)
-                        refusals.note_completed(os.path.join(run["run_dir"], "summary.json"), said=True)
+                        refusals.note_completed(run["run_dir"], said=True)
                     exit_completed()
 
                 # tester round 51: with no restarts left, nothing else named the checkpoint
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 # a rank that fails from now on fails a completed run: torchrun's agent
                 # restarts nothing and exits 0 (launchers/torchrun_quiet.py)
-                refusals.note_completed(os.path.join(run["run_dir"], "summary.json"), said=False)
+                refusals.note_completed(run["run_dir"], said=False)
                 print(json.dumps(summary, indent=2), flush=True)
             exit_completed()  # as the hdet-train launcher's ranks: no interpreter teardown
         _check_local_ranks(run["nproc"])  # first: a world that cannot start names nproc, not a symptom

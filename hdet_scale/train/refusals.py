@@ -174,13 +174,13 @@ def _completed_file(agent_pid: int) -> str:
     return os.path.join(_folder(), f"{agent_pid}-completed")
 
 
-def note_completed(summary_path: str, said: bool) -> None:
-    """In rank 0 under ``torchrun``: this attempt wrote ``summary_path`` (the run is
+def note_completed(run_dir: str, said: bool) -> None:
+    """In rank 0 under ``torchrun``: this attempt wrote ``run_dir/summary.json`` (the run is
     complete), for its agent (:func:`completed_noted`); ``said``: rank 0 printed the line
     about a stop or failure after it (``stopping.completed_message``), so the agent prints
     none. Nothing outside torchrun. Never raises."""
     if RESTART_VAR in os.environ:
-        _write(_completed_file(os.getppid()), f"{'said' if said else 'quiet'}\n{summary_path}")
+        _write(_completed_file(os.getppid()), f"{'said' if said else 'quiet'}\n{os.path.join(run_dir, 'summary.json')}")
 
 
 def completed_noted(agent_pid: int) -> tuple[str, bool] | None:

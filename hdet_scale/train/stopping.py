@@ -321,7 +321,7 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
                 # rather than its SIGTERM; the agent then says nothing more and exits 0
                 what = failure_noted() or signum
                 os.write(2, (completed_message(what, run, since) + "\n").encode())
-                note_completed(os.path.join(run["run_dir"], "summary.json"), said=True)
+                note_completed(run["run_dir"], said=True)
             os._exit(0)
         if announce:
             from hdet_scale.train.refusals import failure_noted

@@ -78,15 +78,15 @@ def test_rank_0s_completed_note_reaches_the_agent_and_goes_with_it(monkeypatch, 
     _attempt(monkeypatch, tmp_path, 0, 1)
     agent = os.getppid()
     assert refusals.completed_noted(agent) is None
-    refusals.note_completed("/runs/a b/summary.json", said=False)
+    refusals.note_completed("/runs/a b", said=False)
     assert refusals.completed_noted(agent) == ("/runs/a b/summary.json", False)
-    refusals.note_completed("/runs/a b/summary.json", said=True)
+    refusals.note_completed("/runs/a b", said=True)
     assert refusals.completed_noted(agent) == ("/runs/a b/summary.json", True)
     assert refusals.completed_noted(agent + 1) is None  # another agent's job
     refusals.forget_agent(agent)
     assert refusals.completed_noted(agent) is None and os.listdir(refusals._folder()) == []
     monkeypatch.delenv(refusals.RESTART_VAR)  # outside torchrun: no note
-    refusals.note_completed("/runs/x/summary.json", said=False)
+    refusals.note_completed("/runs/x", said=False)
     assert refusals.completed_noted(agent) is None
 
 
