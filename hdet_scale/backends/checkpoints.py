@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
-from hdet_scale.backends.checkpoint_io import (LATEST_FILE, LAYOUT_FILE, checkpoint_index, commit, damaged_files, latest_step, manifested,
-                                               read_latest, retire_tag, rng_state, set_rng_state)
+from hdet_scale.backends.checkpoint_io import (DEFAULT_TAG, LATEST_FILE, LAYOUT_FILE, checkpoint_index, commit,
+                                               damaged_files, latest_step, manifested, read_latest, retire_tag,
+                                               rng_state, set_rng_state)
 from hdet_scale.backends.manifest import listing_problem, write_manifest
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETStateError
@@ -101,11 +102,11 @@ def read_layout(load_dir: str) -> dict:
         step = latest_step(layout, tag)
     except (ValueError, TypeError, AttributeError, OSError) as e:  # a damaged index or latest
         raise HDETStateError(f"{path} or {LATEST_FILE} next to it is damaged ({e})") from None
-    if ("checkpoints" in layout and isinstance(tag, str) and tag.startswith("global_step") and tag[11:].isdigit()
-            and tag in layout["checkpoints"] and step != int(tag[11:])):  # a layout with the index
+    named = int(tag.removeprefix("global_step")) if isinstance(tag, str) and DEFAULT_TAG.fullmatch(tag) else None
+    if named is not None and tag in layout.get("checkpoints", {}) and step != named:  # a layout with the index
         # tester round 55: an edited index said step 15 for global_step10; the engines restore the
         # step saved in the tag itself (10), so the resume line and the schedule would disagree
-        raise HDETStateError(f"{path} is damaged: it lists {tag} (saved after optimizer step {int(tag[11:])}) at step "
+        raise HDETStateError(f"{path} is damaged: it lists {tag} (saved after optimizer step {named}) at step "
                              f"{step}: restore it from a copy, or start a new run_dir")
     return layout if step is None else {**layout, "step": step}
 
