@@ -144,21 +144,31 @@ def _started_by_launcher() -> bool:
     return True
 
 
-def _print_resume_notice(run: dict, quiet_errors: bool = False) -> None:
+def _print_resume_notice(run: dict, checked: Any, quiet_errors: bool = False) -> None:
     """One warning on stderr when a resumed run's settings changed since its checkpoint
-    (``rundir.resume_notice``: each key, old -> new, and the value the run uses). Under
-    torchrun (``quiet_errors``) rank 0 prints it before ``train`` validates: a bad input
-    is then left to ``train``, which names it on every rank alike."""
+    (``rundir.resume_notice``: each key, old -> new, and the value the run uses; and
+    whether the bytes of ``checked``'s corpus, ``validate``'s, differ from the
+    checkpoint's); then a note for ``WANDB_RUN_ID`` (``run_notes.wandb_id_note``). Under torchrun (``quiet_errors``) rank 0 prints it before ``train``
+    validates: a bad input is then left to ``train``, which names it on every rank alike."""
     from hdet_scale.train import rundir
+    from hdet_scale.train.data import fingerprint
+    from hdet_scale.train.run_notes import wandb_id_note
 
     try:
-        note = rundir.resume_notice(run)
+        note = rundir.resume_notice(run, fingerprint(checked[1]))
     except (HDETConfigError, HDETStateError):
         if not quiet_errors:
             raise
         return
     if note:
         print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
+    try:  # the same files again: read already, a failure here was raised above
+        resuming = rundir.start_mode(run) == "resume"
+        ids = wandb_id_note(run, resuming, rundir.saved_wandb_run_id(run) if resuming else None)
+    except (HDETConfigError, HDETStateError):
+        ids = []
+    for line in ids:
+        print(f"hdet-train: note: {line}", file=sys.stderr, flush=True)
 
 
 def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) -> Any:
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             install_rank_handlers(run, announce=rank == 0)
             if rank == 0:
                 _print_engine_notes(run, path, overrides)
-                _print_resume_notice(run, quiet_errors=True)
+                _print_resume_notice(run, checked, quiet_errors=True)
             quiet = False
             from torch.distributed import DistNetworkError
 
@@ -402,12 +412,12 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         # the model's meta build is left to the ranks (validate's docstring)
-        _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
+        checked = _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
         from hdet_scale.train.run_lock import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
         _print_engine_notes(run, path, overrides)
-        _print_resume_notice(run)
+        _print_resume_notice(run, checked)
         if run["wandb"]["enabled"]:
             from hdet_scale.wandb_server import refuse_unreachable
 

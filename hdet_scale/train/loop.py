@@ -28,7 +28,7 @@ from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.logging import MetricsLogger, json_safe
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
-from hdet_scale.train.data import ByteBatches, unigram_entropy
+from hdet_scale.train.data import ByteBatches, fingerprint, unigram_entropy
 from hdet_scale.train.engines import build_engine
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
 from hdet_scale.train.model import ModelConfig, loss_fn
@@ -134,6 +134,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     _quiet_deepspeed()  # first: validate meets the config warnings the launcher printed once
     hcfg, corpus = checked if checked is not None else validate(run, world)
+    data = fingerprint(corpus) if rank == 0 else None  # each save records it: a resume tells changed bytes
     # Dropout draws from the global RNG, which torch seeds at random in every process: seed
     # it per rank, so a run repeats (a resumed run restores it from its checkpoint).
     torch.manual_seed(run["seed"] * 1_000_003 + rank)
@@ -222,7 +223,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # step, the RNG is saved per rank: a resume from here continues this run exactly.
         if every and sched.step_count % every == 0 and sched.step_count < steps:  # the last: below
             t0 = time.perf_counter()
-            run_checkpoint.save(engine, ckpt, keep, run, logger.run_id)
+            run_checkpoint.save(engine, ckpt, keep, run, logger.run_id, data)
             saving = time.perf_counter() - t0
             checkpoint_s += saving
             t_last += saving  # tokens/s counts training time only
@@ -243,7 +244,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
     if run["train"]["checkpoint"]:
-        run_checkpoint.save(engine, ckpt, keep, run, logger.run_id)
+        run_checkpoint.save(engine, ckpt, keep, run, logger.run_id, data)
     device = engine.device if dist.get_backend() != "gloo" else "cpu"
     memory = every_rank({"peak_host_mb": peak_host_mb(),  # per global rank, MiB
                          "peak_host_mb_after_model": engine.model_built_mb,

@@ -22,6 +22,10 @@ starts (:func:`check`), so nothing of the stopped run is touched by a refusal:
   its state, the permutation generator continues from its saved state, and the
   ``"paper"`` controller's base LR, once meta-updated, continues from the saved value.
   tests/distributed/test_resume.py holds these statements to a real load.
+- The bytes trained on: each record holds the corpus' ``data.fingerprint`` (sizes and
+  CRC-32 of the splits); a resume whose bytes differ with the data keys unchanged (files
+  added to ``data.path``, lines appended) is told so in the same warning
+  (:func:`data_change`). ``data.path`` is compared as the files it resolves to.
 - Keys that only say where and how a run is kept (``run_dir``, ``wandb.*``,
   ``hdet.logging``, the checkpoint cadence, ``train.steps``, ``nproc``) are not compared.
 
@@ -47,11 +51,14 @@ from hdet_scale.train.model_config import VOCAB_SIZE
 
 RECORD_FILE = "hdet_run_config.json"
 WANDB_RUN_ID = "wandb.run_id"  # in a tag's record: the W&B run its resume continues
+DATA_FINGERPRINT = "data.fingerprint"  # in a tag's record: the bytes trained on (data.fingerprint)
+# what else makes the bytes read differ: their own lines say so, the data line would repeat it
+_READS_DATA = ("data.path", "data.max_bytes", "data.val_fraction", "seed")
 _EMPTY_RECORD = '{"runs": {}}'
 RECORD_VERSION = 1
 _UNSET = object()  # a key one side does not have
 
-_NOT_COMPARED = {"run_dir", "nproc", "deepspeed_config", "backend", "train.steps",
+_NOT_COMPARED = {DATA_FINGERPRINT, "run_dir", "nproc", "deepspeed_config", "backend", "train.steps",
                  "train.checkpoint", "train.checkpoint_every", "train.keep_checkpoints", "train.resume",
                  "train.overwrite", "train.progress", "train.plots", "model.activation_checkpointing",
                  "model.sharded_init", "deepspeed.hdet.enabled", "deepspeed.hdet.replicas", "deepspeed.hdet.bucket_mb",
@@ -111,9 +118,11 @@ def _read(path: str) -> dict:
     return data
 
 
-def save_record(save_dir: str, tag: str, run: dict, wandb_run_id: str | None = None) -> None:
+def save_record(save_dir: str, tag: str, run: dict, wandb_run_id: str | None = None,
+                data: dict | None = None) -> None:
     """Rank 0, just before the save of ``tag`` into ``save_dir``: record ``run``'s
-    settings for ``tag`` (and ``wandb_run_id``, the W&B run the tag's resume continues),
+    settings for ``tag`` (and ``wandb_run_id``, the W&B run the tag's resume continues;
+    ``data``, the corpus' ``data.fingerprint``, which a resume compares with its own),
     keeping those of the tags the checkpoint index still lists.
     Atomic (``checkpoint_io.write_atomic``). A damaged record file is replaced: the older
     tags then resume unchecked, as before the record existed."""
@@ -129,6 +138,8 @@ def save_record(save_dir: str, tag: str, run: dict, wandb_run_id: str | None = N
     runs[tag] = record(run)
     if wandb_run_id is not None:
         runs[tag][WANDB_RUN_ID] = wandb_run_id  # "wandb." keys are never compared
+    if data is not None:
+        runs[tag][DATA_FINGERPRINT] = data
     write_atomic(path, json.dumps({"version": RECORD_VERSION, "runs": runs}))
 
 
@@ -265,6 +276,8 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
             continue
         if old == new or (key == "deepspeed.optimizer.type" and str(old).lower() == str(new).lower()):
             continue  # DeepSpeed reads optimizer names case-insensitively
+        if key == "data.path" and _same_paths(old, new):
+            continue  # tester round 56: data1/ and its absolute path are one folder
         if key == "deepspeed.hdet.axes.dropout.value" and (saved.get("model.dropout"), now.get("model.dropout")) \
                 == (old, new):
             continue  # hdet-train fills it from model.dropout: that key's line says it
@@ -275,6 +288,37 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
         else:
             changes.append(f"{line}: {_uses(key, new, saved, now, step)}")
     return errors, changes
+
+
+def _same_paths(old: Any, new: Any) -> bool:
+    """``data.path`` values naming the same files: each ``,``-separated part resolved
+    (``os.path.realpath``, relative to this process' folder, as the run reads them)."""
+    if not isinstance(old, str) or not isinstance(new, str):
+        return False
+    parts = [[os.path.realpath(p.strip()) for p in v.split(",") if p.strip()] for v in (old, new)]
+    return parts[0] == parts[1]
+
+
+def data_change(saved: dict, now: dict, data: dict | None) -> str | None:
+    """The line for a resume whose training bytes differ from those the checkpoint's run
+    recorded (``saved[DATA_FINGERPRINT]``; ``now``: this run's :func:`record`; ``data``:
+    its ``data.fingerprint``), or ``None``: the same bytes, no record of them (a checkpoint
+    saved before they were recorded), or a changed ``data.path`` / ``data.max_bytes`` /
+    ``data.val_fraction`` / ``seed``, whose own line says it (tester round 56: files added
+    to the data folder, or lines appended, were trained on without a word)."""
+    old = saved.get(DATA_FINGERPRINT)
+    if not isinstance(old, dict) or not isinstance(data, dict) or old == data:
+        return None
+    for key in _READS_DATA:
+        was, is_ = saved.get(key, _UNSET), now.get(key, _UNSET)
+        if was != is_ and not (key == "data.path" and _same_paths(was, is_)):
+            return None
+    sizes = [f"{what} split {old.get(k)} -> {data.get(k)} bytes" for what, k in
+             (("training", "train_bytes"), ("validation", "val_bytes")) if old.get(k) != data.get(k)]
+    how = ", ".join(sizes) if sizes else "the same sizes, other content"
+    return (f"data: the bytes data.path reads changed since the checkpoint was saved ({how}): the resumed run "
+            "trains on the new bytes (its batches drawn from them anew) and measures its validation loss on the "
+            "new split: compare it with the earlier records with care")
 
 
 def _saved_record(save_dir: str) -> tuple[dict | None, str | None, int]:
@@ -325,16 +369,20 @@ def check(run: dict, save_dir: str) -> list[str]:
     return changes
 
 
-def notice(run: dict, save_dir: str) -> str | None:
+def notice(run: dict, save_dir: str, data: dict | None = None) -> str | None:
     """The one warning for a resume from ``save_dir`` whose settings changed (every
-    changed key, ``old -> new``, and the value the resumed run uses), or ``None``.
+    changed key, ``old -> new``, and the value the resumed run uses) or whose training
+    bytes differ from the checkpoint's (``data``: this run's ``data.fingerprint``;
+    :func:`data_change`), or ``None``.
 
     Raises:
         HDETStateError: as :func:`check`.
     """
     changes = check(run, save_dir)
+    saved, tag, step = _saved_record(save_dir)
+    line = data_change(saved or {}, record(run), data)
+    changes += [line] if line else []
     if not changes:
         return None
-    _, tag, step = _saved_record(save_dir)
     return (f"train.resume: continuing {save_dir} ({tag}, step {step}) with settings changed since that checkpoint "
             "was saved (checkpoint -> this run):\n  " + "\n  ".join(changes))

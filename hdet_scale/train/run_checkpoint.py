@@ -17,11 +17,13 @@ from hdet_scale.logging import DISK_FULL, size_limit_failure, write_failure
 from hdet_scale.train import resume_config
 
 
-def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_id: str | None = None) -> None:
+def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_id: str | None = None,
+         data: dict | None = None) -> None:
     """The backend's checkpoint of ``engine`` (``engines.py`` ``save``: atomic, ``latest``
     moves last), then keep the newest ``keep``. Collective. With ``run``, rank 0 first
     records its settings for the save's tag (``resume_config.save_record``: what a later
-    resume compares itself with), and ``wandb_run_id``, the W&B run a resume continues.
+    resume compares itself with), ``wandb_run_id``, the W&B run a resume continues, and
+    ``data``, the corpus' ``data.fingerprint``.
 
     Raises:
         HDETStateError: a full disk, a quota, a file size limit, a permission or a
@@ -33,7 +35,7 @@ def save(engine: Any, path: str, keep: int, run: dict | None = None, wandb_run_i
     try:
         if run is not None and sched.topology.rank == 0:
             # the tag every backend's save takes by default (checkpoints.checkpoint_target)
-            resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id)
+            resume_config.save_record(path, f"global_step{sched.step_count}", run, wandb_run_id, data)
         engine.save(path)
     except CheckpointException as e:
         # DCP (FSDP2) gathers every rank's failure and raises this on all of them alike: a

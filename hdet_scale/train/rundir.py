@@ -433,10 +433,11 @@ def check_resume_config(run: dict) -> list[str]:
     return resume_config.check(run, checkpoint_dir(run))
 
 
-def resume_notice(run: dict) -> str | None:
+def resume_notice(run: dict, data: dict | None = None) -> str | None:
     """The warning that a resumed run's settings changed since its checkpoint (every key,
-    ``old -> new``, and the value used), or ``None``: also when this run does not resume.
+    ``old -> new``, and the value used; ``data``: this run's ``data.fingerprint``, told
+    when the bytes trained on changed), or ``None``: also when this run does not resume.
     Raises what :func:`start_mode` and :func:`check_resume_config` raise."""
     if start_mode(run) != "resume":
         return None
-    return resume_config.notice(run, checkpoint_dir(run))
+    return resume_config.notice(run, checkpoint_dir(run), data)

@@ -288,3 +288,43 @@ def test_init_seed_and_eval_batches_changes_are_announced(tmp_path):
     assert "train.eval_batches: 16 -> 3: the resumed run uses 3: the validation loss from here on is measured on 3 " \
            "batches, the earlier records' on 16" in text, text
     assert resume_config.notice(run_config(tmp_path), str(ckpt)) is None
+
+
+def test_changed_training_bytes_are_told_and_a_respelled_data_path_is_no_change(tmp_path, monkeypatch):
+    """Tester round 56: files added to data.path (or lines appended) since the checkpoint
+    were trained on without a word, and the same folder given as ``data1/`` and as its
+    absolute path was announced as a change. The record holds the corpus' fingerprint
+    (data.fingerprint, read from a real ``load_corpus``); a record without one (a
+    checkpoint saved before it was recorded) tells nothing."""
+    from hdet_scale.train.data import fingerprint, load_corpus
+
+    folder = tmp_path / "data1"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"f{i}.txt").write_text(f"text of file {i}\n" * 200)
+    monkeypatch.chdir(tmp_path)
+
+    def corpus(run):
+        d = run["data"]
+        return fingerprint(load_corpus(d["path"], d["val_fraction"], d["max_bytes"], run["seed"], run["run_dir"]))
+
+    ckpt = tmp_path / "run" / "checkpoint"
+    first = run_config(tmp_path / "run", "data.path=data1/")
+    save(ckpt, 10, None)
+    resume_config.save_record(str(ckpt), "global_step10", first, data=corpus(first))
+    absolute = run_config(tmp_path / "run", f"data.path={folder}")
+    assert resume_config.notice(absolute, str(ckpt), corpus(absolute)) is None  # same folder, same bytes
+    with open(folder / "f1.txt", "a") as f:
+        f.write("appended line\n")
+    note = resume_config.notice(absolute, str(ckpt), corpus(absolute))
+    assert note is not None and "data: the bytes data.path reads changed since the checkpoint" in note, note
+    assert "data.path:" not in note  # the respelled path is still no change
+    (folder / "f9.txt").write_text("a new file\n" * 300)
+    assert " -> " in resume_config.notice(first, str(ckpt), corpus(first)).split("data: ")[1]
+    # a changed seed draws another split: its own line says so, not a second one about the bytes
+    reseeded = run_config(tmp_path / "run", "data.path=data1/", "seed=3")
+    lines = resume_config.notice(reseeded, str(ckpt), corpus(reseeded)).splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["seed"], lines
+    # a record saved before the bytes were recorded: nothing to compare them with
+    resume_config.save_record(str(ckpt), "global_step10", first)
+    assert resume_config.notice(first, str(ckpt), corpus(first)) is None
