@@ -62,7 +62,8 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
     library's block).
 
     Raises:
-        HDETConfigError: no API key for an online run, ``WANDB_MODE`` not a W&B mode, a
+        HDETConfigError: no API key for an online run, ``WANDB_MODE`` not a W&B mode,
+            ``WANDB_RUN_ID`` not an id W&B takes (``/``, ``:``...), a
             project name W&B refuses, W&B not installed (the ``[fsdp]`` extra leaves it
             out; rank 0 failed on the import), or W&B's import failing (no usable
             temporary folder: :func:`import_wandb`).
@@ -93,6 +94,16 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
         except Exception as e:  # noqa: BLE001 - W&B's UsageError, or pydantic's error around it
             reason = " ".join(str(e).split())[:300]
             raise HDETConfigError(f"{prefix}project: {reason}") from None
+    run_id = os.environ.get("WANDB_RUN_ID", "").strip()
+    if wandb.enabled and run_id:
+        # W&B validates it in wandb.init, on rank 0 once training has started
+        wb = import_wandb(prefix)
+        try:
+            wb.Settings(run_id=run_id)
+        except Exception as e:  # noqa: BLE001 - W&B's UsageError, or pydantic's error around it
+            raise HDETConfigError(f"environment: WANDB_RUN_ID={run_id!r} is not an id W&B takes "
+                                  f"({' '.join(str(e).split())[:200]}): fix or unset it (or set "
+                                  f"{prefix}enabled=false)") from None
     url = os.environ.get("WANDB_BASE_URL")
     if wandb.enabled and url is not None:
         # W&B validates it in wandb.init, on rank 0 after the start, offline runs too (tester

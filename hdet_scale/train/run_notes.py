@@ -225,3 +225,25 @@ def split_note(run: dict, train_bytes: int, val_bytes: int) -> list[str]:
             f"training split has {train_bytes} of its {train_budget}: the split is by file, so what the files held out "
             "for validation hold beyond that is read by neither split (to train on it, give more or smaller files, "
             "or a single file, which is split by position; to validate on it, raise data.val_fraction)"]
+
+
+def wandb_id_note(run: dict, resuming: bool, saved_id: str | None) -> list[str]:
+    """What ``WANDB_RUN_ID`` in the environment does to this run's W&B run (tester round
+    56: two unrelated runs shared one W&B id, and a resume ignored it, without a word).
+    W&B takes it as the id of a new run; a resumed run continues the W&B run its
+    checkpoint recorded (``saved_id``), whatever the variable says.
+
+    Returns:
+        One line, or ``[]``: W&B off, the variable unset or empty, or a resume whose
+        recorded id is the variable's.
+    """
+    env = os.environ.get("WANDB_RUN_ID", "").strip()
+    if not run["wandb"]["enabled"] or not env:
+        return []
+    if resuming and saved_id:
+        if saved_id == env:
+            return []
+        return [f"WANDB_RUN_ID={env!r} is not used: the resumed run continues the W&B run {saved_id!r} its checkpoint "
+                "recorded (a new run_dir starts a new W&B run; unset WANDB_RUN_ID to leave this note)"]
+    return [f"WANDB_RUN_ID={env!r}: W&B takes this id for the run, and a later run started with the same variable logs "
+            "into the same W&B run (unset it to give each run its own id); a resume of this run continues it"]

@@ -157,3 +157,36 @@ def test_the_launcher_says_it_starts_the_ranks_and_which_variables_it_does_not_r
     assert note.startswith("hdet-train: note: MASTER_PORT=abc in the environment is not used: hdet-train starts its "
                            "2 ranks itself, at 127.0.0.1 on a free port")
     assert start.startswith("hdet-train: starting 2 ranks on this machine (ddp: 2 replicas of the model, 1 rank each);")
+
+
+def test_wandb_run_id_from_the_environment_is_named_and_a_resume_keeps_its_own(no_proxy_env, monkeypatch, tmp_path):
+    """Tester round 56: WANDB_RUN_ID gave two unrelated runs one W&B id, and a resumed run
+    continued its recorded W&B run instead, both without a word. The note says which id
+    the run takes, held to real offline W&B runs: a new run takes the variable's id, a
+    resume (``run_id``: the id its checkpoint recorded) its own. An id W&B refuses is
+    refused before the start, naming the variable."""
+    from hdet_scale.logging import check_wandb_settings
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.run_notes import wandb_id_note
+
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    run = load_run_config(None, [f"run_dir={tmp_path}", "wandb.mode=offline"])
+    assert wandb_id_note(run, False, None) == []
+    monkeypatch.setenv("WANDB_RUN_ID", "shared7")
+    cfg = WandbConfig(enabled=True, mode="offline", dir=str(tmp_path), project="p")
+    ids = []
+    for run_id in (None, "recorded1"):
+        logger = MetricsLogger(None, cfg, {}, run_id=run_id)
+        ids.append(logger.run_id)
+        logger.close()
+    assert ids == ["shared7", "recorded1"]
+    (fresh,) = wandb_id_note(run, False, None)
+    assert fresh.startswith("WANDB_RUN_ID='shared7': W&B takes this id for the run"), fresh
+    (resumed,) = wandb_id_note(run, True, "recorded1")
+    assert "is not used: the resumed run continues the W&B run 'recorded1'" in resumed, resumed
+    assert wandb_id_note(run, True, "shared7") == []
+    assert wandb_id_note(load_run_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false"]), False, None) == []
+    monkeypatch.setenv("WANDB_RUN_ID", "a/b")
+    with pytest.raises(HDETConfigError, match=r"^environment: WANDB_RUN_ID='a/b' is not an id W&B takes"):
+        check_wandb_settings(WandbConfig(enabled=True, mode="offline"))
+    check_wandb_settings(WandbConfig(enabled=False))
