@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from hdet_scale.backends import BACKENDS
-from hdet_scale.errors import HDETConfigError
+from hdet_scale.errors import HDETConfigError, HDETStateError
 
 __all__ = ["Ensemble", "prepare"]
 
@@ -272,7 +272,22 @@ class Ensemble:
         """Every replica's weights and optimizer state and every rank's HDET state under
         ``save_dir`` (atomic: ``latest`` moves last); between optimizer steps. Collective:
         every rank calls it at the same step. Returns the tag (default
-        ``global_step<step>``)."""
+        ``global_step<step>``).
+
+        Raises:
+            HDETStateError: called in the middle of an optimizer step (after a micro-batch
+                that was not its step's last), before anything is written: the pending
+                micro-batches' gradients are no part of a checkpoint, and a resume from it
+                would have dropped them (tester round 56: silently). Every rank counts the
+                same micro-batches, so every rank raises alike.
+        """
+        if self._micro or self._backward_done:
+            pending = self._micro + (1 if self._backward_done else 0)
+            raise HDETStateError(f"Ensemble.save_checkpoint: called after {pending} of the "
+                                 f"{self.grad_accum} micro-batches of optimizer step "
+                                 f"{getattr(self.scheduler, 'step_count', 0) + 1} "
+                                 "(gradient_accumulation_steps): their gradients are in no checkpoint; save when "
+                                 "ens.step() returned True (the step's last micro-batch)")
         lib = self._backend()
         if self.backend == "deepspeed":
             return lib.save_checkpoint(self.model, self.scheduler, save_dir, tag)

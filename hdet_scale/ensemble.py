@@ -313,11 +313,12 @@ class HDETScheduler:
         check_loss_args(loss, kwargs, many)
 
     def check_can_step(self) -> None:
-        """Raise ``ValueError`` (``OneCycleLR``'s message) if one more step would pass
-        ``schedule.total_steps``."""
+        """Raise ``ValueError`` (``OneCycleLR``'s message, then the key that sets the
+        length: tester round 56) if one more step would pass ``schedule.total_steps``."""
         if self.step_count + 1 > self.total_steps:
             raise ValueError(f"Tried to step {self.step_count + 1} times. The specified number of total steps is "
-                             f"{self.total_steps}")
+                             f"{self.total_steps} (hdet.schedule.total_steps, optimizer steps: set it to the whole "
+                             "run's length to train longer)")
 
     def sync(self) -> dict[str, Any]:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at

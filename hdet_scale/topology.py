@@ -44,7 +44,10 @@ class Layout:
         if self.replicas < 1 or self.world_size % self.replicas != 0:
             raise HDETConfigError(
                 f"hdet.replicas: {self.replicas} replicas do not divide the world of {self.world_size} ranks; "
-                f"allowed values for this world: {_divisors(self.world_size)}")
+                f"allowed values for this world: {_divisors(self.world_size)}"
+                # tester round 56: `python train.py` runs a world of one process
+                + (" (a world of 1: a script started with plain `python` instead of `torchrun --nproc-per-node N` "
+                   "or the `deepspeed` launcher?)" if self.world_size == 1 else ""))
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
 

@@ -171,3 +171,36 @@ def test_step_and_backward_out_of_order_are_refused():
     with pytest.raises(HDETConfigError, match=r"Ensemble.backward: called again before step\(\).*= 2"):
         ens.backward(model(torch.ones(1, 2)).sum())
     assert model.weight.grad is not None and torch.equal(model.weight.grad, torch.ones(1, 2))  # 2 x 1/2: no third
+
+
+def test_a_checkpoint_in_the_middle_of_an_optimizer_step_is_refused(tmp_path):
+    """Tester round 56: save_checkpoint after the first of two micro-batches wrote a
+    checkpoint without the pending gradient, and the resumed run dropped it, silently.
+    Refused before anything is written (every rank counts the same micro-batches)."""
+    from hdet_scale.api import Ensemble
+    from hdet_scale.errors import HDETStateError
+
+    model = torch.nn.Linear(2, 1)
+    ens = Ensemble("ddp", model, None, None, grad_accum=2, clip=0.0)
+    ens.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(HDETStateError, match=r"called after 1 of the 2 micro-batches of optimizer step 1 .*"
+                                             r"save when ens.step\(\) returned True"):
+        ens.save_checkpoint(str(tmp_path / "ckpt"))
+    assert ens.step() is False
+    with pytest.raises(HDETStateError, match=r"called after 1 of the 2 micro-batches"):
+        ens.save_checkpoint(str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_world_of_one_names_the_launcher():
+    """Tester round 56: ``python train.py`` (one process) was told only that 2 replicas do
+    not divide a world of 1; the message names torchrun and the deepspeed launcher. Other
+    worlds keep the plain message."""
+    from hdet_scale.topology import Layout
+
+    with pytest.raises(HDETConfigError, match=r"world of 1 ranks; allowed values for this world: \[1\] \(a world of "
+                                              r"1: a script started with plain `python` instead of `torchrun"):
+        Layout(1, 2)
+    with pytest.raises(HDETConfigError) as e:
+        Layout(4, 3)
+    assert "plain `python`" not in str(e.value)
