@@ -27,6 +27,7 @@ from typing import Any
 from hdet_scale.errors import HDETConfigError, HDETStateError
 from hdet_scale.train.launcher import USER_ERROR as _USER_ERROR  # the exit code of a user error
 from hdet_scale.train.launcher import StoppedBeforeStart, raise_stop
+from hdet_scale.train.start_notes import print_engine_notes, print_resume_notice, yaml_top
 
 
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -144,33 +145,6 @@ def _started_by_launcher() -> bool:
     return True
 
 
-def _print_resume_notice(run: dict, checked: Any, quiet_errors: bool = False) -> None:
-    """One warning on stderr when a resumed run's settings changed since its checkpoint
-    (``rundir.resume_notice``: each key, old -> new, and the value the run uses; and
-    whether the bytes of ``checked``'s corpus, ``validate``'s, differ from the
-    checkpoint's); then a note for ``WANDB_RUN_ID`` (``run_notes.wandb_id_note``). Under torchrun (``quiet_errors``) rank 0 prints it before ``train``
-    validates: a bad input is then left to ``train``, which names it on every rank alike."""
-    from hdet_scale.train import rundir
-    from hdet_scale.train.data import fingerprint
-    from hdet_scale.train.run_notes import wandb_id_note
-
-    try:
-        note = rundir.resume_notice(run, fingerprint(checked[1]))
-    except (HDETConfigError, HDETStateError):
-        if not quiet_errors:
-            raise
-        return
-    if note:
-        print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
-    try:  # the same files again: read already, a failure here was raised above
-        resuming = rundir.start_mode(run) == "resume"
-        ids = wandb_id_note(run, resuming, rundir.saved_wandb_run_id(run) if resuming else None)
-    except (HDETConfigError, HDETStateError):
-        ids = []
-    for line in ids:
-        print(f"hdet-train: note: {line}", file=sys.stderr, flush=True)
-
-
 def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) -> Any:
     """``loop.validate``, its config warnings (one replica asked to spread, auto-LR
     without a signal...) printed once as ``hdet-train: warning:`` lines by the process
@@ -197,76 +171,12 @@ def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) ->
 SHOWN_ONCE = ("hdet.", "hdet_scale: ")
 
 
-_UNREAD = object()
-
-
-def _yaml_top(path: str | None) -> Any:
-    """The config file's top level as PyYAML reads it, for the notes below; ``_UNREAD``
-    when there is no file or it cannot be read (load_run_config read it already: a note is
-    not worth an error)."""
-    if path is None:
-        return _UNREAD
-    try:
-        from hdet_scale.safe_parse import yaml_load
-
-        with open(path) as f:  # safe_parse: never a cyclic value for the checks (tester round 45)
-            return yaml_load(f.read())
-    except Exception:  # noqa: BLE001 - see the docstring
-        return _UNREAD
-
-
 def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
     """Whether the user set ``nproc`` (an override, or a top-level key of the YAML)."""
     if any(o.split("=", 1)[0].strip() == "nproc" for o in overrides):
         return True
-    data = _yaml_top(path)
+    data = yaml_top(path)
     return isinstance(data, dict) and "nproc" in data
-
-
-def _print_engine_notes(run: dict, path: str | None = None, overrides: list[str] | None = None) -> None:
-    """One line on stderr for each ``deepspeed`` key the chosen engine reads otherwise
-    than DeepSpeed would (``engines.engine_notes``), before any rank starts; for a
-    config file ``path`` that sets nothing; for what the DeepSpeed JSON keeps under the
-    overrides (a new ``optimizer.type``, a mapping override: read once, here)."""
-    from hdet_scale.train.config import packaged
-    from hdet_scale.train.config_files import load_deepspeed_json
-    from hdet_scale.train.config_merge import kept_by_merge
-    from hdet_scale.train.engines import engine_notes
-    from hdet_scale.train.run_notes import never_notes
-    ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
-    shown = ds_path if run["deepspeed_config"] else "the packaged deepspeed.json"
-    file_ds = load_deepspeed_json(ds_path)
-    notes = (engine_notes(run["deepspeed"], run["backend"]) + _switch_notes(run, file_ds) + never_notes(run)
-             + kept_by_merge(overrides or [], file_ds, shown))
-    for note in _empty_file_notes(path) + notes:
-        print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
-
-
-def _empty_file_notes(path: str | None) -> list[str]:
-    """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
-    file) ran the packaged defaults without a word."""
-    data = _yaml_top(path)
-    if data is _UNREAD:
-        return []
-    if data not in (None, {}):
-        return []
-    return [f"config file {path!r} sets nothing ({'empty, or comments only' if data is None else 'an empty mapping'}): "
-            "the run uses the packaged defaults and the key=value overrides"]
-
-
-def _switch_notes(run: dict, file_ds: dict | None = None) -> list[str]:
-    """What a new ``optimizer.type`` left out of the DeepSpeed JSON's params, and a new
-    ``hdet.schedule.name`` of its schedule keys (``optimizer_switch``); ``file_ds``: that
-    JSON as read (read here if not given)."""
-    from hdet_scale.train.config import packaged
-    from hdet_scale.train.config_files import load_deepspeed_json
-    from hdet_scale.train.optimizer_switch import schedule_switch_note, switch_note
-
-    path = run["deepspeed_config"] or packaged("deepspeed.json")
-    file_ds = load_deepspeed_json(path) if file_ds is None else file_ds
-    name = path if run["deepspeed_config"] else "the packaged deepspeed.json"
-    return [n for n in (switch_note(file_ds, run["deepspeed"], name),
-                        schedule_switch_note(file_ds, run["deepspeed"], name)) if n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_extensions_dir()
             install_rank_handlers(run, announce=rank == 0)
             if rank == 0:
-                _print_engine_notes(run, path, overrides)
-                _print_resume_notice(run, checked, quiet_errors=True)
+                print_engine_notes(run, path, overrides)
+                print_resume_notice(run, checked, quiet_errors=True)
             quiet = False
             from torch.distributed import DistNetworkError
 
@@ -416,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         from hdet_scale.train.run_lock import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends
-        _print_engine_notes(run, path, overrides)
-        _print_resume_notice(run, checked)
+        print_engine_notes(run, path, overrides)
+        print_resume_notice(run, checked)
         if run["wandb"]["enabled"]:
             from hdet_scale.wandb_server import refuse_unreachable
 

@@ -1062,7 +1062,7 @@ def test_a_config_file_that_sets_nothing_is_noted(tmp_path, capsys, text, what):
     """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
     file) trained the packaged defaults without a word. One note, before any rank starts;
     none for a file that sets a key."""
-    from hdet_scale.train.cli import _print_engine_notes
+    from hdet_scale.train.start_notes import print_engine_notes as _print_engine_notes
     from hdet_scale.train.config import load_run_config
 
     path = tmp_path / "run.yaml"
@@ -1457,7 +1457,7 @@ def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():
     one are left out with a note; keys the user sets beside the name stay (and are warned
     about when unread); the same name, or none, drops nothing."""
     from hdet_scale.config import HDETConfig
-    from hdet_scale.train.cli import _switch_notes
+    from hdet_scale.train.start_notes import switch_notes as _switch_notes
     from hdet_scale.train.config import load_run_config
 
     run = load_run_config(None, ["deepspeed.hdet.schedule.name=constant"])

@@ -349,7 +349,7 @@ def test_hdet_train_names_model_dropout_the_value_type_and_switches_optimizer_ty
     given = load_run_config(None, ["deepspeed.optimizer.type=SGD", "deepspeed.optimizer.params.eps=1e-8"])
     with pytest.raises(HDETConfigError, match=r"deepspeed.optimizer.params.eps: not an argument of torch.SGD"):
         validate(given, 4, build_model=False)  # a key the user set next to the type is theirs: still refused
-    from hdet_scale.train.cli import _switch_notes
+    from hdet_scale.train.start_notes import switch_notes as _switch_notes
 
     assert _switch_notes(sgd) == ["deepspeed.optimizer.type=SGD replaces the packaged deepspeed.json's AdamW: its "
                                   "optimizer.params betas, eps are not SGD's and are left out (lr, weight_decay kept)"]
@@ -364,7 +364,7 @@ def test_a_torch_engine_switches_to_sgd_in_any_letters(backend, spelling):
     refused with "['betas', 'eps'] are not arguments of torch.optim.SGD". Now the same run
     config as ``SGD``, with the same note; DeepSpeed, which looks a torch.optim class up
     by its exact name, keeps refusing ``sgd`` and says to write 'SGD'."""
-    from hdet_scale.train.cli import _switch_notes
+    from hdet_scale.train.start_notes import switch_notes as _switch_notes
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
 
