@@ -136,6 +136,11 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
         raise HDETConfigError(f"{cut}; an hdet-train metrics file holds one JSON object per line")
     if not records:
         raise HDETConfigError(f"{path}: the metrics file holds no record (did the run log a step?)")
+    if "step" in bad and not any(isinstance(r.get("step"), int) for r in records):
+        # its records were all left out for their steps: "no record of an hdet-train run"
+        # after the step lines misled (noticed in round 55)
+        raise HDETConfigError(f"{path}: no record has an integer step (the values of step above were skipped): "
+                              "hdet-train logs the optimizer step, an integer, with every record")
     return records
 
 

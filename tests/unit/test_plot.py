@@ -506,3 +506,17 @@ def test_values_matplotlib_cannot_draw_skip_that_plot_with_a_note(tmp_path, caps
     assert "skipped loss.png: matplotlib cannot draw its values (arange: cannot compute length" in printed, printed
     assert "Traceback" not in printed and not (out / "loss.png").exists()
     assert _pngs(out) == ["base_lr_group0.png", "fanout_lr_group0.png", "sync.png"]
+
+
+def test_a_file_whose_steps_are_all_floats_says_so(tmp_path, capsys):
+    """Noticed in round 55: every record's step a float (1.5, 2.5...) was skipped with a
+    note, then the error said "no record of an hdet-train run in it", which the file is.
+    The error names the steps."""
+    recs = _records()
+    for r in recs:
+        r["step"] = r["step"] + 0.5
+    _write(tmp_path, recs)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no record has an integer step (the values of step above were skipped)" in err, err
+    assert "no record of an hdet-train run" not in err
