@@ -132,7 +132,7 @@ def start_mode(run: dict) -> str:
         return "replace"
     held = [n for n in RUN_FILES if os.path.exists(os.path.join(run_dir, n))]
     if t["resume"] and os.path.isdir(ckpt):
-        raise HDETConfigError(_no_latest(ckpt))
+        raise HDETConfigError(_no_latest(ckpt, t["steps"]))
     if t["resume"] and held and not t["overwrite"]:
         raise HDETConfigError(f"train.resume: {run_dir} holds a run ({', '.join(held)}) but no checkpoint to resume "
                               f"from ({_why_no_checkpoint(held, run_dir)}): start it over with train.resume=false "
@@ -234,9 +234,10 @@ def _index(ckpt: str, latest: str | None) -> dict:
         return {}
 
 
-def _no_latest(ckpt: str) -> str:
+def _no_latest(ckpt: str, steps: int | None = None) -> str:
     """Why ``train.resume`` cannot continue from ``ckpt`` (a folder without ``latest``),
-    and the ways on: the complete checkpoints the layout's index lists, if any."""
+    and the ways on: the complete checkpoints the layout's index lists, if any (the newest
+    at ``steps``, this run's ``train.steps``, is a finished run's: said so)."""
     index = _index(ckpt, None)
     msg = (f"train.resume: {ckpt} has no {LATEST_FILE} file, which names the checkpoint to resume from (a save "
            "was cut short before its first checkpoint completed, or the file was removed). ")
@@ -245,6 +246,10 @@ def _no_latest(ckpt: str) -> str:
         listed = ", ".join(f"{t} (step {s})" for t, s in index.items())
         msg += (f"Its {LAYOUT_FILE} lists complete checkpoint(s) {listed}: to resume from the newest, write its tag "
                 f"into it (echo {tag} > {os.path.join(ckpt, LATEST_FILE)}). ")
+        if isinstance(steps, int) and index[tag] >= steps:
+            # noticed in round 56: the advice led to "nothing is left to do"
+            msg += (f"That checkpoint is at train.steps={steps}: the run it belongs to finished its training, and a "
+                    "resume from it trains only with a larger train.steps (up to the schedule's length). ")
     elif on_disk := _tag_folders(ckpt):
         # tester round 54: with the layout emptied too, the one way named was the overwrite
         # that deletes these folders

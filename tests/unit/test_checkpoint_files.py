@@ -929,3 +929,20 @@ def test_a_stop_after_the_final_checkpoint_before_the_summary_advises_no_refused
             "train.steps and train.resume=true.") in msg, msg
     (ckpt / "latest").write_text("global_step10")
     assert "continue with train.resume=true and the same run_dir" in stop_message(signal.SIGINT, run, "x", 12)
+
+
+def test_no_latest_whose_newest_listed_checkpoint_is_the_final_one_says_the_run_finished(tmp_path):
+    """Noticed in round 56: with ``latest`` removed after a finished run's final save, the
+    advice to write its tag into ``latest`` led to "nothing is left to do". Said when the
+    newest listed checkpoint is at train.steps; not for an earlier one."""
+    ckpt = tmp_path / "checkpoint"
+    for step in (5, 10):
+        for r in range(2):
+            (ckpt / f"replica_{r}" / f"global_step{step}").mkdir(parents=True)
+        commit(str(ckpt), {"world_size": 2, "replicas": 2, "shard_size": 1, "step": step, "total_steps": 10,
+                           "backend": "ddp"}, f"global_step{step}")
+    (ckpt / "latest").unlink()
+    msg = rundir._no_latest(str(ckpt), 10)
+    assert f"echo global_step10 > {ckpt}/latest" in msg, msg
+    assert "That checkpoint is at train.steps=10: the run it belongs to finished its training" in msg, msg
+    assert "finished its training" not in rundir._no_latest(str(ckpt), 20)
