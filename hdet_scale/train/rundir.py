@@ -19,9 +19,10 @@ import shutil
 import tempfile
 
 from hdet_scale.safe_parse import json_load, json_loads  # tester round 45: deep nesting is a ValueError
-from hdet_scale.backends.checkpoint_io import LATEST_FILE, LAYOUT_FILE, checkpoint_index, read_latest, write_atomic
+from hdet_scale.backends.checkpoint_io import LATEST_FILE, LAYOUT_FILE, read_latest, write_atomic
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import resume_config
+from hdet_scale.train.no_latest import no_latest_message, tag_index
 from hdet_scale.train.run_lock import LOCK_FILE, check_not_in_use, hold_run_dir  # noqa: F401 (re-exported)
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
@@ -64,7 +65,7 @@ def restart_line(run: dict, start: str) -> str | None:
         return None
     tag = read_latest(checkpoint_dir(run)) or "?"
     where = os.path.join(checkpoint_dir(run), "replica_*", tag)
-    step = _index(checkpoint_dir(run), tag).get(tag)  # the step the save recorded, whatever the tag's name
+    step = tag_index(checkpoint_dir(run), tag).get(tag)  # the step the save recorded, whatever the tag's name
     if step is not None:
         where += f" (the state after optimizer step {step})"
     if resumed:  # the tag latest names: not always the newest (a user may point it back)
@@ -132,7 +133,7 @@ def start_mode(run: dict) -> str:
         return "replace"
     held = [n for n in RUN_FILES if os.path.exists(os.path.join(run_dir, n))]
     if t["resume"] and os.path.isdir(ckpt):
-        raise HDETConfigError(_no_latest(ckpt, t["steps"]))
+        raise HDETConfigError(no_latest_message(ckpt, t["steps"]))
     if t["resume"] and held and not t["overwrite"]:
         raise HDETConfigError(f"train.resume: {run_dir} holds a run ({', '.join(held)}) but no checkpoint to resume "
                               f"from ({_why_no_checkpoint(held, run_dir)}): start it over with train.resume=false "
@@ -222,65 +223,6 @@ def _refuse_plots_in_the_way(run_dir: str) -> None:
         raise HDETConfigError(f"run_dir: {folder} already holds {shown}, of the names this run gives its plots at "
                               "its end (it would replace them): move them away, choose another run_dir, set "
                               "train.plots=false, or train.overwrite=true to replace them")
-
-
-def _index(ckpt: str, latest: str | None) -> dict:
-    """``ckpt``'s index of complete checkpoints ``{tag: step}`` (``checkpoint_index``);
-    ``{}`` when its layout cannot be read. For messages: never raises."""
-    try:
-        with open(os.path.join(ckpt, LAYOUT_FILE)) as f:
-            return checkpoint_index(json_load(f), latest)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return {}
-
-
-def _no_latest(ckpt: str, steps: int | None = None) -> str:
-    """Why ``train.resume`` cannot continue from ``ckpt`` (a folder without ``latest``),
-    and the ways on: the complete checkpoints the layout's index lists, if any (the newest
-    at ``steps``, this run's ``train.steps``, is a finished run's: said so)."""
-    index = _index(ckpt, None)
-    msg = (f"train.resume: {ckpt} has no {LATEST_FILE} file, which names the checkpoint to resume from (a save "
-           "was cut short before its first checkpoint completed, or the file was removed). ")
-    if index:
-        tag = list(index)[-1]
-        listed = ", ".join(f"{t} (step {s})" for t, s in index.items())
-        msg += (f"Its {LAYOUT_FILE} lists complete checkpoint(s) {listed}: to resume from the newest, write its tag "
-                f"into it (echo {tag} > {os.path.join(ckpt, LATEST_FILE)}). ")
-        if isinstance(steps, int) and index[tag] >= steps:
-            # noticed in round 56: the advice led to "nothing is left to do"
-            msg += (f"That checkpoint is at train.steps={steps}: the run it belongs to finished its training, and a "
-                    "resume from it trains only with a larger train.steps (up to the schedule's length). ")
-    elif on_disk := _tag_folders(ckpt):
-        # tester round 54: with the layout emptied too, the one way named was the overwrite
-        # that deletes these folders
-        layout = os.path.join(ckpt, LAYOUT_FILE)
-        why = "is missing" if not os.path.lexists(layout) else "cannot be read (damaged?)"
-        msg += (f"It holds checkpoint folder(s) {', '.join(on_disk)}, but its {LAYOUT_FILE}, which lists the "
-                f"complete ones, {why}: restore {layout} from a copy, then write the newest complete tag into "
-                f"{LATEST_FILE} (echo {on_disk[-1]} > {os.path.join(ckpt, LATEST_FILE)}). ")
-        return msg + ("To start over (this deletes those folders), set train.resume=false train.overwrite=true; or "
-                      "choose another run_dir")
-    return msg + ("To start over, set train.resume=false train.overwrite=true (removes it); or choose another "
-                  "run_dir")
-
-
-def _tag_folders(ckpt: str) -> list[str]:
-    """The checkpoint tag folders inside ``ckpt``'s ``replica_*`` folders, by step
-    (``global_step<N>``), complete or not: for messages. Never raises."""
-    tags: set[str] = set()
-    try:
-        for replica in os.listdir(ckpt):
-            folder = os.path.join(ckpt, replica)
-            if replica.startswith("replica_") and os.path.isdir(folder):
-                tags.update(t for t in os.listdir(folder) if os.path.isdir(os.path.join(folder, t)))
-    except OSError:
-        pass
-
-    def step(tag: str) -> tuple[int, str]:
-        digits = tag.removeprefix("global_step")
-        return (int(digits) if digits.isdigit() else -1, tag)
-
-    return sorted(tags, key=step)
 
 
 def _check_kinds(run_dir: str) -> None:

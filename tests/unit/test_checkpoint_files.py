@@ -17,6 +17,7 @@ from hdet_scale.backends.checkpoint_io import commit, prune, read_latest, retire
 from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
+from hdet_scale.train.no_latest import no_latest_message
 from hdet_scale.train.config import load_run_config
 
 REPLICAS = 2
@@ -895,15 +896,15 @@ def test_no_latest_and_an_unreadable_layout_names_the_folders_on_disk_not_only_o
         for step in (98, 91, 7):
             (ckpt / f"replica_{r}" / f"global_step{step}").mkdir(parents=True)
     (ckpt / "hdet_layout.json").write_text("")
-    msg = rundir._no_latest(str(ckpt))
+    msg = no_latest_message(str(ckpt))
     assert ("holds checkpoint folder(s) global_step7, global_step91, global_step98, but its hdet_layout.json, which "
             "lists the complete ones, cannot be read (damaged?)") in msg, msg
     assert f"echo global_step98 > {ckpt}/latest" in msg and "this deletes those folders" in msg, msg
     (ckpt / "hdet_layout.json").unlink()
-    assert "hdet_layout.json, which lists the complete ones, is missing" in rundir._no_latest(str(ckpt))
+    assert "hdet_layout.json, which lists the complete ones, is missing" in no_latest_message(str(ckpt))
     shutil.rmtree(ckpt / "replica_0")
     shutil.rmtree(ckpt / "replica_1")  # nothing on disk: only the ways to start over
-    msg = rundir._no_latest(str(ckpt))
+    msg = no_latest_message(str(ckpt))
     assert "folder(s)" not in msg and "train.overwrite=true (removes it)" in msg, msg
 
 
@@ -942,7 +943,7 @@ def test_no_latest_whose_newest_listed_checkpoint_is_the_final_one_says_the_run_
         commit(str(ckpt), {"world_size": 2, "replicas": 2, "shard_size": 1, "step": step, "total_steps": 10,
                            "backend": "ddp"}, f"global_step{step}")
     (ckpt / "latest").unlink()
-    msg = rundir._no_latest(str(ckpt), 10)
+    msg = no_latest_message(str(ckpt), 10)
     assert f"echo global_step10 > {ckpt}/latest" in msg, msg
     assert "That checkpoint is at train.steps=10: the run it belongs to finished its training" in msg, msg
-    assert "finished its training" not in rundir._no_latest(str(ckpt), 20)
+    assert "finished its training" not in no_latest_message(str(ckpt), 20)
