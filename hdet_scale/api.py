@@ -236,10 +236,17 @@ class Ensemble:
             HDETConfigError: no :meth:`backward` since the last call (tester round 35: a
                 second step() per micro-batch made every other update one with no
                 gradient and a recorded loss of 0, auto-LR's fitness).
+            ValueError: the step would pass ``hdet.schedule.total_steps``
+                (``HDETScheduler.check_can_step``), raised before the optimizer steps, so
+                the weights stay those of the last valid step.
         """
         if not self._backward_done:
             raise HDETConfigError("Ensemble.step: no backward since the last step(); call ens.backward(loss) once "
                                   "per micro-batch, then ens.step() once")
+        if self._micro + 1 == self.grad_accum:
+            # before any engine moves a weight (tester round 57: DeepSpeed and the torch
+            # engines stepped the optimizer, then the scheduler refused the step)
+            self.scheduler.check_can_step()
         self._backward_done = False
         self._micro += 1
         last = self._micro == self.grad_accum
@@ -256,6 +263,17 @@ class Ensemble:
 
             optimizer_step(self.model.parameters(), self.optimizer, self.scheduler, loss, self._clip)
         return True
+
+    def _refuse_mid_step(self, call: str, why: str) -> None:
+        """Raise HDETStateError when micro-batches of an optimizer step are pending (a
+        backward since the last step boundary). Every rank counts the same micro-batches,
+        so every rank raises alike, before any collective."""
+        if self._micro or self._backward_done:
+            pending = self._micro + (1 if self._backward_done else 0)
+            raise HDETStateError(f"Ensemble.{call}: called after {pending} of the {self.grad_accum} micro-batches of "
+                                 f"optimizer step {getattr(self.scheduler, 'step_count', 0) + 1} "
+                                 f"(gradient_accumulation_steps): {why} when ens.step() returned True (the step's "
+                                 "last micro-batch)")
 
     def train(self) -> None:
         self.model.train()
@@ -281,13 +299,7 @@ class Ensemble:
                 would have dropped them (tester round 56: silently). Every rank counts the
                 same micro-batches, so every rank raises alike.
         """
-        if self._micro or self._backward_done:
-            pending = self._micro + (1 if self._backward_done else 0)
-            raise HDETStateError(f"Ensemble.save_checkpoint: called after {pending} of the "
-                                 f"{self.grad_accum} micro-batches of optimizer step "
-                                 f"{getattr(self.scheduler, 'step_count', 0) + 1} "
-                                 "(gradient_accumulation_steps): their gradients are in no checkpoint; save when "
-                                 "ens.step() returned True (the step's last micro-batch)")
+        self._refuse_mid_step("save_checkpoint", "their gradients are in no checkpoint; save")
         lib = self._backend()
         if self.backend == "deepspeed":
             return lib.save_checkpoint(self.model, self.scheduler, save_dir, tag)
@@ -299,8 +311,12 @@ class Ensemble:
 
         Raises:
             HDETStateError: no checkpoint, another layout or engine, a file changed since
-                it was written (every rank alike, before anything is loaded).
+                it was written (every rank alike, before anything is loaded); called in
+                the middle of an optimizer step (tester round 57: the pending
+                micro-batches' gradients were carried into the loaded state's next step).
         """
+        self._refuse_mid_step("load_checkpoint", "their gradients would be added to the loaded state's next step; "
+                                                 "load")
         lib = self._backend()
         if self.backend != "deepspeed":
             return lib.load_checkpoint(self.model, self.optimizer, self.scheduler, load_dir, tag)

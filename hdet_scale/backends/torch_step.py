@@ -41,9 +41,15 @@ def optimizer_step(parameters: Iterable[torch.nn.Parameter], optimizer: torch.op
 
     Returns:
         Whether the update was applied.
+
+    Raises:
+        ValueError: a step past ``schedule.total_steps`` (``HDETScheduler.check_can_step``),
+            before the optimizer steps.
     """
     from torch.distributed.tensor import DTensor
 
+    if hasattr(scheduler, "check_can_step"):  # a step past total_steps: refused before any weight moves
+        scheduler.check_can_step()
     params = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     total = norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -190,6 +190,34 @@ def test_a_checkpoint_in_the_middle_of_an_optimizer_step_is_refused(tmp_path):
     with pytest.raises(HDETStateError, match=r"called after 1 of the 2 micro-batches"):
         ens.save_checkpoint(str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+    # tester round 57: a load with a micro-batch pending carried its gradient into the
+    # loaded state's next step
+    with pytest.raises(HDETStateError, match=r"Ensemble.load_checkpoint: called after 1 of the 2 micro-batches.*"
+                                             r"would be added to the loaded state's next step"):
+        ens.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_step_past_total_steps_is_refused_before_the_optimizer_moves_a_weight():
+    """Tester round 57 (ddp, 2 ranks): the step past ``schedule.total_steps`` raised from
+    the scheduler after the optimizer had stepped, so the weights were one step past the
+    state the scheduler describes. Refused first, with a real HDETScheduler at its last
+    step and a real optimizer: the weights are unchanged."""
+    from hdet_scale.api import Ensemble
+    from hdet_scale.config import HDETConfig
+    from hdet_scale.ensemble import HDETScheduler
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = HDETConfig.from_dict({"replicas": 2, "schedule": {"total_steps": 10}, "auto": {"enabled": False}})
+    sched = HDETScheduler(cfg, {0: [{"lr": 0.1, "params": []}]})
+    sched.step_count = 10  # the state after the last step of the run (as loaded from a checkpoint)
+    ens = Ensemble("ddp", model, opt, sched, grad_accum=1, clip=0.0)
+    before = model.weight.detach().clone()
+    ens.backward(model(torch.ones(1, 2)).sum())
+    with pytest.raises(ValueError, match=r"Tried to step 11 times\. The specified number of total steps is 10 "
+                                         r"\(hdet.schedule.total_steps"):
+        ens.step()
+    assert torch.equal(model.weight, before) and sched.step_count == 10
 
 
 def test_a_world_of_one_names_the_launcher():
