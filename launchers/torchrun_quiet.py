@@ -19,7 +19,8 @@ the agent then ends find a note of it (``train/refusals.py``), so rank 0's line 
 failure and the checkpoint, not a SIGTERM (tester round 51). A failure after the run
 completed (rank 0 wrote summary.json: a rank killed during the end-of-run plots) is no
 failed run: one line says so, nothing is restarted, exit 0 (tester round 53: a restart then
-refused "nothing is left to do", or exit 1). This reads the exit codes of
+refused "nothing is left to do", or exit 1); so is a stop signal then (exit 0, as
+hdet-train's own launcher: rank 0's line says the run completed). This reads the exit codes of
 ``hdet_scale.train.cli`` ranks: run nothing else with it.
 
 Used by torchrun_stop.sh (sourced by torchrun_single_node.sh and torchrun_multi_node.sh)
@@ -175,6 +176,10 @@ sys.argv[0] = "torchrun"
 try:
     sys.exit(main())
 except SignalException as e:
+    # a stop during the end-of-run plots: rank 0 said the run completed (its note); the
+    # agent ended the ranks before this, so the note is there if rank 0 wrote it
+    if describe is not None and completed_noted(os.getpid()) is not None:
+        sys.exit(0)
     sys.exit(128 + int(e.sigval))
 except ChildFailedError as e:
     if completed:  # a rank failed after the run completed: said by monitor() or rank 0

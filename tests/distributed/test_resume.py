@@ -226,6 +226,40 @@ def test_a_rank_lost_after_the_run_completed_is_no_failed_run_under_torchrun(tmp
     assert not [p for p in tmp.rglob("*") if p.is_file() and "hdet-train-refusals" in str(p)]
 
 
+def test_a_stop_after_the_run_completed_exits_0_under_torchrun(tmp_path):
+    """Noticed in round 56: a SIGTERM to the launchers' torchrun while rank 0 wrote the
+    end-of-run plots (summary.json written) exited 143 although rank 0's line said the run
+    completed (hdet-train's own launcher exits 0 then). The signal goes to torchrun's
+    process group, as torchrun_stop.sh sends it, once summary.json appears: exit 0, one
+    line, no stop line naming a resume, the summary of all 8 steps."""
+    import signal
+
+    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
+    args = [f"run_dir={run_dir}", "backend=ddp", *[a for a in SHORT if a != "train.plots=false"], "train.plots=true"]
+    cmd = [sys.executable, quiet, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
+           "hdet_scale.train.cli", *args]
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    stopped = False
+    deadline = time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (run_dir / "summary.json").exists():
+            os.killpg(proc.pid, signal.SIGTERM)
+            stopped = True
+            break
+        time.sleep(0.005)
+    out, err = proc.communicate(timeout=120)
+    assert stopped, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert len([line for line in err.splitlines() if "after the run completed" in line]) == 1, err[-3000:]
+    for absent in ("Traceback", "train.resume=true", "restarts the job"):
+        assert absent not in err, (absent, err[-3000:])
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+
+
 def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrupted):
     """FSDP2 under ``torchrun --max-restarts=1``, started as launchers/ start it (through
     launchers/torchrun_quiet.py, which restarts no refusal: a crash must still be
