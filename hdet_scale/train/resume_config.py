@@ -26,7 +26,9 @@ starts (:func:`check`), so nothing of the stopped run is touched by a refusal:
   CRC-32 of the splits); a resume whose bytes differ with the data keys unchanged (files
   added to ``data.path``, lines appended) is told so in the same warning
   (:func:`data_change`). ``data.path`` is compared as the files it resolves to.
-- Keys that only say where and how a run is kept (``run_dir``, ``wandb.*``,
+- ``wandb.project`` and ``wandb.entity`` changed while the checkpoint recorded a W&B run
+  are told too: W&B then opens a new run of the recorded id in the new place.
+- Keys that only say where and how a run is kept (``run_dir``, the other ``wandb.*``,
   ``hdet.logging``, the checkpoint cadence, ``train.steps``, ``nproc``) are not compared.
 
 A record that lists no entry for the tag (``{"runs": {}}``, written by hand to resume
@@ -64,6 +66,7 @@ _NOT_COMPARED = {DATA_FINGERPRINT, "run_dir", "nproc", "deepspeed_config", "back
                  "model.sharded_init", "deepspeed.hdet.enabled", "deepspeed.hdet.replicas", "deepspeed.hdet.bucket_mb",
                  "deepspeed.steps_per_print", "deepspeed.wall_clock_breakdown"}
 _NOT_COMPARED_PREFIXES = ("wandb.", "deepspeed.hdet.logging.")
+_WANDB_PLACE = ("wandb.project", "wandb.entity")  # where the recorded W&B run is: told when changed
 _SHAPE = "the model's architecture: the saved weights and optimizer state are shaped for the checkpoint's"
 _HDET_STATE = "the saved HDET state is tied to it; HDETScheduler.load_state_dict refuses the change"
 _ERRORS = {
@@ -269,9 +272,16 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
     errors, changes = [], []
     saved, now = _fold_lone_axes(saved, now), _fold_lone_axes(now, saved)
     for key in sorted(set(saved) | set(now)):
+        old, new = saved.get(key, _UNSET), now.get(key, _UNSET)
+        if key in _WANDB_PLACE and old != new and saved.get(WANDB_RUN_ID) and now.get("wandb.enabled"):
+            # tester round 57: a resume told "continues the W&B run X" logged into another project
+            changes.append(f"{key}: {_fmt(old)} -> {_fmt(new)}: the resumed run opens its W&B run "
+                           f"{saved[WANDB_RUN_ID]!r} in the new {key.split('.')[1]}; W&B knows a run by its project "
+                           f"and id, so that is a new W&B run there, and the records up to step {step} stay in the "
+                           f"checkpoint's (keep {key}={_fmt(old)} to continue its curves)")
+            continue
         if key in _NOT_COMPARED or key.startswith(_NOT_COMPARED_PREFIXES):
             continue
-        old, new = saved.get(key, _UNSET), now.get(key, _UNSET)
         if key in _DEFAULTS and {old, new} <= {_UNSET, _DEFAULTS[key]}:
             continue
         if old == new or (key == "deepspeed.optimizer.type" and str(old).lower() == str(new).lower()):

@@ -24,7 +24,8 @@ from hdet_scale.train.config import load_run_config
 
 
 def run_config(run_dir, *overrides) -> dict:
-    return load_run_config(None, [f"run_dir={run_dir}", "wandb.enabled=false", *overrides])
+    wandb = [] if any(o.startswith("wandb.enabled=") for o in overrides) else ["wandb.enabled=false"]
+    return load_run_config(None, [f"run_dir={run_dir}", *wandb, *overrides])
 
 
 def save(ckpt, step: int, run: dict | None) -> None:
@@ -328,3 +329,22 @@ def test_changed_training_bytes_are_told_and_a_respelled_data_path_is_no_change(
     # a record saved before the bytes were recorded: nothing to compare them with
     resume_config.save_record(str(ckpt), "global_step10", first)
     assert resume_config.notice(first, str(ckpt), corpus(first)) is None
+
+
+def test_a_changed_wandb_project_is_told_when_the_checkpoint_recorded_a_wandb_run(tmp_path):
+    """Tester round 57: a resume with another wandb.project was told nothing (the
+    WANDB_RUN_ID note said it "continues the W&B run") and W&B opened a new run of that id
+    in the new project. Told when the checkpoint recorded a W&B run and W&B is on; the
+    other wandb keys (name, mode, dir) are still not compared."""
+    ckpt = tmp_path / "checkpoint"
+    first = run_config(tmp_path, "wandb.enabled=true", "wandb.project=first")
+    save(ckpt, 10, None)
+    resume_config.save_record(str(ckpt), "global_step10", first, wandb_run_id="abc123")
+    moved = run_config(tmp_path, "wandb.enabled=true", "wandb.project=other", "wandb.name=x", "wandb.mode=offline")
+    lines = resume_config.notice(moved, str(ckpt)).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].strip().startswith(
+        "wandb.project: \"first\" -> \"other\": the resumed run opens its W&B run 'abc123' in the new project"), lines
+    assert "records up to step 10 stay in the checkpoint's" in lines[0]
+    assert resume_config.notice(run_config(tmp_path, "wandb.enabled=false", "wandb.project=other"), str(ckpt)) is None
+    resume_config.save_record(str(ckpt), "global_step10", first)  # no W&B run recorded: nothing to continue
+    assert resume_config.notice(moved, str(ckpt)) is None
