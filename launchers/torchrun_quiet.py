@@ -86,7 +86,7 @@ from torch.distributed.elastic.agent.server.api import WorkerState  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 
 try:  # hdet-train's words for failed ranks; torchrun's own lines for a program without it
-    from hdet_scale.train.launcher import describe_failures as describe
+    from hdet_scale.train.rank_failures import describe_failures as describe
     from hdet_scale.train.refusals import clear_failure, completed_noted, note_failure
 except ImportError:
     describe = None

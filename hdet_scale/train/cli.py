@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                                       f"{where} ({reason}); choose a free MASTER_PORT, or let torchrun choose "
                                       "(--standalone)") from None
             except RuntimeError as e:
-                from hdet_scale.train.launcher import PEER_LOST, gloo_reason, peer_lost
+                from hdet_scale.train.rank_failures import PEER_LOST, gloo_reason, peer_lost
 
                 if not peer_lost(e):
                     raise

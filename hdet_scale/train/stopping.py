@@ -251,7 +251,7 @@ def run_completed(run: dict[str, Any], since: float) -> bool:
 
 def completed_message(what: int | str, run: dict[str, Any], since: float | None = None) -> str:
     """The line for a stop that came after the run completed (:func:`run_completed`):
-    ``what`` is the signal, or what ended the ranks in words (``launcher.describe_failures``:
+    ``what`` is the signal, or what ended the ranks in words (``rank_failures.describe_failures``:
     tester round 34, a rank killed during the end-of-run plots was reported as a failed
     run, exit 1, with advice to resume that was then refused). ``since``: this attempt's
     start (``time.time()``), to tell whether the end-of-run plots were written (a stop

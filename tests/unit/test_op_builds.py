@@ -74,7 +74,7 @@ def test_the_launcher_names_both_ends_of_a_stopped_build_without_a_traceback():
     """With no stop signal of its own (a background job's launcher ignores SIGINT, while
     ninja, in the same process group, does not), the launcher's failure line says what
     each rank met, not bare exit codes."""
-    from hdet_scale.train.launcher import BUILD_STOPPED, OP_MISSING, describe_failures
+    from hdet_scale.train.rank_failures import BUILD_STOPPED, OP_MISSING, describe_failures
 
     line = describe_failures({0: OP_MISSING, 1: BUILD_STOPPED})
     assert line == ("failed: rank(s) [1] had its DeepSpeed op build (ninja) stopped by a signal, rank(s) [0] found "
