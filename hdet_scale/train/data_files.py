@@ -28,6 +28,7 @@ from typing import Iterator
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import file_kind
 from hdet_scale.train.config_files import relative_note
+from hdet_scale.train.data_place import refuse_link_to_run_dir
 
 #: Directory names never descended into when collecting the default corpus.
 STDLIB_EXCLUDED_DIRS = frozenset(
@@ -256,27 +257,12 @@ def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, i
                 walked.add((st.st_dev, st.st_ino))
                 real = os.path.realpath(full)
                 _refuse_pseudo(full, real)
-                _refuse_run_dir(full, real, run_dir)
+                refuse_link_to_run_dir(full, real, run_dir)
                 _walk(full, rel, real, walked, found, links, progress, unreadable)
     if unreadable:
         _refuse_unreadable(part or str(folder), unreadable)
     found.sort(key=lambda item: item[0])
     return found
-
-
-def _refuse_run_dir(full: str, real: str, run_dir: str | None) -> None:
-    """Refuse a linked folder ``full`` (real path ``real``) of a data folder that leads
-    into ``run_dir`` or holds it: the run's files would be training data (:func:`collect`
-    refuses the files themselves; at a fresh start run_dir has none yet)."""
-    if run_dir is None:
-        return
-    own = os.path.realpath(os.path.expanduser(run_dir)).rstrip(os.sep) + os.sep
-    linked = real.rstrip(os.sep) + os.sep
-    if linked.startswith(own) or own.startswith(linked):
-        how = "leads into" if linked.startswith(own) else "holds"
-        raise HDETConfigError(f"data.path: {full!r} {how} run_dir {run_dir!r} (it links to {real!r}): the run's own "
-                              "files (metrics, checkpoints) would be read as training data; remove the link or put "
-                              "run_dir elsewhere")
 
 
 def _refuse_unreadable(part: str, unreadable: _Unreadable) -> None:
@@ -331,44 +317,6 @@ PSEUDO_ROOTS = ("/proc", "/sys")
 def _pseudo_root(p: pathlib.Path) -> str | None:
     real = os.path.realpath(p)
     return next((r for r in PSEUDO_ROOTS if real == r or real.startswith(r + "/")), None)
-
-
-def holding_part(path: str, folder: str) -> str | None:
-    """The first comma-separated part of ``data.path`` that is ``folder`` or holds it
-    (real paths, links resolved), or ``None``: a folder whose files would be read as
-    training data. Never raises."""
-    out = os.path.realpath(os.path.expanduser(folder))
-    for part in (p.strip() for p in path.split(",") if p.strip()):
-        real = os.path.realpath(os.path.expanduser(part))
-        if out == real or out.startswith(real.rstrip(os.sep) + os.sep):
-            return part
-    return None
-
-
-def check_apart(path: str | None, run_dir: str) -> None:
-    """Refuse a ``data.path`` part that holds ``run_dir`` or lies inside it.
-
-    A run_dir inside a data folder makes the run's own files (``metrics.jsonl``,
-    checkpoints, ``latest``) training data: a resume then trains on other bytes than the
-    run it continues, or is refused for a split that shrank (tester round 23: "data set
-    too small: it has 13 bytes", the ``latest`` file). Data inside run_dir is removed by
-    ``train.overwrite=true``. Compared by real path (links resolved).
-
-    Raises:
-        HDETConfigError: naming the part, run_dir and the way out.
-    """
-    if path is None:
-        return
-    out = os.path.realpath(os.path.expanduser(run_dir))
-    if (part := holding_part(path, run_dir)) is not None:
-        raise HDETConfigError(f"data.path: {part!r} holds run_dir {run_dir!r}: the run's own files (metrics, "
-                              "checkpoints) would be read as training data, and a resume would train on other "
-                              "data than the run it continues; put run_dir outside data.path")
-    for part in (p.strip() for p in path.split(",") if p.strip()):
-        real = os.path.realpath(os.path.expanduser(part))
-        if real.startswith(out + os.sep):
-            raise HDETConfigError(f"data.path: {part!r} is inside run_dir {run_dir!r}, whose contents belong to "
-                                  "the run (train.overwrite=true removes them); keep the data outside run_dir")
 
 
 def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:

@@ -22,7 +22,7 @@ from hdet_scale.logging import check_wandb_settings
 from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus
-from hdet_scale.train.data_files import check_apart, holding_part
+from hdet_scale.train.data_place import check_apart, holding_part
 from hdet_scale.autolr import build_schedule, check_additive_floors
 from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, check_engine_config

@@ -379,7 +379,7 @@ def test_a_run_dir_inside_data_path_or_data_inside_run_dir_is_refused(tmp_path):
     import os
 
     from hdet_scale.errors import HDETConfigError
-    from hdet_scale.train.data_files import check_apart
+    from hdet_scale.train.data_place import check_apart
 
     data = tmp_path / "data"
     data.mkdir()
