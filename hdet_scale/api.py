@@ -48,7 +48,7 @@ def _optimizer_parts(ds: dict) -> tuple[type, dict]:
 
 
 def _load(config: Any) -> dict:
-    from hdet_scale.backends.deepspeed import _load_ds_config
+    from hdet_scale.backends.ds_prepare import load_ds_config as _load_ds_config
 
     try:
         return _load_ds_config(config)

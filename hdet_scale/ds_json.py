@@ -70,11 +70,11 @@ def loads_json_object(text: str, where: str) -> dict:
 
 def read_for_check(config: str | dict) -> Any:
     """``config`` (a path or an already-read dict) read as ``hdet-dryrun`` reads it: the
-    library's reader (``backends.deepspeed._load_ds_config``: JSON, a key given twice
+    library's reader (``backends.ds_prepare.load_ds_config``: JSON, a key given twice
     refused) with a one-line :class:`HDETConfigError` for a file that is missing, empty,
     not UTF-8, not JSON or YAML by mistake (tester rounds 22, 31). Returns the parsed
     value, which may not be a dict (the caller names that)."""
-    from hdet_scale.backends.deepspeed import _load_ds_config
+    from hdet_scale.backends.ds_prepare import load_ds_config as _load_ds_config
 
     try:
         return _load_ds_config(config)

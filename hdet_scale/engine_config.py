@@ -34,7 +34,7 @@ def _positive_int(value: Any) -> bool:
 def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "deepspeed.",
                         title: str = "invalid run config") -> None:
     """Checks of the ``deepspeed`` section for the fsdp2 / ddp / fairscale backends
-    (DeepSpeed's own are in ``backends.deepspeed.prepare_config``; the values every
+    (DeepSpeed's own are in ``backends.ds_prepare.prepare_config``; the values every
     backend reads, ``gradient_clipping`` and the optimizer's ``lr`` / ``betas`` / ``eps``,
     are checked once for all when the run config loads: ``train.config``). Pure: the same
     verdict on every rank, before any collective. ``hdet-dryrun --backend B`` runs it too

@@ -130,7 +130,7 @@ class HDETTrainer(Trainer):
     the layout's own DeviceMesh):
         HDETConfigError: no ``hdet`` block is reachable while ``probe`` is given; an
             invalid ``hdet`` block or DeepSpeed key (all at once, as
-            :func:`hdet_scale.backends.deepspeed.prepare_config`); a ``scheduler``
+            :func:`hdet_scale.backends.ds_prepare.prepare_config`); a ``scheduler``
             block; ``load_best_model_at_end`` (its load reads the engine's own layout); a
             missing ``probe`` where auto-LR scores by probe; on FSDP2, what
             :func:`hdet_scale.hf_fsdp.check_args` and ``check_enabled`` refuse (FSDP
