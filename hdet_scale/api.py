@@ -58,6 +58,9 @@ def _load(config: Any) -> dict:
         raise HDETConfigError(f"DeepSpeed config {os.fspath(config)!r} is not valid JSON: {e}") from None
 
 
+PREPARED = "_hdet_prepared"  # the attribute a prepared model carries: the backend's name
+
+
 def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deepspeed",
             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None, probe: Callable[[Any], Any] | None = None,
             topology: Any = None, logger: Any = None, **options: Any) -> "Ensemble":
@@ -85,7 +88,8 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
         HDETConfigError: an unknown backend, an invalid config (every problem at once,
             before any collective, the same on every rank), ``optimizer=`` with
             fairscale or not a function (an optimizer instance), a model built under
-            ``zero_init`` for a backend other than ``"deepspeed"``.
+            ``zero_init`` for a backend other than ``"deepspeed"``, a model prepared
+            already (it carries ``_hdet_prepared``, set here on success).
     """
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -95,6 +99,11 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
                               f"torch.optim.AdamW(params, lr=1e-3), got {type(optimizer).__name__!r} "
                               "(the engine builds it over the parameters it wraps, FSDP2's shards)")
     ds = _load(config)
+    if getattr(model, PREPARED, None) is not None:
+        # tester round 57: two engines and two HDET schedulers drove one set of parameters
+        raise HDETConfigError(f"model: already prepared by hdet_scale.prepare (backend="
+                              f"{getattr(model, PREPARED)!r}); a second prepare would wrap the same parameters in a "
+                              "second engine and HDET scheduler: prepare a model once and use the Ensemble returned")
     if backend != "deepspeed" and any(hasattr(p, "ds_id") for p in model.parameters()):
         # tester round 35: a model built under zero_init passed, and the first forward
         # failed inside DeepSpeed's partitioned linear ("mat2 must be a matrix") on every rank
@@ -108,6 +117,7 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
         opt = None if optimizer is None else optimizer(model.parameters())
         engine, _, _, scheduler = initialize(model, ds, optimizer=opt, probe=probe, topology=topology,
                                              logger=logger, **options)
+        setattr(model, PREPARED, backend)
         return Ensemble("deepspeed", engine, engine.optimizer, scheduler,
                         engine.gradient_accumulation_steps(), clip=0.0)
     from hdet_scale.backends.common import resolve_config, world_size
@@ -126,6 +136,7 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     check_engine_config(ds if optimizer is None else {**ds, "optimizer": {"type": "AdamW"}}, backend,
                         world_size(), prefix="")
     hcfg = resolve_config(ds)
+    user_model = model  # marked as prepared once its engine is built (the wrapper is another module)
     cls, cls_kwargs = _optimizer_parts(ds) if optimizer is None else (None, {})
     make = optimizer or (lambda params: cls(params, **cls_kwargs))
     kw = dict(logger=logger, probe=probe, topology=topology, **options)
@@ -153,6 +164,7 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     from hdet_scale.backends.common import world_size
     from hdet_scale.ds_values import batch_sizes
 
+    setattr(user_model, PREPARED, backend)
     # the accumulation a config leaves out, derived as DeepSpeed does (train_batch_size and the micro-batch)
     return Ensemble(backend, model, opt, scheduler, batch_sizes(ds, world_size())[1],
                     clip=float(ds.get("gradient_clipping", 1.0)))
@@ -179,6 +191,8 @@ class Ensemble:
         self._micro = 0  # micro-batches since the last optimizer step
         self._loss = 0.0  # their losses' sum
         self._backward_done = False  # a backward since the last step() call
+        if scheduler is not None:
+            scheduler.driver = "the Ensemble of hdet_scale.prepare (ens.step())"
 
     @property
     def topology(self) -> Any:
@@ -256,12 +270,16 @@ class Ensemble:
             return False
         loss = self._loss / self.grad_accum
         self._micro, self._loss = 0, 0.0
-        if self.backend == "deepspeed":
-            self.model.step(lr_kwargs={"loss": loss})
-        else:
-            from hdet_scale.backends.torch_step import optimizer_step
+        self.scheduler.driver_stepping = True  # the one step() of this scheduler per optimizer step
+        try:
+            if self.backend == "deepspeed":
+                self.model.step(lr_kwargs={"loss": loss})
+            else:
+                from hdet_scale.backends.torch_step import optimizer_step
 
-            optimizer_step(self.model.parameters(), self.optimizer, self.scheduler, loss, self._clip)
+                optimizer_step(self.model.parameters(), self.optimizer, self.scheduler, loss, self._clip)
+        finally:
+            self.scheduler.driver_stepping = False
         return True
 
     def _refuse_mid_step(self, call: str, why: str) -> None:

@@ -91,6 +91,11 @@ class HDETScheduler:
         self.applied: dict[tuple[str, int], list[float]] = {}  # values of the current step
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0
+        # who steps this scheduler, when not the user's loop (an Ensemble of
+        # hdet_scale.prepare): a step from elsewhere is then refused (tester round 57: a
+        # loop that also called ens.scheduler.step moved the schedule twice per step)
+        self.driver: str | None = None
+        self.driver_stepping = False
         self.sync_count = 0
         self.controller = Controller(config, self.schedule, self.peaks, self.explored)
         self.probe: Any = None
@@ -272,10 +277,15 @@ class HDETScheduler:
                 any state change or collective.
             HDETConfigError: a keyword other than ``loss``, or a loss that is not a
                 float or a one-element floating-point tensor (:meth:`check_step_args`),
-                before any state change or collective.
+                before any state change or collective; a call from outside the
+                ``driver`` that steps this scheduler (``hdet_scale.prepare``'s Ensemble).
             HDETStepMismatchError: at a sync, the ranks are at different steps (every
                 rank raises; see :meth:`sync`).
         """
+        if self.driver is not None and not self.driver_stepping:
+            raise HDETConfigError(f"HDETScheduler.step: {self.driver} steps this scheduler itself, on each optimizer "
+                                  "step's last micro-batch; a call of your own moves the schedule (syncs, auto-LR, "
+                                  "the LR) a second time per optimizer step: remove it")
         self.check_step_args(loss, **kwargs)
         self.check_can_step()
         if isinstance(loss, torch.Tensor):

@@ -30,6 +30,23 @@ def replica_dir(save_dir: str, topology: Topology, tag: str) -> str:
     return os.path.join(save_dir, f"replica_{topology.replica_index}", tag)
 
 
+def check_tag(tag: Any) -> None:
+    """Refuse a checkpoint tag that is not one plain folder name: each replica saves into
+    ``replica_<r>/<tag>``, so a tag with ``/`` or ``..`` put every replica into one
+    folder, each overwriting the others' files, and the load then contradicted itself
+    (tester round 57). Also refused: an empty tag, ``.``, whitespace at either end or a
+    line break (``latest`` holds the tag as one line of text).
+
+    Raises:
+        HDETStateError: naming the tag and what a tag may be.
+    """
+    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or os.sep in tag \
+            or tag != tag.strip() or any(c in tag for c in "\n\r\0"):
+        raise HDETStateError(f"checkpoint tag {tag!r}: a tag is one folder name (each replica saves into "
+                             "replica_<r>/<tag>): no '/', not '.' or '..', no whitespace at its ends or line "
+                             "break; e.g. global_step100, or leave tag=None for global_step<step>")
+
+
 def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) -> tuple[Topology, str, str]:
     """``(topology, tag, replica folder)`` for a save; creates the folder. The default tag
     is ``global_step<step>``. A folder already there for the tag (a save cut short by a
@@ -39,11 +56,15 @@ def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) 
 
     Raises:
         ValueError: the scheduler has no process groups (not built by a backend).
+        HDETStateError: ``tag`` is not one plain folder name (:func:`check_tag`), before
+            any collective.
     """
     t = scheduler.topology
     if t is None:
         raise ValueError("this scheduler has no process groups (not built by a backend's initialize): save "
                          "torch.save(scheduler.state_dict()) next to the model instead")
+    if tag is not None:
+        check_tag(tag)
     tag = tag or f"global_step{scheduler.step_count}"
     if t.rank == 0:
         retire_tag(save_dir, t.replicas, tag)
@@ -133,6 +154,8 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
             layout, so a different layout is refused rather than silently remapped; to
             change it, converge first and start a new run from the averaged model.
     """
+    if tag is not None:
+        check_tag(tag)
     saved = read_layout(load_dir)
     _require_ints(os.path.join(load_dir, LAYOUT_FILE), saved, ("replicas", "shard_size"), low=1)
     shard = world_size // replicas

@@ -232,3 +232,67 @@ def test_a_world_of_one_names_the_launcher():
     with pytest.raises(HDETConfigError) as e:
         Layout(4, 3)
     assert "plain `python`" not in str(e.value)
+
+
+MISUSED_ENSEMBLE = """
+import sys, torch, hdet_scale
+from hdet_scale.errors import HDETConfigError, HDETStateError
+cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+       "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+       "hdet": {"replicas": 1, "axes": {"lr": {"spread_ratio": 0}}, "auto": {"enabled": False},
+                "schedule": {"name": "constant", "total_steps": 10}}}
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+ens = hdet_scale.prepare(model, cfg, backend="ddp")
+try:
+    hdet_scale.prepare(model, cfg, backend="ddp")
+    print("ACCEPTED second prepare")
+except HDETConfigError as e:
+    print("REFUSED", e)
+x = torch.ones(2, 4)
+for micro in range(4):
+    ens.backward(ens.model(x).pow(2).mean())
+    if ens.step():
+        try:
+            ens.scheduler.step(0.5)  # as the plain-scheduler loop would
+            print("ACCEPTED extra scheduler.step")
+        except HDETConfigError as e:
+            print("REFUSED", e)
+print("STEPS", ens.scheduler.step_count)
+for tag in ("../escape", "a/b", " x", ""):
+    try:
+        ens.save_checkpoint(sys.argv[1], tag=tag)
+        print("ACCEPTED tag", repr(tag))
+    except HDETStateError as e:
+        print("REFUSED", str(e).split(":")[0])
+"""
+
+
+def test_a_misused_ensemble_is_refused(tmp_path):
+    """Tester round 57 (library, 2 ranks): a second prepare of one model wrapped its
+    parameters in a second engine and scheduler; a loop that also called
+    ens.scheduler.step(loss) after ens.step() moved the schedule twice per optimizer step
+    (4 after 2); a tag with '/' or '..' put every replica into one folder. All without a
+    word. A real DDP Ensemble on a one-rank gloo world, in a child process: each is
+    refused, and the schedule counts the 2 optimizer steps of 4 micro-batches."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", MISUSED_ENSEMBLE, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tmp_path)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("ACCEPTED", "REFUSED", "STEPS"))]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert lines[0].startswith("REFUSED model: already prepared by hdet_scale.prepare (backend='ddp')"), lines
+    assert lines[1] == lines[2] and lines[1].startswith(
+        "REFUSED HDETScheduler.step: the Ensemble of hdet_scale.prepare (ens.step()) steps this scheduler itself"), lines
+    assert lines[3] == "STEPS 2", lines
+    assert lines[4:] == ["REFUSED checkpoint tag '../escape'", "REFUSED checkpoint tag 'a/b'",
+                         "REFUSED checkpoint tag ' x'", "REFUSED checkpoint tag ''"], lines
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "ckpt").exists()
