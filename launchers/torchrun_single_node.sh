@@ -7,7 +7,7 @@
 #
 # Environment:
 #   GPUS   processes (GPUs) on this node; default: number of GPUs `nvidia-smi -L`
-#          lists, or 1 if none are found.
+#          lists, or 1 if none are found (one line says so).
 #   MAX_RESTARTS  when a rank fails, torchrun restarts every rank up to this many times
 #          (default 3); hdet-train then resumes from the newest checkpoint by itself
 #          (set train.checkpoint_every), without train.resume. 0: no restarts. A stop
@@ -25,7 +25,12 @@ set -euo pipefail
 
 if [[ -z "${GPUS:-}" ]]; then
   GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-  [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]] || GPUS=1
+  if ! [[ "${GPUS}" =~ ^[0-9]+$ && "${GPUS}" -gt 0 ]]; then
+    # tester round 57: the trainer's refusal of a world of 1 said nothing of GPUS
+    GPUS=1
+    echo "$(basename "$0"): GPUS is unset and nvidia-smi lists no GPU: starting 1 rank (set GPUS=N for N ranks," \
+      "e.g. GPUS=4 for 4 CPU ranks)" >&2
+  fi
 fi
 # Checked here, not inside torchrun (tester round 20: GPUS=abc, GPUS=0 or MAX_RESTARTS=-1
 # were torchrun's tracebacks): exit 2 naming the variable, as hdet-train's own errors.

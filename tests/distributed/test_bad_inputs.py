@@ -750,6 +750,24 @@ def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_
     assert seconds < EXIT_S and not leftovers
 
 
+def test_the_single_node_launcher_says_when_it_falls_back_to_one_rank(tmp_path):
+    """Tester round 57: with GPUS unset on a machine without GPUs the script started one
+    rank, and the trainer's refusal of a world of 1 said nothing of GPUS. The script now
+    says so first. A PATH without torchrun (or nvidia-smi) stops it right after that line
+    (exit 127, its own message), so no rank starts here."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "GPUS"}
+    env["PATH"] = "/usr/bin:/bin"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launchers", "torchrun_single_node.sh"), "train.steps=2"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 127, (proc.returncode, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert lines[0] == ("torchrun_single_node.sh: GPUS is unset and nvidia-smi lists no GPU: starting 1 rank (set "
+                        "GPUS=N for N ranks, e.g. GPUS=4 for 4 CPU ranks)"), lines
+    assert lines[1].startswith("torchrun_single_node.sh: torchrun is not on PATH"), lines
+
+
 def test_a_refusal_under_the_torchrun_launcher_is_exit_2_once_without_a_restart(tmp_path):
     """Tester round 48: ``launchers/torchrun_single_node.sh`` with a misspelled key printed
     rank 0's message three times (the first attempt and each restart, which cannot fix a
