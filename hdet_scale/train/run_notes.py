@@ -227,23 +227,34 @@ def split_note(run: dict, train_bytes: int, val_bytes: int) -> list[str]:
             "or a single file, which is split by position; to validate on it, raise data.val_fraction)"]
 
 
-def wandb_id_note(run: dict, resuming: bool, saved_id: str | None) -> list[str]:
-    """What ``WANDB_RUN_ID`` in the environment does to this run's W&B run (tester round
-    56: two unrelated runs shared one W&B id, and a resume ignored it, without a word).
-    W&B takes it as the id of a new run; a resumed run continues the W&B run its
-    checkpoint recorded (``saved_id``), whatever the variable says.
+def wandb_env_notes(run: dict, resuming: bool, saved_id: str | None) -> list[str]:
+    """What W&B variables of the environment do to this run: ``WANDB_DIR`` is not read
+    (the run's W&B files stay in ``wandb.dir``); ``WANDB_RUN_ID`` (tester round 56: two
+    unrelated runs shared one W&B id, and a resume ignored it, without a word): W&B takes
+    it as the id of a new run; a resumed run continues the W&B run its checkpoint
+    recorded (``saved_id``), whatever the variable says.
 
     Returns:
-        One line, or ``[]``: W&B off, the variable unset or empty, or a resume whose
-        recorded id is the variable's.
+        One line per variable that acts otherwise than a user may expect; ``[]`` with
+        W&B off, the variables unset or empty, or a resume whose recorded id is the
+        ``WANDB_RUN_ID``'s.
     """
+    notes = []
+    wandb_dir = os.environ.get("WANDB_DIR", "").strip()
+    if run["wandb"]["enabled"] and wandb_dir:
+        # tester round 57: documented, but nothing said it at the start
+        where = run["wandb"].get("dir") or os.path.join(run["run_dir"], "wandb")
+        notes.append(f"WANDB_DIR={wandb_dir!r} is not read: W&B's files go to {where} (wandb.dir, run_dir unless "
+                     "set; set wandb.dir to choose)")
     env = os.environ.get("WANDB_RUN_ID", "").strip()
     if not run["wandb"]["enabled"] or not env:
-        return []
+        return notes
     if resuming and saved_id:
         if saved_id == env:
-            return []
-        return [f"WANDB_RUN_ID={env!r} is not used: the resumed run continues the W&B run {saved_id!r} its checkpoint "
-                "recorded (a new run_dir starts a new W&B run; unset WANDB_RUN_ID to leave this note)"]
-    return [f"WANDB_RUN_ID={env!r}: W&B takes this id for the run, and a later run started with the same variable logs "
-            "into the same W&B run (unset it to give each run its own id); a resume of this run continues it"]
+            return notes
+        return notes + [f"WANDB_RUN_ID={env!r} is not used: the resumed run continues the W&B run {saved_id!r} its "
+                        "checkpoint recorded (a new run_dir starts a new W&B run; unset WANDB_RUN_ID to leave this "
+                        "note)"]
+    return notes + [f"WANDB_RUN_ID={env!r}: W&B takes this id for the run, and a later run started with the same "
+                    "variable logs into the same W&B run (unset it to give each run its own id); a resume of this run "
+                    "continues it"]

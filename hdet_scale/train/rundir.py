@@ -65,11 +65,17 @@ def restart_line(run: dict, start: str) -> str | None:
         return None
     tag = read_latest(checkpoint_dir(run)) or "?"
     where = os.path.join(checkpoint_dir(run), "replica_*", tag)
-    step = tag_index(checkpoint_dir(run), tag).get(tag)  # the step the save recorded, whatever the tag's name
+    index = tag_index(checkpoint_dir(run), tag)
+    step = index.get(tag)  # the step the save recorded, whatever the tag's name
     if step is not None:
         where += f" (the state after optimizer step {step})"
     if resumed:  # the tag latest names: not always the newest (a user may point it back)
-        return f"train.resume: resuming from the checkpoint checkpoint/latest names, {where}"
+        newer = [f"{t} (step {s})" for t, s in index.items() if step is not None and isinstance(s, int) and s > step]
+        # tester round 57: a resume from a checkpoint latest was pointed back to replaced
+        # the newer ones as it saved, without a word
+        later = (f"; newer checkpoint(s) {', '.join(newer)} are replaced or removed as this run saves (copy "
+                 "checkpoint/ first to keep them)" if newer else "")
+        return f"train.resume: resuming from the checkpoint checkpoint/latest names, {where}{later}"
     k = _restart_count()
     if start == "resume":
         return f"torchrun restart {k}: resuming from the newest checkpoint, {where}"

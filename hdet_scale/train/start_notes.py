@@ -80,11 +80,12 @@ def print_resume_notice(run: dict, checked: Any, quiet_errors: bool = False) -> 
     """One warning on stderr when a resumed run's settings changed since its checkpoint
     (``rundir.resume_notice``: each key, old -> new, and the value the run uses; and
     whether the bytes of ``checked``'s corpus, ``validate``'s, differ from the
-    checkpoint's); then a note for ``WANDB_RUN_ID`` (``run_notes.wandb_id_note``). Under torchrun (``quiet_errors``) rank 0 prints it before ``train``
-    validates: a bad input is then left to ``train``, which names it on every rank alike."""
+    checkpoint's); then the notes for W&B's variables (``run_notes.wandb_env_notes``).
+    Under torchrun (``quiet_errors``) rank 0 prints it before ``train`` validates: a bad
+    input is then left to ``train``, which names it on every rank alike."""
     from hdet_scale.train import rundir
     from hdet_scale.train.data import fingerprint
-    from hdet_scale.train.run_notes import wandb_id_note
+    from hdet_scale.train.run_notes import wandb_env_notes
 
     try:
         note = rundir.resume_notice(run, fingerprint(checked[1]))
@@ -96,7 +97,7 @@ def print_resume_notice(run: dict, checked: Any, quiet_errors: bool = False) -> 
         print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
     try:  # the same files again: read already, a failure here was raised above
         resuming = rundir.start_mode(run) == "resume"
-        ids = wandb_id_note(run, resuming, rundir.saved_wandb_run_id(run) if resuming else None)
+        ids = wandb_env_notes(run, resuming, rundir.saved_wandb_run_id(run) if resuming else None)
     except (HDETConfigError, HDETStateError):
         ids = []
     for line in ids:

@@ -884,6 +884,15 @@ def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
     assert rundir.restart_line(run, "replace") is None
     run = load_run_config(None, [f"run_dir={tmp_path / 'new'}"])
     assert rundir.restart_line(run, rundir.start_mode(run)) is None
+    # tester round 57: latest pointed back to an older checkpoint; the newer one was
+    # replaced by the resumed run's saves without a word
+    (run_dir / "checkpoint" / "hdet_layout.json").write_text(json.dumps(
+        {"step": 2, "checkpoints": {"global_step2": 2, "global_step4": 4}}))
+    (run_dir / "checkpoint" / "latest").write_text("global_step2")
+    run = load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])
+    line = rundir.restart_line(run, "resume")
+    assert line.endswith("(the state after optimizer step 2); newer checkpoint(s) global_step4 (step 4) are replaced "
+                         "or removed as this run saves (copy checkpoint/ first to keep them)"), line
 
 
 def test_no_latest_and_an_unreadable_layout_names_the_folders_on_disk_not_only_overwrite(tmp_path):

@@ -167,11 +167,17 @@ def test_wandb_run_id_from_the_environment_is_named_and_a_resume_keeps_its_own(n
     refused before the start, naming the variable."""
     from hdet_scale.logging import check_wandb_settings
     from hdet_scale.train.config import load_run_config
-    from hdet_scale.train.run_notes import wandb_id_note
+    from hdet_scale.train.run_notes import wandb_env_notes
 
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
     run = load_run_config(None, [f"run_dir={tmp_path}", "wandb.mode=offline"])
-    assert wandb_id_note(run, False, None) == []
+    assert wandb_env_notes(run, False, None) == []
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # tester round 57: not read, said nowhere
+    assert wandb_env_notes(run, False, None) == [f"WANDB_DIR={str(tmp_path / 'elsewhere')!r} is not read: W&B's "
+                                                 f"files go to {tmp_path / 'wandb'} (wandb.dir, run_dir unless set; "
+                                                 "set wandb.dir to choose)"]
+    monkeypatch.delenv("WANDB_DIR")
     monkeypatch.setenv("WANDB_RUN_ID", "shared7")
     cfg = WandbConfig(enabled=True, mode="offline", dir=str(tmp_path), project="p")
     ids = []
@@ -180,12 +186,12 @@ def test_wandb_run_id_from_the_environment_is_named_and_a_resume_keeps_its_own(n
         ids.append(logger.run_id)
         logger.close()
     assert ids == ["shared7", "recorded1"]
-    (fresh,) = wandb_id_note(run, False, None)
+    (fresh,) = wandb_env_notes(run, False, None)
     assert fresh.startswith("WANDB_RUN_ID='shared7': W&B takes this id for the run"), fresh
-    (resumed,) = wandb_id_note(run, True, "recorded1")
+    (resumed,) = wandb_env_notes(run, True, "recorded1")
     assert "is not used: the resumed run continues the W&B run 'recorded1'" in resumed, resumed
-    assert wandb_id_note(run, True, "shared7") == []
-    assert wandb_id_note(load_run_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false"]), False, None) == []
+    assert wandb_env_notes(run, True, "shared7") == []
+    assert wandb_env_notes(load_run_config(None, [f"run_dir={tmp_path}", "wandb.enabled=false"]), False, None) == []
     monkeypatch.setenv("WANDB_RUN_ID", "a/b")
     with pytest.raises(HDETConfigError, match=r"^environment: WANDB_RUN_ID='a/b' is not an id W&B takes"):
         check_wandb_settings(WandbConfig(enabled=True, mode="offline"))
