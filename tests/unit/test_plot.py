@@ -520,3 +520,24 @@ def test_a_file_whose_steps_are_all_floats_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no record has an integer step (the values of step above were skipped)" in err, err
     assert "no record of an hdet-train run" not in err
+
+
+def test_plots_of_a_run_still_training_say_so(tmp_path, capsys):
+    """Tester round 57: hdet-plot on a run still training said "no validation loss in the
+    run", as if it were done. With the run's lock held (as a running hdet-train holds it)
+    one note says the run is still training; without it, none."""
+    import fcntl
+
+    _write(tmp_path, _records())
+    fd = os.open(tmp_path / ".hdet_run.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"pid 123 on host, since 2026-12-05 09:00:00\n")
+        assert main([str(tmp_path)]) == 0
+        err = capsys.readouterr().err
+        assert (f"hdet-plot: note: {tmp_path} is still training (hdet-train, pid 123 on host, since 2026-12-05 "
+                "09:00:00): these plots show the steps logged so far") in err, err
+    finally:
+        os.close(fd)
+    assert main([str(tmp_path)]) == 0
+    assert "still training" not in capsys.readouterr().err
