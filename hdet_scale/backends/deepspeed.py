@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.checkpoint_io import verify_checksums
+from hdet_scale.backends.checkpoint_io import LATEST_FILE, verify_checksums
 from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.backends.ds_prepare import prepare_config
 from hdet_scale.backends.common import attach_sync, check_probe, use_topology, make_logger
@@ -332,7 +332,25 @@ def save_checkpoint(engine: Any, scheduler: HDETScheduler, save_dir: str, tag: s
     engine.save_checkpoint(os.path.dirname(rdir), tag=tag, client_state=client_state or {}, save_latest=False)
     save_hdet_state(rdir, t, scheduler)
     finish_checkpoint(save_dir, t, scheduler, tag, "deepspeed")
+    if t.rank == 0:
+        _link_latest(save_dir, t.replicas)
     return tag
+
+
+def _link_latest(save_dir: str, replicas: int) -> None:
+    """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
+    DeepSpeed's own tools, which read ``latest`` in the folder they are given
+    (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
+    to find 'latest' file"). A link, not a copy: it always names what the one ``latest``
+    names, which moves only when every replica's save is complete. A filesystem without
+    links: skipped (the tools then take ``--tag``)."""
+    for r in range(replicas):
+        link = os.path.join(save_dir, f"replica_{r}", LATEST_FILE)
+        if not os.path.lexists(link):
+            try:
+                os.symlink(os.path.join(os.pardir, LATEST_FILE), link)
+            except OSError:
+                return
 
 
 def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: str | None = None) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 
 import numpy as np
@@ -293,6 +294,10 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
     assert state["updates"] == 2 and state["log_m"][str(("lr", 0))] != 0
     assert "hdet/fitness/replica_1" in state["last_sync"]
 
+    # tester round 57: DeepSpeed's zero_to_fp32.py in replica_0 looks for latest there
+    for r in range(REPLICAS):
+        assert os.readlink(ckpt / f"replica_{r}" / "latest") == os.path.join("..", "latest")
+        assert (ckpt / f"replica_{r}" / "latest").read_text().strip() == tag
     # Who wrote what: every rank (r, s) its own DeepSpeed shard files and HDET state in
     # replica_r/; rank 0 also DeepSpeed's recovery scripts, hdet_layout.json and latest.
     written = rank_tools.assert_single_writers(ckpt, [x["written"] for x in res])
