@@ -271,7 +271,7 @@ class HDETTrainer(Trainer):
         config = kwargs.pop("config_params", None) or kwargs.pop("config", None)
         if args or config is None:
             raise RuntimeError("HDETTrainer: Accelerate called deepspeed.initialize in a way this version does not "
-                               "know (positional arguments or no config); supported: accelerate 1.15")
+                               "know (positional arguments or no config); supported: accelerate 1.15 and 1.16")
         config = {**config, "hdet": self._hdet_block}  # held out of Accelerate's "auto" filling
         cfg, ds = prepare_config(resolve_auto(config, self._hdet_max_steps), world_size=self.args.world_size)
         topology = use_topology(cfg, self.hdet_topology, self.hdet_topology.mesh.device_type)

@@ -83,8 +83,8 @@ def check_enabled(trainer: Any) -> None:
             on GPU-type runs only): HDET would be off.
     """
     if not trainer.is_fsdp_enabled:
-        raise HDETConfigError("TrainingArguments.fsdp: set, but Accelerate runs without FSDP (accelerate 1.15 enables "
-                              "its FSDP plugin on GPUs only); with the hdet block in fsdp_config HDET would be off")
+        raise HDETConfigError("TrainingArguments.fsdp: set, but Accelerate runs without FSDP (accelerate 1.15-1.16 enable "
+                              "their FSDP plugin on GPUs only); with the hdet block in fsdp_config HDET would be off")
 
 
 class _OnHDETMesh:
