@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -179,13 +181,16 @@ def test_wandb_run_id_from_the_environment_is_named_and_a_resume_keeps_its_own(n
                                                  "set wandb.dir to choose)"]
     monkeypatch.delenv("WANDB_DIR")
     monkeypatch.setenv("WANDB_RUN_ID", "shared7")
-    cfg = WandbConfig(enabled=True, mode="offline", dir=str(tmp_path), project="p")
-    ids = []
-    for run_id in (None, "recorded1"):
-        logger = MetricsLogger(None, cfg, {}, run_id=run_id)
-        ids.append(logger.run_id)
-        logger.close()
-    assert ids == ["shared7", "recorded1"]
+    # in a fresh process, as hdet-train's rank 0: W&B reads its variables once, at its setup
+    code = ("from hdet_scale.config import WandbConfig\nfrom hdet_scale.logging import MetricsLogger\n"
+            f"cfg = WandbConfig(enabled=True, mode='offline', dir={str(tmp_path)!r}, project='p')\n"
+            "for run_id in (None, 'recorded1'):\n"
+            "    logger = MetricsLogger(None, cfg, {}, run_id=run_id)\n"
+            "    print('ID', logger.run_id)\n"
+            "    logger.close()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    ids = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ID ")]
+    assert ids == ["shared7", "recorded1"], (proc.stdout, proc.stderr[-2000:])
     (fresh,) = wandb_env_notes(run, False, None)
     assert fresh.startswith("WANDB_RUN_ID='shared7': W&B takes this id for the run"), fresh
     (resumed,) = wandb_env_notes(run, True, "recorded1")
