@@ -91,6 +91,7 @@ class DeepSpeedBackend:
                 # scheduler inside DeepSpeed (whose TypeError fallback would record
                 # train_batch_size as the loss): no state changes, on every rank alike.
                 scheduler.check_step_args(**(lr_kwargs or {}))
+                scheduler.check_can_step()  # past total_steps: before the optimizer moves a weight
             out = original(lr_kwargs=lr_kwargs)
             if boundary and not engine.was_step_applied() and isinstance(scheduler, HDETScheduler):
                 # The loss passed is recorded as on any step, not replaced by NaN: fp16 loss
