@@ -184,6 +184,30 @@ def _rank_pid(agent: int, rank: int) -> int | None:
     return None
 
 
+def _when_the_summary_appears(run_dir, tmp, act) -> tuple[subprocess.Popen, str, bool]:
+    """The launchers' torchrun (torchrun_quiet.py, 2 DDP ranks, one restart allowed, the
+    end-of-run plots on, in a session of its own) running :data:`SHORT` into ``run_dir``
+    with ``TMPDIR=tmp``; ``act(proc)`` is called as soon as summary.json appears, until it
+    returns True. Returns ``(proc, stderr, whether act succeeded)`` once the job ended."""
+    tmp.mkdir()
+    quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
+    args = [f"run_dir={run_dir}", "backend=ddp", *[a for a in SHORT if a != "train.plots=false"], "train.plots=true"]
+    cmd = [sys.executable, quiet, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
+           "hdet_scale.train.cli", *args]
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    acted = False
+    deadline = time.monotonic() + 400
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (run_dir / "summary.json").exists() and act(proc):
+            acted = True
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=120)
+    return proc, err, acted
+
+
 def test_a_rank_lost_after_the_run_completed_is_no_failed_run_under_torchrun(tmp_path):
     """Tester round 53: after a torchrun restart the run completed (summary.json, plots) and
     a rank then died in its exit (SIGABRT in the interpreter's teardown); the launchers'
@@ -195,23 +219,14 @@ def test_a_rank_lost_after_the_run_completed_is_no_failed_run_under_torchrun(tmp
     last barrier, it loses its peer there): either path must end the same way."""
     import signal
 
+    def kill_rank_1(proc) -> bool:
+        if (pid := _rank_pid(proc.pid, 1)) is None:
+            return False
+        os.kill(pid, signal.SIGKILL)
+        return True
+
     run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
-    quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
-    args = [f"run_dir={run_dir}", "backend=ddp", *[a for a in SHORT if a != "train.plots=false"], "train.plots=true"]
-    cmd = [sys.executable, quiet, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
-           "hdet_scale.train.cli", *args]
-    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    killed = False
-    deadline = time.monotonic() + 400
-    while proc.poll() is None and time.monotonic() < deadline:
-        if (run_dir / "summary.json").exists() and (pid := _rank_pid(proc.pid, 1)) is not None:
-            os.kill(pid, signal.SIGKILL)
-            killed = True
-            break
-        time.sleep(0.005)
-    out, err = proc.communicate(timeout=120)
+    proc, err, killed = _when_the_summary_appears(run_dir, tmp, kill_rank_1)
     assert killed, err[-3000:]  # rank 1 was still there when summary.json appeared (the last barrier)
     assert proc.returncode == 0, err[-3000:]
     lines = [line for line in err.splitlines() if "after the run completed" in line]
@@ -234,24 +249,12 @@ def test_a_stop_after_the_run_completed_exits_0_under_torchrun(tmp_path):
     line, no stop line naming a resume, the summary of all 8 steps."""
     import signal
 
-    run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
-    tmp.mkdir()
-    quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
-    args = [f"run_dir={run_dir}", "backend=ddp", *[a for a in SHORT if a != "train.plots=false"], "train.plots=true"]
-    cmd = [sys.executable, quiet, "--standalone", "--nproc_per_node=2", "--max-restarts=1", "-m",
-           "hdet_scale.train.cli", *args]
-    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TMPDIR": str(tmp)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    stopped = False
-    deadline = time.monotonic() + 400
-    while proc.poll() is None and time.monotonic() < deadline:
-        if (run_dir / "summary.json").exists():
-            os.killpg(proc.pid, signal.SIGTERM)
-            stopped = True
-            break
-        time.sleep(0.005)
-    out, err = proc.communicate(timeout=120)
+    def stop_the_group(proc) -> bool:
+        os.killpg(proc.pid, signal.SIGTERM)
+        return True
+
+    run_dir = tmp_path / "run"
+    proc, err, stopped = _when_the_summary_appears(run_dir, tmp_path / "tmp", stop_the_group)
     assert stopped, err[-3000:]
     assert proc.returncode == 0, err[-3000:]
     assert len([line for line in err.splitlines() if "after the run completed" in line]) == 1, err[-3000:]
