@@ -367,7 +367,11 @@ def check(run: dict, save_dir: str) -> list[str]:
         HDETStateError: a change that cannot work, listing every such key with its
             checkpoint value -> new value; or a damaged record file.
     """
-    saved, tag, step = _saved_record(save_dir)
+    return _checked(run, save_dir, *_saved_record(save_dir))
+
+
+def _checked(run: dict, save_dir: str, saved: dict | None, tag: str | None, step: int) -> list[str]:
+    """:func:`check` on the record ``saved`` already read (``_saved_record``)."""
     if saved is None:
         return []
     errors, changes = compare(saved, record(run), step)
@@ -388,8 +392,8 @@ def notice(run: dict, save_dir: str, data: dict | None = None) -> str | None:
     Raises:
         HDETStateError: as :func:`check`.
     """
-    changes = check(run, save_dir)
-    saved, tag, step = _saved_record(save_dir)
+    saved, tag, step = _saved_record(save_dir)  # read once for both
+    changes = _checked(run, save_dir, saved, tag, step)
     line = data_change(saved or {}, record(run), data)
     changes += [line] if line else []
     if not changes:

@@ -78,27 +78,23 @@ def switch_notes(run: dict, file_ds: dict | None = None) -> list[str]:
 
 def print_resume_notice(run: dict, checked: Any, quiet_errors: bool = False) -> None:
     """One warning on stderr when a resumed run's settings changed since its checkpoint
-    (``rundir.resume_notice``: each key, old -> new, and the value the run uses; and
+    (``resume_config.notice``: each key, old -> new, and the value the run uses; and
     whether the bytes of ``checked``'s corpus, ``validate``'s, differ from the
     checkpoint's); then the notes for W&B's variables (``run_notes.wandb_env_notes``).
     Under torchrun (``quiet_errors``) rank 0 prints it before ``train`` validates: a bad
     input is then left to ``train``, which names it on every rank alike."""
-    from hdet_scale.train import rundir
+    from hdet_scale.train import resume_config, rundir
     from hdet_scale.train.data import fingerprint
     from hdet_scale.train.run_notes import wandb_env_notes
 
     try:
-        note = rundir.resume_notice(run, fingerprint(checked[1]))
+        resuming = rundir.start_mode(run) == "resume"
+        note = resume_config.notice(run, rundir.checkpoint_dir(run), fingerprint(checked[1])) if resuming else None
     except (HDETConfigError, HDETStateError):
         if not quiet_errors:
             raise
         return
     if note:
         print(f"hdet-train: warning: {note}", file=sys.stderr, flush=True)
-    try:  # the same files again: read already, a failure here was raised above
-        resuming = rundir.start_mode(run) == "resume"
-        ids = wandb_env_notes(run, resuming, rundir.saved_wandb_run_id(run) if resuming else None)
-    except (HDETConfigError, HDETStateError):
-        ids = []
-    for line in ids:
+    for line in wandb_env_notes(run, resuming, rundir.saved_wandb_run_id(run) if resuming else None):
         print(f"hdet-train: note: {line}", file=sys.stderr, flush=True)
