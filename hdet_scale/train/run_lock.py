@@ -57,6 +57,30 @@ def _in_use(run_dir: str, holder: str) -> HDETConfigError:
                            "choose another run_dir")
 
 
+def holder(run_dir: str) -> str | None:
+    """Who holds ``run_dir``'s lock, as it recorded itself (``"pid N on HOST, since ..."``,
+    or ``"another process"``), or ``None``: no job is training there. Takes no lock (a
+    shared one for a moment, released before returning). Never raises."""
+    import fcntl
+
+    path = os.path.join(run_dir, LOCK_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # closing releases a shared lock this took
+    return None
+
+
 def check_not_in_use(run_dir: str) -> None:
     """:func:`hold_run_dir`'s refusal, without taking the lock: the launcher asks first,
     so that a job started in a run_dir in use is told so, not given advice about the
@@ -65,21 +89,5 @@ def check_not_in_use(run_dir: str) -> None:
     Raises:
         HDETConfigError: as :func:`hold_run_dir`.
     """
-    import fcntl
-
-    path = os.path.join(run_dir, LOCK_FILE)
-    if not os.path.isfile(path):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        raise _in_use(run_dir, holder) from None
-    except OSError:
-        pass
-    finally:
-        os.close(fd)  # closing releases a shared lock this took
+    if (held_by := holder(run_dir)) is not None:
+        raise _in_use(run_dir, held_by)
