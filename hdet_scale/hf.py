@@ -288,9 +288,9 @@ class HDETTrainer(Trainer):
 
         kwargs.update(config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler)
         engine, optimizer, loader, scheduler = real(**kwargs)
-        backend = DeepSpeedBackend(engine)
-        _start_from_replica_0(backend, topology)
-        attach_sync(scheduler, topology, backend, engine, self._hdet_probe)
+        # attach_sync first gives every replica replica 0's partitions: transformers
+        # initialised a from_config model's weights on global rank 0 only
+        attach_sync(scheduler, topology, DeepSpeedBackend(engine), engine, self._hdet_probe)
         self.hdet_scheduler = scheduler
         self._feed_losses(engine)
         return engine, optimizer, loader, scheduler
@@ -378,7 +378,7 @@ class HDETTrainer(Trainer):
         topology = use_topology(cfg, self.hdet_topology, self.hdet_topology.mesh.device_type)
         with hf_fsdp.sharding_on(topology, cfg):
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        self.hdet_scheduler = hf_fsdp.attach(self, cfg, topology, self._hdet_probe, _start_from_replica_0)
+        self.hdet_scheduler = hf_fsdp.attach(self, cfg, topology, self._hdet_probe)
         self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
         self._record_losses()
         if resume_from_checkpoint is not None:
@@ -457,16 +457,3 @@ def build_topology(args: Any) -> Topology:
 
 
 _TOPOLOGIES: dict[int, Topology] = {}
-
-
-@torch.no_grad()
-def _start_from_replica_0(backend: Any, topology: Topology) -> None:
-    """Every replica takes replica 0's fp32 master partitions and buffers (one broadcast
-    per tensor over the replica group; a few flat tensors), then refreshes its working
-    copy. Collective on the replica groups."""
-    import torch.distributed as dist
-
-    src = dist.get_global_rank(topology.replica_group, 0)
-    for t in list(backend.master_tensors()) + list(backend.buffers()):
-        dist.broadcast(t, src=src, group=topology.replica_group)
-    backend.refresh()

@@ -119,18 +119,17 @@ def sharding_on(topology: Topology, cfg: HDETConfig):
         accelerator_module.fsdp2_prepare_model = real
 
 
-def attach(trainer: Any, cfg: HDETConfig, topology: Topology, probe: Callable[[Any], Any] | None,
-           start: Callable[[Any, Topology], None]) -> HDETScheduler:
+def attach(trainer: Any, cfg: HDETConfig, topology: Topology, probe: Callable[[Any], Any] | None
+           ) -> HDETScheduler:
     """The scheduler over ``trainer``'s prepared optimizer, with converge on the FSDP2
-    model; ``start(backend, topology)`` first gives every replica replica 0's shards.
-    Collective (replica group, then warm init's shard group)."""
+    model; :func:`~hdet_scale.backends.common.attach_sync` first gives every replica
+    replica 0's shards. Collective (replica group, then warm init's shard group)."""
     model = trainer.model_wrapped
     optimizer = trainer._inner_optimizer()
     backend = FSDP2Backend(model, trainer.args.device)
     fsdp = {k: v for k, v in trainer.args.fsdp_config.items() if k != "hdet"}
     logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "fsdp": fsdp})
     scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
-    start(backend, topology)
     attach_sync(scheduler, topology, backend, model, probe)
     return scheduler
 

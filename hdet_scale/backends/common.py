@@ -97,12 +97,36 @@ def check_probe(cfg: HDETConfig, probe: Any) -> None:
     require_probe(cfg, probe, "probe", "probe(model) -> loss", 1)
 
 
-def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any) -> None:
+@torch.no_grad()
+def start_from_replica_0(backend: Any, topology: Topology) -> None:
+    """Every replica takes replica 0's local tensors: each rank (r, s) gets the fp32
+    master shard and buffers of rank (0, s) (one broadcast per tensor over the replica
+    group; a few flat tensors on DeepSpeed), then refreshes its working copy. HDET's
+    replicas start as copies of one model (paper Sec. 3.1); DDP and fairscale broadcast
+    at wrap, but DeepSpeed broadcasts only inside its data-parallel group (the shard
+    group) and FSDP2 not at all, so ranks seeded apart, or an ``init_weights`` that
+    differs between replicas, started the replicas apart, unsaid (tester round 58).
+    Collective on the replica groups; nothing with one replica."""
+    if topology.replicas == 1:
+        return
+    src = dist.get_global_rank(topology.replica_group, 0)
+    for t in list(backend.master_tensors()) + list(backend.buffers()):
+        dist.broadcast(t, src=src, group=topology.replica_group)
+    backend.refresh()
+
+
+def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any,
+                start_equal: bool = True) -> None:
     """Attach this rank's :class:`~hdet_scale.sync.DistributedSync` (installs the
     gradient-sharing hook), bind the model-side axes and ``probe`` to ``model`` (the object the user's forward
     runs on: the DeepSpeed engine, the FSDP2 / DDP module), and apply the warm noisy
-    initialisation when configured. Collective (warm init: on the shard group)."""
+    initialisation when configured. ``start_equal``: first give every replica replica
+    0's weights (:func:`start_from_replica_0`; false where the engine's wrap already
+    broadcast them over the world). Collective (the replica groups, then warm init's
+    shard group)."""
     cfg = scheduler.config
+    if start_equal:
+        start_from_replica_0(backend, topology)
     if model is not None:
         scheduler.bind_model(model)  # model-side axes (dropout, temperature) reach this rank's module
     scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing,
@@ -112,11 +136,12 @@ def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, mode
 
 
 def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend: Any,
-                    logger: Any = None, model: Any = None, probe: Any = None) -> HDETScheduler:
+                    logger: Any = None, model: Any = None, probe: Any = None,
+                    start_equal: bool = True) -> HDETScheduler:
     """The scheduler of this rank (its replica's param groups, read live) with its
     :class:`~hdet_scale.sync.DistributedSync` attached (:func:`attach_sync`)."""
     scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
-    attach_sync(scheduler, topology, backend, model, probe)
+    attach_sync(scheduler, topology, backend, model, probe, start_equal)
     return scheduler
 
 

@@ -101,7 +101,9 @@ def initialize(model: torch.nn.Module, config: HDETConfig | Mapping[str, Any] | 
     ddp_model = wrap_ddp(model, cfg, topology, device, ddp_kwargs)
     if logger is None:
         logger = make_logger(cfg, topology)
-    scheduler = build_scheduler(cfg, topology, optimizer, FullParamsBackend(model, device), logger, ddp_model, probe)
+    # wrap_ddp broadcast global rank 0's weights to the world: the replicas start equal
+    scheduler = build_scheduler(cfg, topology, optimizer, FullParamsBackend(model, device), logger, ddp_model, probe,
+                                start_equal=False)
     return ddp_model, optimizer, scheduler
 
 

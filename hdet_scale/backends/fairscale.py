@@ -260,7 +260,8 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
     if logger is None:
         logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "fairscale": {
             "optim": f"{optim.__module__}.{optim.__qualname__}", "optim_kwargs": optim_kwargs}})
-    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger, ddp_model, probe)
+    # wrap_ddp broadcast global rank 0's weights to the world: the replicas start equal
+    scheduler = build_scheduler(cfg, topology, optimizer, backend, logger, ddp_model, probe, start_equal=False)
     return ddp_model, optimizer, scheduler
 
 

@@ -163,9 +163,10 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
         model: the model, sharded in place. Either built with its parameters on the
             ``meta`` device (no rank ever holds the full model: the path for large
             models; ``init_weights`` then fills them after sharding), or built whole on
-            CPU or on ``device``; then every rank must build the same initial weights
-            (same seed), as FSDP2 itself assumes: each rank keeps its own chunk of its
-            own copy, nothing is broadcast.
+            CPU or on ``device``; then the ranks of one replica must build the same
+            initial weights (same seed), as FSDP2 itself assumes: each rank keeps its
+            own chunk of its own copy. Across replicas, every replica then takes
+            replica 0's shards (one broadcast over each replica group), as DDP does.
         config: whatever :func:`~hdet_scale.backends.common.resolve_config` accepts: an
             :class:`HDETConfig`, the ``"hdet"`` block, a DeepSpeed-style dict holding
             one under ``"hdet"``, or a path to such a JSON file.
@@ -200,8 +201,8 @@ def initialize(model: nn.Module, config: HDETConfig | Mapping[str, Any] | str | 
             place in the full tensor: ``torch.distributed.tensor._utils.
             compute_local_shape_and_global_offset``) and any buffer left on the meta
             device; buffers built off the meta device (e.g. RoPE tables) are kept as
-            they were (``to_empty`` would drop them). Its values must not depend on the
-            rank beyond the shard's place, or the replicas would start apart.
+            they were (``to_empty`` would drop them). Replica r > 0's values are then
+            replaced by replica 0's (the replicas start as copies of one model).
 
     Returns:
         ``(model, optimizer, scheduler)``. The loop: ``loss.backward();

@@ -79,4 +79,9 @@ def run(tmp: str) -> dict:
                         "resumed_losses": resumed, "resumed": weights(again),
                         "lr": again.scheduler.get_last_lr()[0], "step": again.scheduler.step_count,
                         "replica": again.topology.replica_index}
+        # each rank builds other weights (a user seeding by rank): prepare must start
+        # every replica from one model all the same (tester round 58: DeepSpeed did not)
+        apart = hdet_scale.prepare(rank_tools.build_model(seed=100 + rank_tools.rank()), copy.deepcopy(CONFIG),
+                                   backend=backend)
+        out[backend]["seeded_apart"] = weights(apart)
     return out

@@ -64,3 +64,22 @@ def test_checkpoints_take_the_same_arguments_and_resume_on_every_engine(runs):
     # the per-replica LRs after the run: 0.5x and 1.5x the base on the two replicas
     lrs = {runs[r]["deepspeed"]["replica"]: runs[r]["deepspeed"]["lr"] for r in range(4)}
     assert sorted(lrs.values()) == pytest.approx([0.5 * A.LR, 1.5 * A.LR], rel=1e-9)
+
+
+def test_replicas_start_from_one_model_when_ranks_build_other_weights(runs):
+    """Each rank built TinyNet from its own seed (100 + rank) before ``prepare``. Every
+    engine must start all 4 ranks from one model (exactly: a broadcast copies bits), and
+    where the engine broadcasts whole models (DDP, fairscale: from global rank 0 to the
+    world; DeepSpeed: from each shard group's first rank, then from replica 0 over the
+    replica groups) that model is global rank 0's. FSDP2 keeps each rank's own chunk
+    inside a replica, so its start is replica 0's two chunks, taken by replica 1: equal
+    everywhere, but no single rank's build. Before the replica broadcast, DeepSpeed's
+    replica 1 kept rank 2's weights and FSDP2's replica 1 its own chunks."""
+    rank0 = np.concatenate([p.detach().flatten().numpy() for p in rank_tools.build_model(seed=100).parameters()])
+    for backend in A.BACKENDS:
+        for rank in range(1, 4):
+            np.testing.assert_array_equal(runs[rank][backend]["seeded_apart"], runs[0][backend]["seeded_apart"],
+                                          err_msg=f"{backend}: rank {rank} starts from other weights than rank 0")
+        if backend != "fsdp2":
+            np.testing.assert_array_equal(runs[0][backend]["seeded_apart"], rank0, err_msg=backend)
+
