@@ -29,6 +29,7 @@ from hdet_scale.backends.common import attach_sync, check_probe, use_topology, m
 from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
+from hdet_scale.backends.ds_shared import name_shared_params_everywhere
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Topology
@@ -66,6 +67,7 @@ class DeepSpeedBackend:
         # DeepSpeed's CPU Adam keeps beta**t outside every checkpoint: without this a resumed
         # run's updates differ in the last bit from the uninterrupted run's (ds_adam.py).
         stateless_bias_correction(self.optimizer.optimizer)
+        name_shared_params_everywhere(engine)  # zero_to_fp32.py on replica_1 keeps tied weights
 
     def _count_skipped_steps(self) -> None:
         """A step the engine skips still counts as an HDET step, on every rank.
@@ -260,8 +262,11 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     slice s; :attr:`Topology.shard_index` of ``scheduler.topology``). It runs under
     ``torch.no_grad`` at each auto-LR sync, inside ``engine.step`` after the optimizer
     step and before converge; the replica's fitness is the mean over its S ranks. Needed
-    when ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on. With
-    ``hdet.warm_init.enabled``, each replica's noise is added before this returns.
+    when ``hdet.auto.fitness`` is ``"probe"`` (the default) and auto-LR is on. Every
+    replica starts from replica 0's weights (its fp32 master partitions and buffers,
+    broadcast over the replica groups; DeepSpeed itself broadcasts only inside the shard
+    group), whatever each rank's seed was. With ``hdet.warm_init.enabled``, each
+    replica's noise is added after that, before this returns.
 
     Returns ``(engine, optimizer, dataloader, scheduler)`` like DeepSpeed; the scheduler is
     an :class:`~hdet_scale.ensemble.HDETScheduler` (also ``engine.lr_scheduler``), driven

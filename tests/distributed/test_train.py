@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from harness import run_ranks
 from hdet_scale.schedules import OneCycle
@@ -49,6 +50,24 @@ def test_default_job_end_to_end(tmp_path):
     assert {"fanout_lr_group0.png", "base_lr_group0.png", "sync.png", "loss.png", "mine.txt"} <= set(written), written
     assert (run_dir / "plots" / "sync.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "4 plots in" in proc.stderr or "plots in" in proc.stderr, proc.stderr[-2000:]
+    check_zero_to_fp32(run_dir / "checkpoint")
+
+
+def check_zero_to_fp32(ckpt) -> None:
+    """DeepSpeed's own consolidation (``zero_to_fp32``, what a user runs on a replica's
+    folder) gives every replica the same parameter names, the tied LM head included, as
+    one tensor with the embedding. DeepSpeed records the tied names on global rank 0 only:
+    replica_1's state dict lacked ``lm_head.weight`` before ds_shared (tester round 58).
+    The replicas' values are compared nowhere here: they differ between syncs."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    names = []
+    for r in range(2):
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt / f"replica_{r}"))
+        assert "lm_head.weight" in sd, (r, sorted(sd))
+        assert torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]), r
+        names.append(sorted(sd))
+    assert names[0] == names[1]
 
 
 # The same job on FSDP2 (the other sharded engine), shorter (20 steps, syncs at 10 and 20):
