@@ -8,9 +8,12 @@ transformers 5.24 ``from_config`` under ZeRO-3 (``initialize_weights_zero3``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.hf_constructors import watch_constructors
 from hdet_scale.topology import Topology
 
 
@@ -28,7 +31,9 @@ def zero_init(args: Any, **kwargs: Any) -> Any:
     partitions by the outermost context). transformers then initialises the weights on
     global rank 0 only, so only replica 0's shard group gets them; :class:`HDETTrainer`
     copies replica 0's partitions to every replica when training starts, as HDET needs
-    anyway (replicas start as copies of one model). Import the model's class before the
+    anyway (replicas start as copies of one model). A model built by its class
+    constructor instead (``LlamaForCausalLM(config)``) gets no transformers init under
+    ZeRO-3: a ``UserWarning`` at the context's exit says so (``hf_constructors``). Import the model's class before the
     context opens when the process builds another model of it afterwards (an evaluation
     copy): a class first defined inside loses transformers >= 5.25's kernels decorator
     when DeepSpeed closes it (:func:`hdet_scale.backends.deepspeed.zero_init`). ``kwargs``
@@ -51,7 +56,15 @@ def zero_init(args: Any, **kwargs: Any) -> Any:
     # reads (without it, its config sees a world of 1 and refuses the batch size).
     deepspeed.init_distributed(dist_backend="gloo" if args.device.type == "cpu" else None)
     max_steps = args.max_steps if args.max_steps > 0 else None
-    return _zero_init(topology, _checkable(args.hf_deepspeed_config.config, max_steps), **kwargs)
+    context = _zero_init(topology, _checkable(args.hf_deepspeed_config.config, max_steps), **kwargs)
+    return _both(context)
+
+
+@contextlib.contextmanager
+def _both(context: Any) -> Iterator[Any]:
+    # the watch outside zero.Init: its warning comes after DeepSpeed's exit
+    with watch_constructors(), context as inner:
+        yield inner
 
 
 def check_partitions(model: Any, topology: Topology) -> None:

@@ -54,8 +54,16 @@ def build_model(training_args: Any = None) -> Any:
         return LlamaForCausalLM(cfg)
     from hdet_scale.hf import zero_init
 
-    with zero_init(training_args):
-        return AutoModelForCausalLM.from_config(cfg)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with zero_init(training_args):
+            model = AutoModelForCausalLM.from_config(cfg)
+    # from_config initialises under ZeRO-3: hf_constructors' warning is for constructors only
+    said = [str(w.message) for w in caught if "class constructor" in str(w.message)]
+    assert not said, said
+    return model
 
 
 def ds_config(hdet: dict | None) -> dict:
