@@ -9,6 +9,7 @@ import copy
 import warnings
 from typing import Any
 
+from hdet_scale.config_checks import MAX_STEPS
 from hdet_scale.errors import HDETConfigError
 
 
@@ -27,7 +28,9 @@ def _checkable(ds_config: dict, max_steps: int | None) -> dict:
     too long for any check to fail on (the checks that need it run again at ``train()``)."""
     ds = _without_auto(resolve_auto(ds_config, max_steps))
     if ((ds_config.get("hdet") or {}).get("schedule") or {}).get("total_steps") == "auto" and max_steps is None:
-        ds["hdet"].setdefault("schedule", {})["total_steps"] = 2 ** 62
+        # the longest run the checks accept (tester round 59: 2**62 was refused as over
+        # 2**53, so every epoch-based Trainer run failed at construction)
+        ds["hdet"].setdefault("schedule", {})["total_steps"] = MAX_STEPS
     return ds
 
 

@@ -150,3 +150,19 @@ def test_a_config_warning_is_given_once_though_the_block_is_checked_twice(world_
         trainer._check(4)  # what train() runs (max_steps=4)
     said = [str(w.message) for w in record if "> the Trainer's 4 optimizer steps" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in record]
+
+
+def test_an_epoch_based_run_takes_its_length_from_the_epochs(world_of_one, tmp_path, monkeypatch):
+    """Tester round 59: with ``num_train_epochs`` and no ``max_steps``, ``"total_steps":
+    "auto"`` was refused at construction as "must be at most 2**53 ... got
+    4611686018427387904" (the stand-in for a run length not known yet). The Trainer now
+    builds, and ``train()`` gives the schedule the epochs' optimizer steps: 128 sequences,
+    2 per device, accumulation 2 on one rank = 32 per epoch."""
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)  # DeepSpeed's engine reads them (a launcher sets them)
+    block = {**_block(), "schedule": {"name": "constant", "total_steps": "auto"}}
+    trainer = _trainer(_args(tmp_path, H.ds_config(block), max_steps=-1, num_train_epochs=1, save_strategy="no"))
+    trainer.train()
+    assert trainer.state.global_step == 32
+    assert trainer.hdet_scheduler.config.schedule.total_steps == 32
+    assert trainer.hdet_scheduler.step_count == 32
