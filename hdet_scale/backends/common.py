@@ -110,7 +110,9 @@ def start_from_replica_0(backend: Any, topology: Topology) -> None:
     if topology.replicas == 1:
         return
     src = dist.get_global_rank(topology.replica_group, 0)
-    for t in list(backend.master_tensors()) + list(backend.buffers()):
+    # frozen parameters: outside DeepSpeed's master partitions (its backend lists them)
+    frozen = list(getattr(backend, "frozen_tensors", list)())
+    for t in list(backend.master_tensors()) + list(backend.buffers()) + frozen:
         dist.broadcast(t, src=src, group=topology.replica_group)
     backend.refresh()
 

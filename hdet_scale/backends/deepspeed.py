@@ -113,6 +113,25 @@ class DeepSpeedBackend:
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.engine.module)
 
+    def frozen_tensors(self) -> Sequence[torch.Tensor]:
+        """This rank's tensors of the parameters the optimizer does not hold
+        (``requires_grad`` false: a frozen embedding, a LoRA base): each one's ZeRO-3
+        partition (``ds_tensor``, working dtype) and, where it is gathered between steps
+        (persistent), its full tensor. Nothing changes them, so converge leaves them
+        alone, but the start copy must cover them: without it, replica 1 kept its own
+        frozen weights (tester round 59: its embedding held uninitialised memory, sum of
+        |x| 3e28, under HDETTrainer)."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        out = []
+        for p in self.engine.module.parameters():
+            if p.requires_grad or not hasattr(p, "ds_tensor"):
+                continue
+            out.append(p.ds_tensor)
+            if p.ds_status == ZeroParamStatus.AVAILABLE:
+                out.append(p.data)
+        return out
+
     def noise_parts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The fp32 master partitions are this rank's shard; nothing is whole."""
         return list(self.master_tensors()), []

@@ -74,7 +74,9 @@ def test_replicas_start_from_one_model_when_ranks_build_other_weights(runs):
     replica groups) that model is global rank 0's. FSDP2 keeps each rank's own chunk
     inside a replica, so its start is replica 0's two chunks, taken by replica 1: equal
     everywhere, but no single rank's build. Before the replica broadcast, DeepSpeed's
-    replica 1 kept rank 2's weights and FSDP2's replica 1 its own chunks."""
+    replica 1 kept rank 2's weights and FSDP2's replica 1 its own chunks. fc1 is frozen
+    (outside DeepSpeed's optimizer partitions): DeepSpeed's replica 1 kept its own fc1
+    until the start copy covered frozen parameters (tester round 59)."""
     rank0 = np.concatenate([p.detach().flatten().numpy() for p in rank_tools.build_model(seed=100).parameters()])
     for backend in A.BACKENDS:
         for rank in range(1, 4):
