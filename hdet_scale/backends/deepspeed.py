@@ -366,16 +366,26 @@ def _link_latest(save_dir: str, replicas: int) -> None:
     """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
     DeepSpeed's own tools, which read ``latest`` in the folder they are given
     (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
-    to find 'latest' file"). A link, not a copy: it always names what the one ``latest``
-    names, which moves only when every replica's save is complete. A filesystem without
-    links: skipped (the tools then take ``--tag``)."""
+    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` for r > 0 as a link to
+    replica 0's copy, so each folder holds what DeepSpeed documents. Links, not copies:
+    ``latest`` always names what the one ``latest`` names, which moves only when every
+    replica's save is complete. A filesystem without links: skipped (the tools then take
+    ``--tag``)."""
     for r in range(replicas):
-        link = os.path.join(save_dir, f"replica_{r}", LATEST_FILE)
-        if not os.path.lexists(link):
+        links = {LATEST_FILE: os.path.join(os.pardir, LATEST_FILE)}
+        if r > 0:  # DeepSpeed copies its recovery script on global rank 0 only (tester round 59)
+            links[_RECOVERY_SCRIPT] = os.path.join(os.pardir, "replica_0", _RECOVERY_SCRIPT)
+        for name, target in links.items():
+            link = os.path.join(save_dir, f"replica_{r}", name)
+            if os.path.lexists(link) or not os.path.exists(os.path.join(os.path.dirname(link), target)):
+                continue
             try:
-                os.symlink(os.path.join(os.pardir, LATEST_FILE), link)
+                os.symlink(target, link)
             except OSError:
                 return
+
+
+_RECOVERY_SCRIPT = "zero_to_fp32.py"
 
 
 def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: str | None = None) -> dict:

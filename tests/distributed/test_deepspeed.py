@@ -298,6 +298,8 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
     for r in range(REPLICAS):
         assert os.readlink(ckpt / f"replica_{r}" / "latest") == os.path.join("..", "latest")
         assert (ckpt / f"replica_{r}" / "latest").read_text().strip() == tag
+        # tester round 59: DeepSpeed copies its script into replica_0 only
+        assert (ckpt / f"replica_{r}" / "zero_to_fp32.py").read_bytes() == (ckpt / "replica_0" / "zero_to_fp32.py").read_bytes()
     # Who wrote what: every rank (r, s) its own DeepSpeed shard files and HDET state in
     # replica_r/; rank 0 also DeepSpeed's recovery scripts, hdet_layout.json and latest.
     written = rank_tools.assert_single_writers(ckpt, [x["written"] for x in res])
