@@ -47,6 +47,28 @@ def check_tag(tag: Any) -> None:
                              "break; e.g. global_step100, or leave tag=None for global_step<step>")
 
 
+def check_save_dir(save_dir: Any) -> None:
+    """Refuse a ``save_dir`` that cannot become a folder: a path that is a file, a path
+    under a file, or a folder this process may not write into (its nearest existing
+    ancestor's permissions). Every rank raised ``NotADirectoryError`` from ``os.makedirs``
+    before (tester round 59). Local, before any collective.
+
+    Raises:
+        HDETStateError: naming ``save_dir`` and what is in the way.
+    """
+    path = os.path.abspath(os.fspath(save_dir))
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is" if probe == path else f"is under {probe}, which is"
+        raise HDETStateError(f"checkpoint folder {save_dir!r} {where} a file, not a folder: save into a folder "
+                             "(each replica writes replica_<r>/<tag>/ inside it)")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise HDETStateError(f"checkpoint folder {save_dir!r}: {probe} is not writable by this process; save "
+                             "into a folder you may write")
+
+
 def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) -> tuple[Topology, str, str]:
     """``(topology, tag, replica folder)`` for a save; creates the folder. The default tag
     is ``global_step<step>``. A folder already there for the tag (a save cut short by a
@@ -56,8 +78,8 @@ def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) 
 
     Raises:
         ValueError: the scheduler has no process groups (not built by a backend).
-        HDETStateError: ``tag`` is not one plain folder name (:func:`check_tag`), before
-            any collective.
+        HDETStateError: ``tag`` is not one plain folder name (:func:`check_tag`), or
+            ``save_dir`` cannot be a folder (:func:`check_save_dir`), before any collective.
     """
     t = scheduler.topology
     if t is None:
@@ -65,6 +87,7 @@ def checkpoint_target(scheduler: HDETScheduler, save_dir: str, tag: str | None) 
                          "torch.save(scheduler.state_dict()) next to the model instead")
     if tag is not None:
         check_tag(tag)
+    check_save_dir(save_dir)
     tag = tag or f"global_step{scheduler.step_count}"
     if t.rank == 0:
         retire_tag(save_dir, t.replicas, tag)

@@ -956,3 +956,32 @@ def test_no_latest_whose_newest_listed_checkpoint_is_the_final_one_says_the_run_
     assert f"echo global_step10 > {ckpt}/latest" in msg, msg
     assert "That checkpoint is at train.steps=10: the run it belongs to finished its training" in msg, msg
     assert "finished its training" not in no_latest_message(str(ckpt), 20)
+
+
+def test_a_save_dir_that_cannot_be_a_folder_is_named_before_any_collective(tmp_path):
+    """Tester round 59: ``ens.save_checkpoint("afile")`` raised a raw ``NotADirectoryError``
+    from ``os.makedirs`` on every rank. check_save_dir (run by checkpoint_target before its
+    barrier) names the path and what is in the way; a folder to be made, or one there, passes."""
+    import stat
+
+    from hdet_scale.backends.checkpoints import check_save_dir
+    from hdet_scale.errors import HDETStateError
+
+    afile = tmp_path / "afile"
+    afile.write_text("data")
+    with pytest.raises(HDETStateError, match="'.*afile' is a file, not a folder"):
+        check_save_dir(str(afile))
+    with pytest.raises(HDETStateError, match=r"is under .*afile, which is a file"):
+        check_save_dir(afile / "ckpt" / "deeper")
+    check_save_dir(tmp_path / "new" / "ckpt")  # made by the save
+    check_save_dir(tmp_path)
+    assert afile.read_text() == "data"  # nothing touched
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        try:
+            with pytest.raises(HDETStateError, match="is not writable"):
+                check_save_dir(locked / "ckpt")
+        finally:
+            locked.chmod(stat.S_IRWXU)
