@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.averaging import persistent_float_buffers
-from hdet_scale.backends.checkpoint_io import LATEST_FILE, verify_checksums
+from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.backends.ds_prepare import prepare_config
 from hdet_scale.backends.common import attach_sync, check_probe, use_topology, make_logger
 from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
-from hdet_scale.backends.ds_shared import name_shared_params_everywhere
+from hdet_scale.backends.ds_shared import link_tool_files, name_shared_params_everywhere
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Topology
@@ -358,34 +358,8 @@ def save_checkpoint(engine: Any, scheduler: HDETScheduler, save_dir: str, tag: s
     save_hdet_state(rdir, t, scheduler)
     finish_checkpoint(save_dir, t, scheduler, tag, "deepspeed")
     if t.rank == 0:
-        _link_latest(save_dir, t.replicas)
+        link_tool_files(save_dir, t.replicas)
     return tag
-
-
-def _link_latest(save_dir: str, replicas: int) -> None:
-    """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
-    DeepSpeed's own tools, which read ``latest`` in the folder they are given
-    (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
-    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` for r > 0 as a link to
-    replica 0's copy, so each folder holds what DeepSpeed documents. Links, not copies:
-    ``latest`` always names what the one ``latest`` names, which moves only when every
-    replica's save is complete. A filesystem without links: skipped (the tools then take
-    ``--tag``)."""
-    for r in range(replicas):
-        links = {LATEST_FILE: os.path.join(os.pardir, LATEST_FILE)}
-        if r > 0:  # DeepSpeed copies its recovery script on global rank 0 only (tester round 59)
-            links[_RECOVERY_SCRIPT] = os.path.join(os.pardir, "replica_0", _RECOVERY_SCRIPT)
-        for name, target in links.items():
-            link = os.path.join(save_dir, f"replica_{r}", name)
-            if os.path.lexists(link) or not os.path.exists(os.path.join(os.path.dirname(link), target)):
-                continue
-            try:
-                os.symlink(target, link)
-            except OSError:
-                return
-
-
-_RECOVERY_SCRIPT = "zero_to_fp32.py"
 
 
 def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: str | None = None) -> dict:

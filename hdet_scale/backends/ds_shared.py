@@ -1,6 +1,7 @@
-"""Tied parameters named in every replica's DeepSpeed checkpoint.
+"""What DeepSpeed's own tools (``zero_to_fp32.py``) need in every replica's checkpoint
+folder, where DeepSpeed writes it for global rank 0's folder only.
 
-DeepSpeed records which parameter names share one tensor (a tied input embedding and LM
+Tied parameters. DeepSpeed records which parameter names share one tensor (a tied input embedding and LM
 head: ``{"lm_head.weight": "model.embed_tokens.weight"}``) as ``shared_params`` in each
 ``*_model_states.pt``; ``zero_to_fp32.py`` puts the tied names back from it. Its engine
 fills that map on global rank 0 only (``DeepSpeedEngine._get_shared_params``: ``if
@@ -8,13 +9,20 @@ dist.get_rank() == 0``) and leaves it empty elsewhere: with one DeepSpeed job pe
 that is the one file the tool reads, but HDET writes a DeepSpeed checkpoint per replica,
 and the first shard rank of replica r > 0 is not global rank 0. ``zero_to_fp32.py`` on
 ``replica_1`` then dropped ``lm_head.weight`` (tester round 58).
+
+The tag and the script. DeepSpeed's tools read ``latest`` in the folder they are given,
+and DeepSpeed copies ``zero_to_fp32.py`` into global rank 0's folder only:
+:func:`link_tool_files` links both into every replica's folder.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from hdet_scale.backends.checkpoint_io import LATEST_FILE
 
 
 def shared_param_names(module: torch.nn.Module) -> dict[str, str]:
@@ -41,3 +49,29 @@ def name_shared_params_everywhere(engine: Any) -> None:
     """Make ``engine``'s checkpoints record ``shared_params`` on every rank, as global rank
     0's do. Touches this engine object only."""
     engine._get_shared_params = lambda: shared_param_names(engine.module)
+
+
+def link_tool_files(save_dir: str, replicas: int) -> None:
+    """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
+    DeepSpeed's own tools, which read ``latest`` in the folder they are given
+    (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
+    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` for r > 0 as a link to
+    replica 0's copy, so each folder holds what DeepSpeed documents. Links, not copies:
+    ``latest`` always names what the one ``latest`` names, which moves only when every
+    replica's save is complete. A filesystem without links: skipped (the tools then take
+    ``--tag``)."""
+    for r in range(replicas):
+        links = {LATEST_FILE: os.path.join(os.pardir, LATEST_FILE)}
+        if r > 0:  # DeepSpeed copies its recovery script on global rank 0 only (tester round 59)
+            links[_RECOVERY_SCRIPT] = os.path.join(os.pardir, "replica_0", _RECOVERY_SCRIPT)
+        for name, target in links.items():
+            link = os.path.join(save_dir, f"replica_{r}", name)
+            if os.path.lexists(link) or not os.path.exists(os.path.join(os.path.dirname(link), target)):
+                continue
+            try:
+                os.symlink(target, link)
+            except OSError:
+                return
+
+
+_RECOVERY_SCRIPT = "zero_to_fp32.py"
