@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from hdet_scale.ds_json import RepeatedKeyError, loads_json
 from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.hf_sizes import degenerate_size_keys, join_and
 from hdet_scale.paths import require_regular
 
 BACKENDS = ("deepspeed", "fsdp2", "ddp", "fairscale")
@@ -134,7 +135,6 @@ def size_of_hf_config(config: str | os.PathLike | dict) -> ModelSize:
 #: The most decoder layers ``--hf-config`` builds (a few seconds on the meta device).
 MAX_HF_LAYERS = 2000
 
-
 def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
     """``(model, model_type, source)``: the model a Hugging Face config builds
     (``AutoModelForCausalLM.from_config`` on the meta device: no weights allocated,
@@ -164,6 +164,14 @@ def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    bad = degenerate_size_keys(config, model_type)
+    degenerate = bad and HDETConfigError(
+        f"--hf-config: {source!r} has {join_and([f'{k}={v}' for k, v, _ in bad])}: a causal LM needs "
+        f"{join_and(list(dict.fromkeys(need for _, _, need in bad)))}")
+    if any(0 <= v < 1 for _, v, _ in bad):
+        # tester round 59: a 0 is refused before AutoConfig, which would print "bos_token_id
+        # must be ... within the vocabulary" warnings and then build the degenerate model
+        raise degenerate
     try:
         hf = AutoConfig.for_model(model_type, **config)
         layers = getattr(hf, "num_hidden_layers", None)
@@ -175,6 +183,11 @@ def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
                                   "--params N instead")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf)
+        if bad:
+            # only negatives are left: where transformers refuses one ("negative dimension",
+            # tests/distributed/test_bad_inputs.py) its message stands; one it builds from
+            # (num_hidden_layers=-3: no layers) is refused here (tester round 59)
+            raise degenerate
     except HDETConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a bad value fails anywhere in transformers or torch, with any type

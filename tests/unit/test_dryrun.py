@@ -448,6 +448,70 @@ def test_hf_config_checks_the_modules_patterns_on_its_model(tmp_path):
         describe(json.loads(json.dumps(config)), world_size=8, cost={**options, "hf_config": str(tmp_path / "list.json")})
 
 
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+         "intermediate_size": 128, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("edit,line", [
+    ({"num_hidden_layers": 0, "vocab_size": 0},
+     "has num_hidden_layers=0 and vocab_size=0: a causal LM needs at least 1 layer and a vocabulary of at least "
+     "1 token"),
+    ({"num_hidden_layers": -3}, "has num_hidden_layers=-3: a causal LM needs at least 1 layer"),
+    ({"intermediate_size": 0}, "has intermediate_size=0: a causal LM needs an MLP width of at least 1"),
+    ({"hidden_size": 0, "num_attention_heads": 0, "head_dim": 0},
+     "has hidden_size=0, num_attention_heads=0 and head_dim=0: a causal LM needs a hidden size of at least 1, "
+     "at least 1 attention head and a head dimension of at least 1"),
+    ({"num_key_value_heads": 0, "max_position_embeddings": 0},
+     "has num_key_value_heads=0 and max_position_embeddings=0: a causal LM needs at least 1 key/value head and "
+     "at least 1 position"),
+    ({"model_type": "gpt2", "n_layer": 0, "n_embd": 64, "n_head": 4, "n_inner": 0},
+     "has n_layer=0 and n_inner=0: a causal LM needs at least 1 layer and an MLP width of at least 1"),
+])
+def test_an_hf_config_with_a_size_below_one_is_refused_naming_every_key(edit, line, tmp_path, capsys):
+    """Tester round 59: ``num_hidden_layers=0, vocab_size=0`` built a 64-parameter model
+    (the final norm) and the dry run exited 0 costing it; transformers also builds 0 (or
+    negative) layers and MLP widths, and GPT-2's 0 layers. hidden_size / heads 0 were a
+    ZeroDivisionError naming no key. Now exit 2, one line naming the file and every key,
+    before transformers prints its "bos_token_id must be ... within the vocabulary"."""
+    pytest.importorskip("transformers")
+    ds, hf = tmp_path / "ds.json", tmp_path / "zero.json"
+    ds.write_text(json.dumps(ZERO3))
+    cfg = {k: v for k, v in {**LLAMA, **edit}.items()
+           if edit.get("model_type", "llama") == "llama" or k not in ("hidden_size", "num_attention_heads",
+                                                                       "num_hidden_layers", "intermediate_size")}
+    hf.write_text(json.dumps(cfg))
+    assert main([str(ds), "--world-size", "4", "--hf-config", str(hf)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"hdet-dryrun: error: --hf-config: {str(hf)!r} {line}", captured.err
+    assert "parameters" not in captured.out
+
+
+def test_a_negative_size_transformers_refuses_keeps_its_message(tmp_path):
+    """A negative that transformers refuses itself keeps its "negative dimension" line
+    (tests/distributed/test_bad_inputs.py dryrun_hf_config_negative); with a 0 beside it
+    every bad key is listed at once (tester round 59)."""
+    pytest.importorskip("transformers")
+    from hdet_scale.cost import size_of_hf_config
+
+    with pytest.raises(HDETConfigError, match=r"^--hf-config: 'config dict' does not build a causal LM: .*negative "
+                                              "dimension"):
+        size_of_hf_config({**LLAMA, "hidden_size": -64})
+    with pytest.raises(HDETConfigError, match=r"^--hf-config: 'config dict' has hidden_size=-64 and vocab_size=0: a "
+                                              "causal LM needs a hidden size of at least 1 and a vocabulary of at "
+                                              "least 1 token$"):
+        size_of_hf_config({**LLAMA, "hidden_size": -64, "vocab_size": 0})
+
+
+def test_an_hf_config_with_sizes_of_one_still_builds(tmp_path):
+    """The round-59 check refuses below 1 only: a one-layer, one-token, one-head model is
+    small, not degenerate, and ``null`` / absent keys keep transformers' defaults."""
+    from hdet_scale.cost import size_of_hf_config
+
+    tiny = {**LLAMA, "num_hidden_layers": 1, "vocab_size": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+            "head_dim": None, "intermediate_size": 1, "max_position_embeddings": 1}
+    assert size_of_hf_config(tiny).params > 0
+
+
 def test_a_trainers_auto_values_are_explained_once():
     """Tester round 26: a Hugging Face Trainer's DeepSpeed JSON ("auto" everywhere) gave
     eight "must be a finite number" lines, and only bf16.enabled said where "auto" comes
