@@ -208,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                     # tester round 31: a SIGTERM in the first second or so (the config read
                     # and checked) ended hdet-train with 143 and no line
                     signal.signal(sig, raise_stop)
-        quiet = launched and int(os.environ["RANK"]) != 0  # an integer: _started_by_launcher checked it
-        if launched and not quiet:
-            from hdet_scale.train.launcher import unlaunched_world_note
+        if launched:
+            from hdet_scale.train.launcher import under_launcher, unlaunched_world_note
 
-            if (note := unlaunched_world_note()) is not None:
+            # Only a launcher's ranks != 0 leave the words to rank 0: a RANK left in the shell
+            # is this process alone in the terminal, whatever its value (tester round 59:
+            # RANK=1 waited 30 min without the note, and a bad key exited 2 without a line)
+            quiet = int(os.environ["RANK"]) != 0 and under_launcher()  # an integer: _started_by_launcher checked it
+            if not quiet and (note := unlaunched_world_note()) is not None:
                 print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
         if launched:
             from hdet_scale.train import refusals
@@ -322,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         # the model's meta build is left to the ranks (validate's docstring)
-        checked = _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
+        try:
+            checked = _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
+        except HDETConfigError as e:  # the world is nproc's here: said in its terms (tester round 59)
+            from hdet_scale.train.validate import in_nproc_terms
+
+            raise in_nproc_terms(e, run["nproc"], _sets_nproc(path, overrides)) from None
         from hdet_scale.train.run_lock import hold_run_dir
 
         hold_run_dir(run["run_dir"])  # one job per run_dir; released when this launcher ends

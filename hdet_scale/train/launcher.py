@@ -200,13 +200,20 @@ def start_lines(run: dict) -> list[str]:
 _LAUNCHER_MARKS = ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
+def under_launcher() -> bool:
+    """Whether a known launcher (torchrun, the deepspeed launcher, srun, mpirun) started
+    this process: one of its own variables (``_LAUNCHER_MARKS``) is set beside ``RANK``."""
+    return any(k in os.environ for k in _LAUNCHER_MARKS)
+
+
 def unlaunched_world_note() -> str | None:
-    """A note for rank 0 when ``RANK``/``WORLD_SIZE``/``MASTER_*`` are set but no known
+    """A note for any rank when ``RANK``/``WORLD_SIZE``/``MASTER_*`` are set but no known
     launcher started this process (tester round 40: left in a shell, they made hdet-train
     rank 0 of a world whose other ranks never came, ``nproc`` unused, and nothing said so
-    for 60 s). ``None`` under a launcher, or when the world is this process alone."""
+    for 60 s; tester round 59: the same with a leftover RANK=1, silent because only rank 0
+    spoke). ``None`` under a launcher, or when the world is this process alone."""
     env = os.environ
-    if any(k in env for k in _LAUNCHER_MARKS) or env.get("WORLD_SIZE", "1").strip() == "1":
+    if under_launcher() or env.get("WORLD_SIZE", "1").strip() == "1":
         return None
     given = " ".join(f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k in env)
     return (f"{given} are set in the environment and no launcher (torchrun, deepspeed, srun, mpirun) started this "

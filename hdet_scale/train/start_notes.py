@@ -1,9 +1,10 @@
 """What ``hdet-train`` prints before any rank starts, beside its own checks: one note per
 ``deepspeed`` key the chosen engine reads otherwise than DeepSpeed would, per setting that
 never acts (``run_notes``), per key a new optimizer or schedule left out of the DeepSpeed
-JSON, for a config file that sets nothing; and a resumed run's one warning for settings
-and data changed since its checkpoint, with the ``WANDB_RUN_ID`` note. Printed by the
-launcher, or by rank 0 under torchrun (``cli.py``). A note never stops a run."""
+JSON, for a config file that sets nothing, for a run_dir of the user's own files
+(``run_dir_place``); and a resumed run's one warning for settings and data changed since
+its checkpoint, with the ``WANDB_RUN_ID`` note. Printed by the launcher, or by rank 0
+under torchrun (``cli.py``). A note never stops a run."""
 
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ def print_engine_notes(run: dict, path: str | None = None, overrides: list[str] 
     from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.config_merge import kept_by_merge
     from hdet_scale.train.engines import engine_notes
+    from hdet_scale.train.run_dir_place import foreign_files_note
     from hdet_scale.train.run_notes import never_notes
+
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
     shown = ds_path if run["deepspeed_config"] else "the packaged deepspeed.json"
     file_ds = load_deepspeed_json(ds_path)
     notes = (engine_notes(run["deepspeed"], run["backend"]) + switch_notes(run, file_ds) + never_notes(run)
              + kept_by_merge(overrides or [], file_ds, shown))
-    for note in empty_file_notes(path) + notes:
+    place = [n for n in (foreign_files_note(run),) if n]  # tester round 59: a run_dir of the user's own files
+    for note in empty_file_notes(path) + place + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
 
 

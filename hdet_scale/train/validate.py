@@ -23,6 +23,7 @@ from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus
 from hdet_scale.train.data_place import check_apart, holding_part
+from hdet_scale.train.run_dir_place import refuse_root
 from hdet_scale.autolr import build_schedule, check_additive_floors
 from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
 from hdet_scale.train.engines import axis_bases, check_engine_config
@@ -46,6 +47,29 @@ def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     text = re.sub(r"deepspeed\.hdet\.axes\.dropout\.value: (?=\S+ with spread_ratio)",
                   "model.dropout (the base of deepspeed.hdet.axes.dropout in hdet-train): ", text)
     return HDETConfigError(text)
+
+
+#: The library's refusal of a world that ``hdet.replicas`` does not divide (topology.Layout),
+#: with its hint for a world of 1 (a plain ``python`` start), as ``_in_trainer_terms`` words it.
+_NOT_DIVIDING = re.compile(r"deepspeed\.hdet\.replicas: (\d+) replicas do not divide the world of (\d+) ranks; "
+                           r"allowed values for this world: (\[[\d, ]*\]|the divisors of \d+)"
+                           r"(?: \(a world of 1: [^()]*\?\))?")
+
+
+def in_nproc_terms(e: HDETConfigError, nproc: int, given: bool) -> HDETConfigError:
+    """``e`` with the world-size refusal reworded for ``hdet-train``'s own launcher, whose
+    world is ``nproc`` (``given``: set by the user, else the default): tester round 59,
+    ``nproc=1`` was asked whether a script had been started with plain ``python``. ``e``
+    itself when it holds no such refusal (other lines of a collected error are kept)."""
+    def words(m: re.Match) -> str:
+        replicas, divisors = int(m.group(1)), m.group(3)
+        source = f"nproc={nproc}" if given else f"nproc={nproc} (the default)"
+        return (f"deepspeed.hdet.replicas: {source} gives a world of {nproc} rank{'s' if nproc != 1 else ''}, and "
+                f"deepspeed.hdet.replicas={replicas} needs nproc to be a multiple of {replicas} (nproc={replicas}, "
+                f"{2 * replicas}, ...); or set deepspeed.hdet.replicas to one of {divisors}")
+
+    text, n = _NOT_DIVIDING.subn(words, str(e))
+    return type(e)(text) if n else e
 
 
 def _require_deepspeed() -> None:
@@ -133,6 +157,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                               "deepspeed.hdet.auto.enabled=false (identical to plain data parallelism with gradient_sharing "
                               "'global')")
     d = run["data"]
+    refuse_root(run["run_dir"])  # first: every other run_dir check would read "/" as a folder like any other
     check_apart(d["path"], run["run_dir"])
     wdir = run["wandb"].get("dir")
     if run["wandb"]["enabled"] and isinstance(wdir, str) and wdir and d["path"] is not None:

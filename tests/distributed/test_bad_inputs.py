@@ -270,8 +270,13 @@ CASES = [
     # issue 9 round 4: procfs trained on the live system's files without a word
     ("data_procfs", ["data.path=/proc/self"], {}, 2, ["'/proc/self' is in /proc, a kernel pseudo-filesystem"], None),
     # layout (world = nproc; replicas must divide it)
-    ("replicas_not_dividing", ["deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
-    ("world_not_divisible", ["nproc=3"], {}, 2, ["replicas"], None),
+    ("replicas_not_dividing", ["deepspeed.hdet.replicas=3"], {}, 2,
+     ["deepspeed.hdet.replicas: nproc=4 (the default) gives a world of 4 ranks", "multiple of 3"], None),
+    ("world_not_divisible", ["nproc=3"], {}, 2, ["nproc=3 gives a world of 3 ranks", "multiple of 2"], None),
+    # round 59: nproc=1 was asked whether a script had been started with plain python
+    ("world_of_nproc_1", ["nproc=1"], {}, 2,
+     ["deepspeed.hdet.replicas: nproc=1 gives a world of 1 rank, and deepspeed.hdet.replicas=2 needs nproc to be a "
+      "multiple of 2"], None),
     ("spread_out_of_range", ["deepspeed.hdet.axes.lr.spread_ratio=1.5"], {}, 2, ["hdet.axes.lr.spread_ratio"], None),
     ("sync_interval_zero", ["deepspeed.hdet.sync_interval=0"], {}, 2, ["hdet.sync_interval"], None),
     # hdet block and engine settings (moved from test_train.py)
@@ -299,6 +304,8 @@ CASES = [
     # run_dir
     ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
     ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
+    # round 59: the filesystem root trained and wrote checkpoint/, plots/... among the system's folders
+    ("run_dir_root", ["run_dir=/"], {}, 2, ["run_dir: / is the filesystem root", "run_dir=runs/my_run"], None),
     # round 6: found by rank 0 at the trim of a resume, with 4 tracebacks
     ("run_dir_metrics_a_folder", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["{run}/metrics.jsonl is not a file"], _ckpt(damage=lambda c: (os.remove(c.parent / "metrics.jsonl"),
@@ -417,6 +424,11 @@ CASES = [
      None),
     ("env_rank_out_of_range", [], {"RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      2, ["RANK not in [0, WORLD_SIZE)", "env -u RANK"], None),
+    # round 59: a leftover RANK other than 0 said nothing (no note, not even the refusal), then waited 30 min
+    ("env_leftover_rank_1", ["train.stpes=3"], {"RANK": "1", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                                "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29999"}, 2,
+     ["no launcher (torchrun, deepspeed, srun, mpirun) started this process: it joins that world as rank 1",
+      "env -u RANK -u WORLD_SIZE", "train.stpes"], None),
     # issue 9, F1/F2: an extensions folder torch's loader cannot use (a raw traceback before, in the launcher or each rank)
     ("extensions_dir_is_a_file", [], {"TORCH_EXTENSIONS_DIR": "{d}/a_file"}, 2,
      ["TORCH_EXTENSIONS_DIR='{d}/a_file' is a file"], None),

@@ -319,6 +319,8 @@ def _torchrun_ranks(monkeypatch, capsys, argv: list[str]) -> dict[str, str]:
 
     for var, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(var, value)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's own mark (tester round 59: without one, every rank speaks)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     lines = {}
     for rank in ("0", "1"):
         monkeypatch.setenv("RANK", rank)
@@ -465,10 +467,15 @@ def test_a_world_left_in_the_environment_without_a_launcher_is_named(monkeypatch
     """Tester round 40: RANK/WORLD_SIZE/MASTER_* left in a shell made hdet-train rank 0 of a
     world whose other ranks never came (nproc unused), silent for 60 s. Rank 0 now says so
     at once; under torchrun (TORCHELASTIC_RUN_ID), the deepspeed launcher (LOCAL_SIZE) or
-    srun/mpirun nothing is added, and rank 1 stays quiet."""
+    srun/mpirun nothing is added, and rank 1 stays quiet there. Tester round 59: a leftover
+    RANK=1 said nothing at all (no note, not even the config error): with no launcher, any
+    rank is alone in its terminal and says what rank 0 says."""
     from hdet_scale.train import cli
     from hdet_scale.train.launcher import _LAUNCHER_MARKS
 
+    from hdet_scale.train import refusals
+
+    monkeypatch.setattr(refusals, "QUIET_RANK_WAIT_S", 0)  # a quiet rank's wait for its rank 0: none here
     for mark in _LAUNCHER_MARKS:
         monkeypatch.delenv(mark, raising=False)
     for k, v in {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29556", "LOCAL_RANK": "0"}.items():
@@ -483,11 +490,14 @@ def test_a_world_left_in_the_environment_without_a_launcher_is_named(monkeypatch
             "and no launcher (torchrun, deepspeed, srun, mpirun) started this process: it joins that world as rank 0 "
             "and waits for the other ranks (nproc is not used)")
     assert said("0").startswith(note)
-    assert said("1") == ""
+    err = said("1")
+    assert err.startswith(note.replace("RANK=0", "RANK=1").replace("as rank 0", "as rank 1")), err
+    assert "train.stpes" in err, err  # the refusal too, not a silent exit 2
     for mark in ("TORCHELASTIC_RUN_ID", "LOCAL_SIZE"):
         monkeypatch.setenv(mark, "x")
         err = said("0")
         assert "no launcher" not in err and "train.stpes" in err, err
+        assert said("1") == ""  # a launcher's rank 1 leaves the words to its rank 0
         monkeypatch.delenv(mark)
 
 

@@ -1,0 +1,72 @@
+"""Where a ``run_dir`` is, before anything is written to it (tester round 59): the
+filesystem root is refused, and a folder that already holds the user's own files (and
+no run of ours) gets one note naming what the run will write beside them. A folder of
+config files is a fine run_dir, so nothing else is refused here. Split from
+``rundir.py``: ``rundir.check_writable`` and ``validate`` call :func:`refuse_root`."""
+
+from __future__ import annotations
+
+import os
+
+from hdet_scale.errors import HDETConfigError
+from hdet_scale.train.run_lock import LOCK_FILE
+
+_PROBE_PREFIX = ".hdet_write_test."  # check_writable's probe, removed at once
+_SHOWN = 3  # entries named in the note; the count says how many there are
+
+
+def refuse_root(path: str, key: str = "run_dir") -> None:
+    """Refuse the filesystem root as ``key``'s folder (``/``, or a path or link that
+    resolves to it): the run's files would land among the system's folders, and
+    ``train.overwrite=true`` would remove its ``checkpoint/`` there.
+
+    Raises:
+        HDETConfigError: naming the key, the path and a folder to give instead.
+    """
+    real = os.path.realpath(os.path.expanduser(path))
+    if real != os.path.realpath(os.sep):
+        return
+    shown = path if path == real else f"{path} (resolves to {real})"
+    raise HDETConfigError(f"{key}: {shown} is the filesystem root: the run's files would be written among the "
+                          f"system's folders; give a folder of the run's own, e.g. {key}=runs/my_run")
+
+
+def writes(run: dict) -> list[str]:
+    """The names this run writes into its run_dir, as its settings decide (``train.*``,
+    W&B's folder when ``wandb.dir`` is not set)."""
+    t, w = run["train"], run["wandb"]
+    names = (["checkpoint/"] if t.get("checkpoint", True) else []) + (["plots/"] if t.get("plots", True) else [])
+    names += ["metrics.jsonl", "summary.json", LOCK_FILE]
+    return names + (["wandb/"] if w.get("enabled") and not w.get("dir") else [])
+
+
+def foreign_entries(run_dir: str) -> list[str] | None:
+    """The entries of ``run_dir`` that are not this start's own, sorted; ``None`` when it
+    is not a readable folder or holds a run of ours (``rundir.RUN_FILES``: ``start_mode``
+    refuses or replaces it). Not the user's: what a start itself may have put there before
+    the note (the launcher holds the lock first; torchrun's rank 0 records its job)."""
+    from hdet_scale.train.rundir import JOB_FILE, RUN_FILES  # rundir imports this module
+
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return None
+    if any(n in names for n in RUN_FILES):
+        return None
+    return sorted(n for n in names if n not in (LOCK_FILE, JOB_FILE) and not n.startswith(_PROBE_PREFIX))
+
+
+def foreign_files_note(run: dict) -> str | None:
+    """One note when ``run_dir`` already holds entries of the user's and no run of ours
+    (tester round 59: run_dir=/ or a folder of one's own files trained and wrote beside
+    them without a word), or ``None``. Printed once, before any rank starts
+    (``start_notes.print_engine_notes``). Nothing of the user's is removed."""
+    run_dir = run["run_dir"]
+    entries = foreign_entries(run_dir)
+    if not entries:
+        return None
+    n = len(entries)
+    shown = ", ".join(entries[:_SHOWN]) + (", ..." if n > _SHOWN else "")
+    return (f"run_dir: {run_dir} already holds {n} entr{'y' if n == 1 else 'ies'} ({shown}) and no earlier run "
+            f"of hdet-train; this run writes {', '.join(writes(run))} beside {'it' if n == 1 else 'them'} (and "
+            "removes none of them): give a new or empty run_dir to keep the run's files apart")
