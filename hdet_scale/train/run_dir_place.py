@@ -11,7 +11,7 @@ import os
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train.run_lock import LOCK_FILE
 
-_PROBE_PREFIX = ".hdet_write_test."  # check_writable's probe, removed at once
+PROBE_PREFIX = ".hdet_write_test."  # rundir.check_writable's probe file, removed at once
 _SHOWN = 3  # entries named in the note; the count says how many there are
 
 
@@ -53,7 +53,7 @@ def foreign_entries(run_dir: str) -> list[str] | None:
         return None
     if any(n in names for n in RUN_FILES):
         return None
-    return sorted(n for n in names if n not in (LOCK_FILE, JOB_FILE) and not n.startswith(_PROBE_PREFIX))
+    return sorted(n for n in names if n not in (LOCK_FILE, JOB_FILE) and not n.startswith(PROBE_PREFIX))
 
 
 def foreign_files_note(run: dict) -> str | None:

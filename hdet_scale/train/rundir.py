@@ -23,7 +23,7 @@ from hdet_scale.backends.checkpoint_io import LATEST_FILE, LAYOUT_FILE, read_lat
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import resume_config
 from hdet_scale.train.no_latest import no_latest_message, tag_index
-from hdet_scale.train.run_dir_place import refuse_root
+from hdet_scale.train.run_dir_place import PROBE_PREFIX, refuse_root
 from hdet_scale.train.run_lock import LOCK_FILE, check_not_in_use, hold_run_dir  # noqa: F401 (re-exported)
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
@@ -275,7 +275,7 @@ def check_writable(run_dir: str, key: str = "run_dir") -> None:
         raise HDETConfigError(f"{key}: {run_dir} is not a folder: choose another {key}")
     try:
         os.makedirs(run_dir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".hdet_write_test.", dir=run_dir)
+        fd, probe = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=run_dir)
         os.close(fd)
         os.remove(probe)
     except OSError as e:

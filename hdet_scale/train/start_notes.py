@@ -48,8 +48,8 @@ def print_engine_notes(run: dict, path: str | None = None, overrides: list[str] 
     file_ds = load_deepspeed_json(ds_path)
     notes = (engine_notes(run["deepspeed"], run["backend"]) + switch_notes(run, file_ds) + never_notes(run)
              + kept_by_merge(overrides or [], file_ds, shown))
-    place = [n for n in (foreign_files_note(run),) if n]  # tester round 59: a run_dir of the user's own files
-    for note in empty_file_notes(path) + place + notes:
+    place = foreign_files_note(run)  # tester round 59: a run_dir of the user's own files
+    for note in empty_file_notes(path) + ([place] if place else []) + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
 
 
