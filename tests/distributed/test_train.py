@@ -198,7 +198,8 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
     prints the message: the check reads the same config on every rank."""
     argv = [f"run_dir={tmp_path / 'run'}", "deepspeed.hdet.axes.lr.spread_ratio=1.5"]
     t0 = time.monotonic()
-    results = run_ranks(cli_rank, 4, args=(argv,), timeout=90)
+    # torchrun's own mark: a RANK without one is a shell's leftover and speaks (tester round 59)
+    results = run_ranks(cli_rank, 4, args=(argv,), timeout=90, env={"TORCHELASTIC_RUN_ID": "test"})
     assert [r["code"] for r in results] == [2, 2, 2, 2]
     assert "hdet.axes.lr.spread_ratio" in results[0]["stderr"]
     assert not any("hdet-train: error" in r["stderr"] for r in results[1:]), [r["stderr"] for r in results]
@@ -241,7 +242,7 @@ def test_a_quiet_rank_that_refuses_waits_for_the_launcher_to_end_it(tmp_path):
 
     argv = [f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "deepspeed.hdet.sync_intervall=3"]
     env = {**ENV, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
-           "LOCAL_RANK": "1", "RANK": "1"}
+           "LOCAL_RANK": "1", "RANK": "1", "TORCHELASTIC_RUN_ID": "test"}  # torchrun's mark, as the agent sets it
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     rank1 = subprocess.Popen([sys.executable, "-m", "hdet_scale.train.cli", *argv], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
