@@ -180,6 +180,22 @@ class DeepSpeedBackend:
         return self.optimizer.param_groups
 
 
+#: Variables an MPI launcher sets in each rank (Open MPI, MPICH / Intel MPI, PMIx, MVAPICH).
+_MPI_MARKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def mpi_discovery_wanted() -> bool:
+    """Whether ``deepspeed.init_distributed`` may look for an MPI world: only when the
+    ``env://`` variables torch needs (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) are incomplete, or an MPI launcher started this process. DeepSpeed also
+    asks for ``LOCAL_RANK`` and, without it, imports ``mpi4py`` (tester round 60: a RANK
+    left in a shell without LOCAL_RANK ended in a ModuleNotFoundError traceback on DeepSpeed
+    while FSDP2 joined the world as the note says). torch's ``env://`` does not need
+    ``LOCAL_RANK``; the accelerator index then defaults to 0."""
+    env_world = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return not env_world or any(k in os.environ for k in _MPI_MARKS)
+
+
 def _init_distributed(dist_backend: str | None) -> str:
     """``deepspeed.init_distributed`` (gloo on CPU) unless done; bind this process to
     ``$LOCAL_RANK``'s accelerator (the DeviceMesh is built before DeepSpeed's engine picks
@@ -195,7 +211,8 @@ def _init_distributed(dist_backend: str | None) -> str:
         from hdet_scale.backends.rendezvous import joining
 
         with joining():  # a peer that never joins: said every minute; Ctrl-C / SIGTERM end the wait
-            deepspeed.init_distributed(dist_backend=dist_backend or ("gloo" if accel.device_name() == "cpu" else None))
+            deepspeed.init_distributed(dist_backend=dist_backend or ("gloo" if accel.device_name() == "cpu" else None),
+                                       auto_mpi_discovery=mpi_discovery_wanted())
     if accel.device_name() != "cpu":
         accel.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return accel.device_name()

@@ -326,6 +326,24 @@ BAD_CONFIGS = {
 }
 
 
+def no_local_rank_worker() -> dict:
+    """The ranks of a world given by ``RANK``/``WORLD_SIZE``/``MASTER_*`` alone (no
+    ``LOCAL_RANK``, as a shell leaves them): ``build_topology`` must join that world over
+    ``env://`` (tester round 60: DeepSpeed's MPI discovery raised ModuleNotFoundError)."""
+    import os
+
+    import torch.distributed as dist
+
+    import hdet_scale
+
+    os.environ.pop("LOCAL_RANK")
+    topology = hdet_scale.build_topology(ds_config(hdet_block(replicas=2)))
+    ranks = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(ranks)
+    return {"world": dist.get_world_size(), "rank_sum": ranks.item(), "replicas": topology.replicas,
+            "local_rank_set": "LOCAL_RANK" in os.environ}
+
+
 def bad_config_worker(case: str) -> None:
     """Initialise torch.distributed first (as a launcher script would), then
     ``hdet_scale`` initialize with a bad config: must raise on this rank by itself."""

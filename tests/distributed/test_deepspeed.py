@@ -341,6 +341,15 @@ def test_bad_config_fails_on_every_rank_without_hanging(case):
     assert elapsed < 60
 
 
+def test_a_world_without_local_rank_joins_over_env_without_mpi():
+    """``RANK``/``WORLD_SIZE``/``MASTER_*`` without ``LOCAL_RANK`` (a shell's leftovers,
+    or a hand-started rank): DeepSpeed's MPI discovery is not asked for (no mpi4py here; it
+    raised ModuleNotFoundError, tester round 60), and the 4 ranks form the env:// world:
+    every rank sees 4 ranks and the all-reduced rank sum 0+1+2+3 = 6 (exact in float32)."""
+    res = launch(W.no_local_rank_worker, timeout=120)
+    assert res == [{"world": 4, "rank_sum": 6.0, "replicas": 2, "local_rank_set": False}] * 4, res
+
+
 # ---- gradient sharing overlapped with the backward pass --------------------------------
 
 def test_overlapped_gradient_sharing_equals_the_hook():
