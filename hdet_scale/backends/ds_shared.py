@@ -55,15 +55,15 @@ def link_tool_files(save_dir: str, replicas: int) -> None:
     """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
     DeepSpeed's own tools, which read ``latest`` in the folder they are given
     (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
-    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` for r > 0 as a link to
-    replica 0's copy, so each folder holds what DeepSpeed documents. Links, not copies:
+    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` (and ``zero_to_torch.py``) for r > 0 as links to
+    replica 0's copies, so each folder holds what DeepSpeed documents. Links, not copies:
     ``latest`` always names what the one ``latest`` names, which moves only when every
     replica's save is complete. A filesystem without links: skipped (the tools then take
     ``--tag``)."""
     for r in range(replicas):
         links = {LATEST_FILE: os.path.join(os.pardir, LATEST_FILE)}
-        if r > 0:  # DeepSpeed copies its recovery script on global rank 0 only (tester round 59)
-            links[_RECOVERY_SCRIPT] = os.path.join(os.pardir, "replica_0", _RECOVERY_SCRIPT)
+        if r > 0:  # DeepSpeed copies its recovery scripts on global rank 0 only (tester rounds 59, 60)
+            links.update({script: os.path.join(os.pardir, "replica_0", script) for script in _RECOVERY_SCRIPTS})
         for name, target in links.items():
             link = os.path.join(save_dir, f"replica_{r}", name)
             if os.path.lexists(link) or not os.path.exists(os.path.join(os.path.dirname(link), target)):
@@ -74,4 +74,6 @@ def link_tool_files(save_dir: str, replicas: int) -> None:
                 return
 
 
-_RECOVERY_SCRIPT = "zero_to_fp32.py"
+#: What ``DeepSpeedEngine._copy_recovery_script`` copies into the save folder (a version
+#: without ``zero_to_torch.py`` leaves no source: no link is made then).
+_RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")

@@ -404,9 +404,9 @@ def assert_single_writers(ckpt: str | os.PathLike, per_rank: list[list[str]]) ->
     # and each checkpoint folder's manifest (backends/manifest.py), one per folder written
     manifests = {f for f in files_under(ckpt) if os.path.basename(f) == "hdet_manifest.json"}
     # the DeepSpeed backend's replica_<r>/latest: a link to ../latest for DeepSpeed's tools,
-    # and replica_<r>/zero_to_fp32.py (r > 0): a link to replica 0's copy of its script
+    # and replica_<r>/zero_to_{fp32,torch}.py (r > 0): links to replica 0's copies of its scripts
     links = {f for f in files_under(ckpt) if os.path.islink(os.path.join(ckpt, f))}
-    allowed = {os.path.join("..", "latest"), os.path.join("..", "replica_0", "zero_to_fp32.py")}
+    allowed = {os.path.join("..", "latest"), *(os.path.join("..", "replica_0", f"zero_to_{s}.py") for s in ("fp32", "torch"))}
     assert all(os.readlink(os.path.join(ckpt, f)) in allowed for f in links), links
     assert files_under(ckpt) - manifests - links == set(everyone) | {"hdet_layout.json", "latest"}
     folders = {os.path.dirname(f) for f in everyone if f.count(os.sep) == 2}  # replica_<r>/<tag>/<file>

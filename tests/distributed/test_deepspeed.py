@@ -298,8 +298,9 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
     for r in range(REPLICAS):
         assert os.readlink(ckpt / f"replica_{r}" / "latest") == os.path.join("..", "latest")
         assert (ckpt / f"replica_{r}" / "latest").read_text().strip() == tag
-        # tester round 59: DeepSpeed copies its script into replica_0 only
-        assert (ckpt / f"replica_{r}" / "zero_to_fp32.py").read_bytes() == (ckpt / "replica_0" / "zero_to_fp32.py").read_bytes()
+        # tester rounds 59, 60: DeepSpeed copies its scripts into replica_0 only
+        for script in ("zero_to_fp32.py", "zero_to_torch.py"):
+            assert (ckpt / f"replica_{r}" / script).read_bytes() == (ckpt / "replica_0" / script).read_bytes(), script
     # Who wrote what: every rank (r, s) its own DeepSpeed shard files and HDET state in
     # replica_r/; rank 0 also DeepSpeed's recovery scripts, hdet_layout.json and latest.
     written = rank_tools.assert_single_writers(ckpt, [x["written"] for x in res])
