@@ -61,6 +61,7 @@ from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.hf_config import (  # noqa: F401 - resolve_auto: public here
     _checkable,
+    check_deepspeed_file,
     check_run_length,
     check_trainer_values,
     explain_total_steps,
@@ -128,8 +129,9 @@ class HDETTrainer(Trainer):
 
     Raises (at construction, the same verdict on every rank, before any collective but
     the layout's own DeviceMesh):
-        HDETConfigError: no ``hdet`` block is reachable while ``probe`` is given; an
-            invalid ``hdet`` block or DeepSpeed key (all at once, as
+        HDETConfigError: a ``TrainingArguments(deepspeed=...)`` file with a key given
+            twice (:func:`hdet_scale.hf_config.check_deepspeed_file`); no ``hdet`` block
+            is reachable while ``probe`` is given; an invalid ``hdet`` block or DeepSpeed key (all at once, as
             :func:`hdet_scale.backends.ds_prepare.prepare_config`); a ``scheduler``
             block; ``load_best_model_at_end`` (its load reads the engine's own layout); a
             missing ``probe`` where auto-LR scores by probe; on FSDP2, what
@@ -149,6 +151,7 @@ class HDETTrainer(Trainer):
 
     def __init__(self, *args: Any, probe: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        check_deepspeed_file(training_args)  # a key twice: transformers keeps the last (tester round 60)
         if (training_args is not None and getattr(training_args, "deepspeed", None)
                 and fsdp_block(training_args) is not None):
             # the DeepSpeed config's block (or none) would be used, this one ignored

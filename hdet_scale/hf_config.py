@@ -131,3 +131,30 @@ def explain_total_steps(err: HDETConfigError) -> HDETConfigError:
     return HDETConfigError(text.replace(_NO_TOTAL_STEPS, "not set; with HDETTrainer write \"total_steps\": \"auto\" "
                                         "in hdet.schedule (the Trainer's optimizer steps: TrainingArguments.max_steps, "
                                         "or epochs x steps per epoch) or a number of optimizer steps"))
+
+
+def check_deepspeed_file(args: Any) -> None:
+    """``TrainingArguments(deepspeed="ds.json")``'s file read again with the reader
+    ``hdet-train``, ``hdet-dryrun`` and :func:`hdet_scale.prepare` use
+    (:func:`hdet_scale.ds_json.loads_json`): transformers' ``json.load`` keeps the last of
+    a key given twice, so a file with two ``"hdet"`` blocks trained with the second
+    without a word (tester round 60) where the other entry points refuse it. A dict, or a
+    string that is not a file (transformers also takes base64 JSON), is left alone.
+
+    Raises:
+        HDETConfigError: naming the file and the repeated key.
+    """
+    import os
+
+    from hdet_scale.ds_json import RepeatedKeyError, loads_json
+
+    path = getattr(args, "deepspeed", None)
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            loads_json(f.read())
+    except RepeatedKeyError as e:
+        raise HDETConfigError(f"TrainingArguments(deepspeed={os.fspath(path)!r}): the file {e}") from None
+    except (OSError, ValueError):
+        return  # transformers read it already; its own errors are its own

@@ -126,6 +126,25 @@ def test_an_fsdp_config_block_beside_a_deepspeed_config_is_refused(world_of_one,
         assert "fsdp_config" in text and "TrainingArguments.deepspeed" in text and "DeepSpeed" in text, text
 
 
+def test_a_deepspeed_file_with_two_hdet_blocks_is_refused(world_of_one, tmp_path):
+    """Tester round 60: ``TrainingArguments(deepspeed="ds.json")`` with ``"hdet"`` twice
+    trained with the second block (transformers' ``json.load`` keeps the last) while
+    hdet-train, prepare() and hdet-dryrun refuse the file. Now refused, naming the file
+    and the key; the same file with one block builds."""
+    import json
+
+    first, second = {**_block(), "axes": {"lr": {"spread_ratio": 0.5}}}, _block()
+    body = json.dumps(H.ds_config(None))[:-1]  # the object without its closing brace
+    path = tmp_path / "ds.json"
+    path.write_text(f'{body}, "hdet": {json.dumps(first)}, "hdet": {json.dumps(second)}}}')
+    with pytest.raises(HDETConfigError) as err:
+        _trainer(_args(tmp_path, str(path)))
+    text = str(err.value)
+    assert str(path) in text and "'hdet' twice" in text, text
+    path.write_text(f'{body}, "hdet": {json.dumps(second)}}}')
+    assert _trainer(_args(tmp_path, str(path)))._hdet_enabled
+
+
 @pytest.mark.parametrize("max_steps", [4, -1])
 def test_a_block_without_total_steps_is_told_about_auto(world_of_one, tmp_path, max_steps):
     """Tester: ``"hdet": {}`` said ``total_steps ... got None``; for HDETTrainer the fix
