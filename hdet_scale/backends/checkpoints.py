@@ -177,7 +177,8 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
             layout, so a different layout is refused rather than silently remapped; to
             change it, converge first and start a new run from the averaged model.
     """
-    if tag is not None:
+    asked = tag is not None  # the caller's tag, not latest's: the message names what was asked
+    if asked:
         check_tag(tag)
     saved = read_layout(load_dir)
     _require_ints(os.path.join(load_dir, LAYOUT_FILE), saved, ("replicas", "shard_size"), low=1)
@@ -198,6 +199,9 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     index = checkpoint_index(saved, None)
     if os.sep in tag or tag in (".", "..") or (saved.get("checkpoints") and tag not in index):
         listed = ", ".join(f"{t} (step {s})" for t, s in index.items()) or "none"
+        if asked:  # tester round 60: a tag= never saved was blamed on latest, which named another
+            raise HDETStateError(f"checkpoint {load_dir} has no complete checkpoint tagged {tag!r} ({LAYOUT_FILE} "
+                                 f"lists: {listed}); pass one of those tags, or leave tag unset to load the one in latest")
         raise HDETStateError(f"{os.path.join(load_dir, LATEST_FILE)} names {tag!r}, which {LAYOUT_FILE} does not list "
                              f"as a complete checkpoint of this folder (complete: {listed}); write one of those tags "
                              f"into it")

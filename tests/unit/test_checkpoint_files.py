@@ -985,3 +985,25 @@ def test_a_save_dir_that_cannot_be_a_folder_is_named_before_any_collective(tmp_p
                 check_save_dir(locked / "ckpt")
         finally:
             locked.chmod(stat.S_IRWXU)
+
+
+def test_a_tag_never_saved_is_named_as_the_callers_not_latests(tmp_path):
+    """Tester round 60: ``load_checkpoint(dir, tag="global_step3")`` (never saved; latest
+    names global_step6) said "<dir>/latest names 'global_step3'", blaming a file that names
+    another tag. A tag the caller passes is named as theirs, with the complete ones; a
+    latest that names an unlisted tag keeps its own message."""
+    from hdet_scale.backends.checkpoints import check_resumable
+    from hdet_scale.errors import HDETStateError
+
+    ckpt = tmp_path / "checkpoint"
+    for step in (3 * 2, 3 * 3):
+        save(ckpt, step)
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp", "global_step3")
+    text = str(err.value)
+    assert text.startswith(f"checkpoint {ckpt} has no complete checkpoint tagged 'global_step3'"), text
+    assert "global_step6 (step 6), global_step9 (step 9)" in text and f"{ckpt / 'latest'} names" not in text, text
+    (ckpt / "latest").write_text("global_step3")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert str(err.value).startswith(f"{ckpt / 'latest'} names 'global_step3', which"), err.value
