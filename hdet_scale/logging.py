@@ -176,6 +176,43 @@ def json_safe(value: Any, nonfinite: Any = str) -> Any:
     return value
 
 
+def last_logged_step(path: str, tail: int = 1 << 16) -> int | None:
+    """The ``step`` of the last whole record in the JSONL file ``path`` (read from its
+    last ``tail`` bytes), or ``None``: not a regular file, no record with a step,
+    unreadable."""
+    if not os.path.isfile(path):  # /dev/full (a test's full disk) reads zeros for ever
+        return None
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read(tail).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a torn last line, or another JSON value
+        if isinstance(step, int) and not isinstance(step, bool):
+            return step
+    return None
+
+
+def warn_on_earlier_records(path: str, step: int) -> None:
+    """Warn when a run whose first record is at optimizer ``step`` appends to a JSONL file
+    whose records already reach ``step`` or beyond: an earlier run's (a script run again
+    with the same ``hdet.logging.jsonl``), or a dead run's past the checkpoint a resume
+    starts from. Tester round 60: appended without a word, and ``hdet-plot`` then plots the
+    first run alone. Nothing is removed: the file may be the user's only copy."""
+    last = last_logged_step(path)
+    if last is not None and last >= step:
+        import warnings
+
+        warnings.warn(f"hdet.logging.jsonl: {path} already holds records up to step {last} (an earlier run's?); "
+                      f"this run's records from step {step} are appended after them, and hdet-plot reads the file "
+                      "as one run: give each run its own file (nothing was removed)", UserWarning, stacklevel=3)
+
+
 class MetricsLogger:
     """Writes metric records (flat dicts, keys like ``hdet/lr/replica_0/group_0``).
 
@@ -192,7 +229,8 @@ class MetricsLogger:
         config: the fully resolved run config, attached to the W&B run.
         enabled: ``False`` on every rank but global rank 0.
         append: keep an existing JSONL file's records (a resumed run); ``False`` starts
-            it anew.
+            it anew. Appending records whose first step the file already reaches (an
+            earlier run's file) warns (:func:`warn_on_earlier_records`).
         run_id: the id of the W&B run to continue (a resumed run: the id its checkpoint
             recorded, ``resume_config``), opened with ``resume="allow"`` so the curves go
             on in the same run; W&B keeps its step monotonic by dropping rows at steps it
@@ -276,6 +314,8 @@ class MetricsLogger:
         try:
             if self._file is None and self._jsonl:
                 os.makedirs(os.path.dirname(os.path.abspath(self._jsonl)), exist_ok=True)
+                if self._append and step is not None:
+                    warn_on_earlier_records(self._jsonl, step)
                 self._file = open(self._jsonl, "a" if self._append else "w", buffering=1)
             if self._file is not None:
                 out = {"step": step, **record} if step is not None else dict(record)

@@ -1,0 +1,50 @@
+"""``hdet.logging.jsonl`` appended to by a second run (tester round 60: a library script
+run twice with the same path mixed two runs in one file without a word, and hdet-plot
+then plotted the first alone). The logger warns when the file's records already reach
+the new run's first step, and removes nothing."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from hdet_scale.logging import MetricsLogger, last_logged_step
+
+
+def _run(path, steps, **kw) -> list[str]:
+    logger = MetricsLogger(str(path), **kw)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for s in steps:
+            logger.log({"train/loss": 1.0 / s}, step=s)
+    logger.close()
+    return [str(w.message) for w in seen if "hdet.logging.jsonl" in str(w.message)]
+
+
+def test_a_second_run_into_the_same_file_warns_and_keeps_the_first(tmp_path):
+    path = tmp_path / "m.jsonl"
+    assert _run(path, [1, 2, 3]) == []  # a new file: nothing to say
+    said = _run(path, [1, 2])
+    assert len(said) == 1 and str(path) in said[0] and "up to step 3" in said[0] and "from step 1" in said[0], said
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2, 3, 1, 2]  # the first run's records are all still there
+
+
+def test_a_resume_that_goes_on_after_the_last_record_is_silent(tmp_path):
+    path = tmp_path / "m.jsonl"
+    _run(path, [1, 2, 3])
+    with open(path, "a") as f:
+        f.write('{"step": 4, "train/lo')  # a torn last line (a crash mid-write) is skipped
+    assert last_logged_step(str(path)) == 3
+    assert _run(path, [4, 5]) == []
+    # a dead run that logged past its checkpoint (step 3 here, resumed at 2): overlapping steps
+    assert len(_run(path, [2])) == 1
+
+
+def test_a_logger_that_starts_the_file_anew_does_not_warn(tmp_path):
+    """hdet-train's fresh run (``append=False``: its run_dir check refused an earlier
+    run's metrics unless train.overwrite=true)."""
+    path = tmp_path / "m.jsonl"
+    _run(path, [1, 2, 3])
+    assert _run(path, [1], append=False) == []
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
