@@ -229,6 +229,8 @@ class HDETTrainer(Trainer):
         try:
             if self._hdet_fsdp:
                 block = fsdp_block(self.args)
+                # first: a short schedule also fails the warm-up's checks, which name no max_steps (tester round 60)
+                check_run_length(block, max_steps)
                 cfg = resolve_config(_checkable({"hdet": block}, max_steps), world=self.args.world_size)
             else:
                 from hdet_scale.backends.deepspeed import prepare_config
@@ -236,10 +238,10 @@ class HDETTrainer(Trainer):
                 check_trainer_values(self.args.hf_deepspeed_config)  # before HDET's batch check
                 ds = self._deepspeed_config()
                 block = ds.get("hdet")
+                check_run_length(block, max_steps)
                 cfg, _ = prepare_config(_checkable(ds, max_steps), world_size=self.args.world_size)
         except HDETConfigError as e:
             raise explain_total_steps(e) from None
-        check_run_length(block, max_steps)
         return cfg
 
     # ---- the engine ------------------------------------------------------------------

@@ -145,6 +145,18 @@ def test_a_deepspeed_file_with_two_hdet_blocks_is_refused(world_of_one, tmp_path
     assert _trainer(_args(tmp_path, str(path)))._hdet_enabled
 
 
+def test_a_schedule_shorter_than_the_run_is_named_as_such_first(world_of_one, tmp_path):
+    """Tester round 60: ``total_steps`` 3 against ``max_steps`` 4 with a one-cycle warm-up
+    was refused for ``pct_start`` (the warm-up's own check), naming neither max_steps nor
+    the fix. The run-length check now comes first."""
+    block = _block()
+    block["schedule"] = {"name": "onecycle", "total_steps": 3, "pct_start": 0.3}
+    with pytest.raises(HDETConfigError) as err:
+        _trainer(_args(tmp_path, H.ds_config(block), max_steps=4))
+    text = str(err.value)
+    assert text.startswith("hdet.schedule.total_steps: 3 is shorter than the Trainer's 4 optimizer steps"), text
+
+
 @pytest.mark.parametrize("max_steps", [4, -1])
 def test_a_block_without_total_steps_is_told_about_auto(world_of_one, tmp_path, max_steps):
     """Tester: ``"hdet": {}`` said ``total_steps ... got None``; for HDETTrainer the fix
