@@ -222,6 +222,7 @@ class Ensemble:
         loss is recorded for the scheduler.
 
         Raises:
+            TypeError: ``loss`` is not a tensor (a float from ``loss.item()``).
             HDETConfigError: a second backward before :meth:`step` (tester round 35: a
                 step() every other micro-batch ran half the optimizer steps, each on a
                 gradient twice the mean, without a word).
@@ -231,6 +232,9 @@ class Ensemble:
                                   "micro-batch's backward (it counts the micro-batches and updates on every k-th, "
                                   f"k = gradient_accumulation_steps = {self.grad_accum}); for several losses of one "
                                   "micro-batch, backward their sum")
+        if not isinstance(loss, torch.Tensor):  # tester round 60: a float gave "'float' has no attribute 'backward'"
+            raise TypeError(f"Ensemble.backward: loss must be the micro-batch's loss tensor (0-dim, with its graph), "
+                            f"got {type(loss).__name__} {loss!r:.60}; pass the tensor, not loss.item()")
         self._backward_done = True
         if self.backend == "deepspeed":
             self.model.backward(loss)

@@ -173,6 +173,20 @@ def test_step_and_backward_out_of_order_are_refused():
     assert model.weight.grad is not None and torch.equal(model.weight.grad, torch.ones(1, 2))  # 2 x 1/2: no third
 
 
+def test_a_float_loss_is_named_and_counts_no_backward():
+    """Tester round 60: ``ens.backward(loss.item())`` raised AttributeError "'float' object
+    has no attribute 'backward'"; it names the fix now, and the micro-batch is not counted
+    (the tensor's backward right after is accepted and yields the same gradient)."""
+    from hdet_scale.api import Ensemble
+
+    model = torch.nn.Linear(2, 1)
+    ens = Ensemble("ddp", model, None, None, grad_accum=2, clip=0.0)
+    with pytest.raises(TypeError, match=r"Ensemble.backward: loss must be .* got float .*not loss.item\(\)"):
+        ens.backward(model(torch.ones(1, 2)).sum().item())
+    ens.backward(model(torch.ones(1, 2)).sum())
+    assert torch.equal(model.weight.grad, torch.full((1, 2), 0.5))  # 1/2 of one micro-batch's gradient
+
+
 def test_a_checkpoint_in_the_middle_of_an_optimizer_step_is_refused(tmp_path):
     """Tester round 56: save_checkpoint after the first of two micro-batches wrote a
     checkpoint without the pending gradient, and the resumed run dropped it, silently.
