@@ -657,3 +657,20 @@ def test_a_wandb_dir_inside_data_path_is_refused_before_the_start(tmp_path):
     validate(load_run_config(None, [*args, f"wandb.dir={tmp_path / 'wb'}"]), 2, build_model=False)
     validate(load_run_config(None, [*args[:2], "wandb.enabled=false", *args[4:], f"wandb.dir={data / 'wb'}"]), 2,
              build_model=False)
+
+
+def test_one_text_file_beside_an_empty_one_names_why_a_split_is_empty(tmp_path):
+    """Tester round 60: ``data.path=small.txt,empty.txt`` said "yields no readable,
+    non-empty files for the train split" (small.txt had gone to validation: files are
+    split by file once there are two). The message says so and names the way out; the
+    same text alone trains (split by position)."""
+    (tmp_path / "small.txt").write_text("some text for the run\n" * 20)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(HDETConfigError) as err:
+        load_corpus(str(tmp_path), 0.1, 10**6, seed=0)
+    text = str(err.value)
+    assert "its 2 text files (empty ones included) are split by file" in text, text
+    assert "remove the empty or unreadable files (one text file is split by position)" in text, text
+    (tmp_path / "empty.txt").unlink()
+    c = load_corpus(str(tmp_path), 0.1, 10**6, seed=0)
+    assert len(c.train) + len(c.val) == len(("some text for the run\n" * 20).encode())
