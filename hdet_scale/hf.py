@@ -131,7 +131,8 @@ class HDETTrainer(Trainer):
     the layout's own DeviceMesh):
         HDETConfigError: a ``TrainingArguments(deepspeed=...)`` file with a key given
             twice (:func:`hdet_scale.hf_config.check_deepspeed_file`); no ``hdet`` block
-            is reachable while ``probe`` is given; an invalid ``hdet`` block or DeepSpeed key (all at once, as
+            is reachable while ``probe`` is given; an invalid ``hdet`` block or
+            DeepSpeed key (all at once, as
             :func:`hdet_scale.backends.ds_prepare.prepare_config`); a ``scheduler``
             block; ``load_best_model_at_end`` (its load reads the engine's own layout); a
             missing ``probe`` where auto-LR scores by probe; on FSDP2, what

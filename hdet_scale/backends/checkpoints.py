@@ -201,7 +201,8 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
         listed = ", ".join(f"{t} (step {s})" for t, s in index.items()) or "none"
         if asked:  # tester round 60: a tag= never saved was blamed on latest, which named another
             raise HDETStateError(f"checkpoint {load_dir} has no complete checkpoint tagged {tag!r} ({LAYOUT_FILE} "
-                                 f"lists: {listed}); pass one of those tags, or leave tag unset to load the one in latest")
+                                 f"lists: {listed}); pass one of those tags, or leave tag unset to load the one in "
+                                 "latest")
         raise HDETStateError(f"{os.path.join(load_dir, LATEST_FILE)} names {tag!r}, which {LAYOUT_FILE} does not list "
                              f"as a complete checkpoint of this folder (complete: {listed}); write one of those tags "
                              f"into it")

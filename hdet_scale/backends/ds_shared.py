@@ -55,8 +55,9 @@ def link_tool_files(save_dir: str, replicas: int) -> None:
     """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
     DeepSpeed's own tools, which read ``latest`` in the folder they are given
     (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
-    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` (and ``zero_to_torch.py``) for r > 0 as links to
-    replica 0's copies, so each folder holds what DeepSpeed documents. Links, not copies:
+    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` and ``zero_to_torch.py``
+    for r > 0 as links to replica 0's copies, so each folder holds what DeepSpeed
+    documents. Links, not copies:
     ``latest`` always names what the one ``latest`` names, which moves only when every
     replica's save is complete. A filesystem without links: skipped (the tools then take
     ``--tag``)."""
