@@ -191,7 +191,8 @@ def mpi_discovery_wanted() -> bool:
     asks for ``LOCAL_RANK`` and, without it, imports ``mpi4py`` (tester round 60: a RANK
     left in a shell without LOCAL_RANK ended in a ModuleNotFoundError traceback on DeepSpeed
     while FSDP2 joined the world as the note says). torch's ``env://`` does not need
-    ``LOCAL_RANK``; the accelerator index then defaults to 0."""
+    ``LOCAL_RANK``, which ``_init_distributed`` then sets to 0 on CPU (DeepSpeed reads it
+    for its device) and asks for on an accelerator."""
     env_world = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     return not env_world or any(k in os.environ for k in _MPI_MARKS)
 
@@ -199,7 +200,12 @@ def mpi_discovery_wanted() -> bool:
 def _init_distributed(dist_backend: str | None) -> str:
     """``deepspeed.init_distributed`` (gloo on CPU) unless done; bind this process to
     ``$LOCAL_RANK``'s accelerator (the DeviceMesh is built before DeepSpeed's engine picks
-    the device). Returns the accelerator's device name."""
+    the device). Returns the accelerator's device name.
+
+    Raises:
+        HDETConfigError: ``LOCAL_RANK`` unset on an accelerator while the ``env://``
+            world is given (:func:`mpi_discovery_wanted`), before any collective.
+    """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -207,6 +213,14 @@ def _init_distributed(dist_backend: str | None) -> str:
 
     remember()  # before any op loads: py-cpuinfo's 2 x 1.1 s per rank (ds_cpuinfo)
     accel = get_accelerator()
+    if "LOCAL_RANK" not in os.environ and not mpi_discovery_wanted():
+        # DeepSpeed reads os.environ["LOCAL_RANK"] for its device (zero.Init, the engine):
+        # a KeyError for ranks started by hand (tester round 61). On CPU every index names
+        # the one device; on an accelerator a guess could put two ranks on one device.
+        if accel.device_name() != "cpu":
+            raise HDETConfigError("LOCAL_RANK is not set, and DeepSpeed needs it (this rank's device index on its "
+                                  "node): start the ranks with torchrun or the deepspeed launcher, or set LOCAL_RANK")
+        os.environ["LOCAL_RANK"] = "0"
     if not dist.is_initialized():
         from hdet_scale.backends.rendezvous import joining
 

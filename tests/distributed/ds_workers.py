@@ -336,12 +336,24 @@ def no_local_rank_worker() -> dict:
 
     import hdet_scale
 
-    os.environ.pop("LOCAL_RANK")
-    topology = hdet_scale.build_topology(ds_config(hdet_block(replicas=2)))
+    own = os.environ.pop("LOCAL_RANK")
+    cfg = ds_config(hdet_block())
+    topology = hdet_scale.build_topology(cfg)
     ranks = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(ranks)
-    return {"world": dist.get_world_size(), "rank_sum": ranks.item(), "replicas": topology.replicas,
-            "local_rank_set": "LOCAL_RANK" in os.environ}
+    out = {"world": dist.get_world_size(), "rank_sum": ranks.item(), "replicas": topology.replicas,
+           "local_rank": os.environ.get("LOCAL_RANK")}
+    # then train under zero.Init, which reads LOCAL_RANK (tester round 61: a KeyError),
+    # and again with the launcher's LOCAL_RANK: the same weights after the same steps
+    for name in ("without", "with"):
+        os.environ["LOCAL_RANK"] = out["local_rank"] if name == "without" else own
+        with hdet_scale.zero_init(topology, cfg):
+            model = build_model()
+        engine, _, _, _ = hdet_scale.initialize(model, cfg, model_parameters=model.parameters(), topology=topology)
+        for step in range(1, 3):  # before the first converge (sync_interval 3): replicas apart
+            train_step(engine, step)
+        out[name] = full_master(engine)
+    return out
 
 
 def bad_config_worker(case: str) -> None:

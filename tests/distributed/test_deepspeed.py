@@ -344,11 +344,17 @@ def test_bad_config_fails_on_every_rank_without_hanging(case):
 
 def test_a_world_without_local_rank_joins_over_env_without_mpi():
     """``RANK``/``WORLD_SIZE``/``MASTER_*`` without ``LOCAL_RANK`` (a shell's leftovers,
-    or a hand-started rank): DeepSpeed's MPI discovery is not asked for (no mpi4py here; it
-    raised ModuleNotFoundError, tester round 60), and the 4 ranks form the env:// world:
-    every rank sees 4 ranks and the all-reduced rank sum 0+1+2+3 = 6 (exact in float32)."""
+    or ranks started by hand): DeepSpeed's MPI discovery is not asked for (no mpi4py here;
+    it raised ModuleNotFoundError, tester round 60), and the 4 ranks form the env:// world:
+    every rank sees 4 ranks and the all-reduced rank sum 0+1+2+3 = 6 (exact in float32);
+    LOCAL_RANK is set to 0 on CPU, so zero.Init and the engine train."""
     res = launch(W.no_local_rank_worker, timeout=120)
-    assert res == [{"world": 4, "rank_sum": 6.0, "replicas": 2, "local_rank_set": False}] * 4, res
+    for out in res:
+        assert (out["world"], out["rank_sum"], out["replicas"], out["local_rank"]) == (4, 6.0, 2, "0"), out
+        # then 2 steps under zero.Init (tester round 61: KeyError 'LOCAL_RANK'), bit-equal to
+        # the same steps with the launcher's LOCAL_RANK: on CPU the index names one device
+        np.testing.assert_array_equal(out["without"], out["with"])
+    assert np.abs(res[0]["without"] - res[2]["without"]).max() > 0  # replicas at spread LRs diverged
 
 
 # ---- gradient sharing overlapped with the backward pass --------------------------------

@@ -5,6 +5,8 @@ tests/distributed/test_deepspeed.py::test_a_world_without_local_rank_joins_over_
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hdet_scale.backends.deepspeed import mpi_discovery_wanted
@@ -41,3 +43,25 @@ def test_an_mpi_launcher_keeps_deepspeeds_discovery(monkeypatch, mark):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv(mark, "1")
     assert mpi_discovery_wanted() is True
+
+
+def test_an_accelerator_without_local_rank_is_refused_before_any_collective(monkeypatch):
+    """On an accelerator, no LOCAL_RANK is asked for, not guessed (two ranks could share a
+    device). No GPU here: DeepSpeed's accelerator is stood in for by one that names
+    "cuda", and the refusal must come before torch.distributed is touched."""
+    import deepspeed.accelerator
+    import torch.distributed as dist
+
+    from hdet_scale.backends import deepspeed as ds_backend
+    from hdet_scale.errors import HDETConfigError
+
+    class Cuda:
+        def device_name(self, index=None):
+            return "cuda"
+
+    for k, v in ENV_WORLD.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Cuda())
+    with pytest.raises(HDETConfigError, match="LOCAL_RANK is not set, and DeepSpeed needs it"):
+        ds_backend._init_distributed(None)
+    assert not dist.is_initialized() and "LOCAL_RANK" not in os.environ
