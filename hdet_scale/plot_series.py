@@ -230,7 +230,11 @@ def _base(key: tuple[str, int], xs: list[int], rows: list[list[float]], syncs: l
             plain.append(b / m if kind == "multiplicative" else b - m)
         how = "base / auto-LR multiplier" if kind == "multiplicative" else "base - auto-LR shift"
         return {**res, "plain": plain, "shown": f"base (mean of replicas) vs plain schedule = {how}"}
-    if any(any(k.startswith("hdet/weight/") for k in r) for r in syncs):  # controller "paper"
-        return {**res, "plain": None,
-                "shown": "base (mean of replicas); no multiplier logged (auto.controller paper): no plain schedule"}
-    return {**res, "plain": None, "shown": "base (mean of replicas) = plain schedule (no auto-LR update ran)"}
+    updated = any(any(k.startswith("hdet/weight/") for k in r) for r in syncs)  # auto-LR ran
+    # another axis's multiplier logged: this one is not under auto-LR (tester round 61: it
+    # was said to be the "paper" controller's, which logs no multiplier for any axis)
+    others = any(k.startswith("hdet/") and k.endswith("/multiplier") for r in syncs for k in r)
+    if updated and not others:  # controller "paper"
+        return {**res, "plain": None, "shown": "base (mean of replicas); auto.controller paper logs no multiplier"}
+    why = "not under auto-LR" if updated else "no auto-LR update ran"
+    return {**res, "plain": None, "shown": f"base (mean of replicas) = plain schedule ({why})"}

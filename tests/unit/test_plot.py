@@ -92,6 +92,25 @@ def test_nan_and_no_auto_update():
     assert s["sync"]["steps"] == [] and s["val"]["steps"] == []
 
 
+def test_an_axis_outside_auto_lr_is_its_plain_schedule_and_paper_is_named():
+    """Tester round 61: an axis that auto-LR does not adjust (weight_decay here, beside an
+    auto-LR'd lr) was titled "no multiplier logged (auto.controller paper)" under the
+    "log" controller. It is its plain schedule; "paper" (no multiplier for any axis) keeps
+    its own title."""
+    recs = _records()
+    for r in recs:
+        if "hdet/lr/replica_0/group_0" in r:
+            r["hdet/weight_decay/replica_0/group_0"], r["hdet/weight_decay/replica_1/group_0"] = 0.05, 0.15
+    wd = series(recs)["base"][("weight_decay", 0)]
+    assert wd["plain"] is None and wd["base"] == pytest.approx([0.1] * 6)
+    assert wd["shown"] == "base (mean of replicas) = plain schedule (not under auto-LR)"
+    for r in recs:  # the paper controller: weights, and no multiplier for any axis
+        for k in [k for k in r if k.endswith("/multiplier")]:
+            del r[k]
+    assert series(recs)["base"][("weight_decay", 0)]["shown"] == (
+        "base (mean of replicas); auto.controller paper logs no multiplier")
+
+
 def test_write_plots_writes_valid_pngs(tmp_path, capsys):
     run = tmp_path / "run"
     _write(run, _records())
