@@ -21,7 +21,7 @@ from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import BLOCK_EXAMPLE, HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
 from hdet_scale.errors import HDETConfigError
-from hdet_scale.paths import require_regular
+from hdet_scale.paths import check_output_file, require_regular
 from hdet_scale.probe import require_probe
 from hdet_scale.sync import DistributedSync
 from hdet_scale.topology import Layout, Topology
@@ -73,6 +73,8 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
                               "set axes.lr.spread_ratio=0 and auto.enabled=false, or do not use hdet_scale)")
     Layout(world_size() if world is None else world, config.replicas)
     check_config(config)
+    if config.logging.jsonl:  # on every rank, before any collective: rank 0 opens it at its first record
+        check_output_file(config.logging.jsonl, "hdet.logging.jsonl")
     if config.logging.wandb.enabled:  # on every rank, before any collective (rank 0 alone would fail later)
         from hdet_scale.logging import check_wandb_settings
 

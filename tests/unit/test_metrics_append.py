@@ -48,3 +48,30 @@ def test_a_logger_that_starts_the_file_anew_does_not_warn(tmp_path):
     _run(path, [1, 2, 3])
     assert _run(path, [1], append=False) == []
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]
+
+
+def test_a_jsonl_path_rank_0_could_not_open_is_refused_with_the_config(tmp_path):
+    """Tester round 61: hdet.logging.jsonl naming a folder trained until rank 0's first
+    record (IsADirectoryError) while the other ranks died of a lost peer. resolve_config,
+    which every rank runs before the first collective, now names the key; a good path
+    passes and nothing is created by the check."""
+    import pytest
+
+    from hdet_scale.backends.common import resolve_config
+    from hdet_scale.errors import HDETConfigError
+
+    def block(jsonl):
+        return {"replicas": 1, "axes": {"lr": {"spread_ratio": 0.0}}, "auto": {"enabled": False},
+                "schedule": {"total_steps": 10},
+                "logging": {"jsonl": str(jsonl)}}
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for bad, says in ((tmp_path, "is a folder"), (a_file / "m.jsonl", "is not a folder"),
+                      ("/dev/null", "not a regular file")):
+        with pytest.raises(HDETConfigError, match="hdet.logging.jsonl") as e:
+            resolve_config(block(bad), world=1)
+        assert says in str(e.value) and str(bad) in str(e.value), e.value
+    good = tmp_path / "new" / "deeper" / "m.jsonl"
+    assert resolve_config(block(good), world=1).logging.jsonl == str(good)
+    assert not (tmp_path / "new").exists()  # checked, not created
