@@ -72,9 +72,9 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
             ``hdet_scale.zero_init(topology, config)`` (deepspeed) or on the meta device
             with ``init_weights=`` in ``options`` (fsdp2); pass that ``topology``.
         backend: ``"deepspeed"`` (ZeRO-3), ``"fsdp2"``, ``"ddp"`` or ``"fairscale"``.
-        optimizer: ``params -> torch.optim.Optimizer``; default: the config's
-            ``optimizer`` block (DeepSpeed builds its own from it). Not for fairscale,
-            whose OSS takes the block's class and arguments.
+        optimizer: ``params -> torch.optim.Optimizer``, for a config without an
+            ``optimizer`` block; default: that block (DeepSpeed builds its own from it).
+            Not for fairscale, whose OSS takes the block's class and arguments.
         probe: ``probe(model) -> loss`` for auto-LR's probe fitness (as each backend's
             ``initialize``: this rank's loss on its slice of fixed probe batches).
         topology, logger: as each backend's ``initialize``.
@@ -87,7 +87,8 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     Raises:
         HDETConfigError: an unknown backend, an invalid config (every problem at once,
             before any collective, the same on every rank), ``optimizer=`` with
-            fairscale or not a function (an optimizer instance), a model built under
+            fairscale, beside the config's ``optimizer`` block, or not a function (an
+            optimizer instance), a model built under
             ``zero_init`` for a backend other than ``"deepspeed"``, a model prepared
             already (it carries ``_hdet_prepared``, set here on success).
     """
@@ -99,6 +100,14 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
                               f"torch.optim.AdamW(params, lr=1e-3), got {type(optimizer).__name__!r} "
                               "(the engine builds it over the parameters it wraps, FSDP2's shards)")
     ds = _load(config)
+    if optimizer is not None and ds.get("optimizer") is not None:
+        # tester round 61: optimizer= won silently over the block (its type, LR, betas);
+        # Accelerate refuses the same pair ("cannot specify an optimizer in the config
+        # file and in the code at the same time")
+        block = ds["optimizer"]
+        what = block.get("type", "?") if isinstance(block, dict) else type(block).__name__
+        raise HDETConfigError(f"optimizer: the config's \"optimizer\" block ({what}) and optimizer= both give the "
+                              "optimizer; remove the block to build your own, or leave out optimizer= to use it")
     if getattr(model, PREPARED, None) is not None:
         # tester round 57: two engines and two HDET schedulers drove one set of parameters
         raise HDETConfigError(f"model: already prepared by hdet_scale.prepare (backend="
@@ -246,7 +255,8 @@ class Ensemble:
         """Call after every micro-batch's :meth:`backward`. On the step's last one:
         clip (``gradient_clipping``), step the optimizer, zero the gradients and step
         the HDET scheduler with the step's loss (the micro-batches' mean): converge every
-        ``sync_interval`` steps, auto-LR. A non-finite gradient norm skips the update and
+        ``sync_interval`` steps and at ``hdet.schedule.total_steps`` (the run ends with
+        one model), auto-LR. A non-finite gradient norm skips the update and
         still counts the step, on every engine. Returns whether this was a step's last
         micro-batch.
 
@@ -296,6 +306,19 @@ class Ensemble:
                                  f"optimizer step {getattr(self.scheduler, 'step_count', 0) + 1} "
                                  f"(gradient_accumulation_steps): {why} when ens.step() returned True (the step's "
                                  "last micro-batch)")
+
+    def converge(self) -> None:
+        """Average the replicas now, between optimizer steps: one model from here on (e.g.
+        a loop that stops before ``hdet.schedule.total_steps``, where :meth:`step`
+        converges by itself). No meta-update, no new permutation; the next step's LRs
+        stay the replicas' own. Collective: every rank calls it at the same step.
+
+        Raises:
+            HDETStateError: called in the middle of an optimizer step, before any
+                collective (every rank counts the same micro-batches).
+        """
+        self._refuse_mid_step("converge", "the replicas' pending gradients would be applied to the average; converge")
+        self.scheduler.converge()
 
     def train(self) -> None:
         self.model.train()

@@ -97,6 +97,7 @@ class HDETScheduler:
         self.driver: str | None = None
         self.driver_stepping = False
         self.sync_count = 0
+        self.converged_step = -1  # the step of the last converge (a sync's or converge()'s)
         self.controller = Controller(config, self.schedule, self.peaks, self.explored)
         self.probe: Any = None
         self.permutations = self._draw_permutations()
@@ -259,8 +260,10 @@ class HDETScheduler:
 
     # ---- step and sync ------------------------------------------------------------------
     def step(self, loss: Any = None, **kwargs: Any) -> None:
-        """Close one optimizer step: record its loss, sync every ``sync_interval`` steps,
-        then set the values for the next step.
+        """Close one optimizer step: record its loss, sync every ``sync_interval`` steps
+        and converge (only) at ``last_step`` when it is no sync step, so that every run
+        ends with one model; then set the values for the next step. Collective on the
+        steps that sync or converge.
 
         Args:
             loss: the step's training loss on this rank (0-dim tensor or float, nats);
@@ -305,6 +308,11 @@ class HDETScheduler:
         self.taken_lr = self.get_last_lr()
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
+        elif self.step_count == self.last_step:
+            # the run ends with one model, whatever T (tester round 61: a library or
+            # HDETTrainer run of 10 steps at T = 4 ended with the replicas apart, and
+            # save_model wrote replica 0's weights, not their average)
+            self.converge()
         self._apply()
 
     def logs_step(self, step: int) -> bool:
@@ -363,6 +371,7 @@ class HDETScheduler:
         self._wait_for_device()
         t0 = time.perf_counter()
         self.sync_obj.converge(finite)
+        self.converged_step = self.step_count
         self._wait_for_device()
         converge_s = time.perf_counter() - t0
         self.sync_count += 1
@@ -419,12 +428,14 @@ class HDETScheduler:
     def converge(self) -> None:
         """Average the replicas now (every rank must call it), without a meta-update,
         a new permutation or touching the interval's losses: e.g. to end a run with
-        one model. The next forward pass uses the averaged weights. Unlike :meth:`sync`
+        one model before ``last_step`` (:meth:`step` converges at ``last_step`` itself). The
+        next forward pass uses the averaged weights. Unlike :meth:`sync`
         it does not check that the ranks are at the same step: its only collectives are
         the replica-group all-reduces of the weights (model dtype, one replica group per
         shard index), which cannot carry every rank's step without changing what is
         averaged; the last :meth:`sync` checked it."""
         self.sync_obj.converge([True] * self.replicas)
+        self.converged_step = self.step_count
 
     def replica_record(self) -> dict[str, float]:
         """Every replica's value per axis and group at the last applied step, under

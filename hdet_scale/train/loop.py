@@ -238,8 +238,8 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t_start
-    if sched.step_count % hcfg.sync_interval != 0:
-        sched.converge()  # end with one model: the replicas' average
+    if sched.converged_step != sched.step_count:
+        sched.converge()  # end with one model (step() did at last_step; a stop before it did not)
     per_rank = max(1, run["train"]["eval_batches"] // world)
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)

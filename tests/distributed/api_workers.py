@@ -79,6 +79,12 @@ def run(tmp: str) -> dict:
                         "resumed_losses": resumed, "resumed": weights(again),
                         "lr": again.scheduler.get_last_lr()[0], "step": again.scheduler.step_count,
                         "replica": again.topology.replica_index}
+        # step 5 is no sync (T = 2): the replicas part; Ensemble.converge joins them (a
+        # loop that stops before total_steps; tester round 61: there was no such call)
+        train_steps(again, 5, 5)
+        out[backend]["apart"] = weights(again)
+        again.converge()
+        out[backend]["converged"] = weights(again)
         # each rank builds other weights (a user seeding by rank): prepare must start
         # every replica from one model all the same (tester round 58: DeepSpeed did not)
         # fc1 frozen (a frozen embedding, a LoRA base): DeepSpeed's optimizer does not

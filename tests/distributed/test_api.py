@@ -85,3 +85,16 @@ def test_replicas_start_from_one_model_when_ranks_build_other_weights(runs):
         if backend != "fsdp2":
             np.testing.assert_array_equal(runs[0][backend]["seeded_apart"], rank0, err_msg=backend)
 
+
+
+def test_ensemble_converge_averages_the_replicas_between_steps(runs):
+    """Step 5 (no sync at T = 2) leaves the replicas apart; ``Ensemble.converge()`` gives
+    every rank the mean of the two replicas' weights. Tolerance atol 1e-6: the mean is
+    one float32 all-reduce over 2 ranks (exact up to the last bit of a sum and a halving)
+    against numpy's mean of the same two arrays."""
+    for backend in A.BACKENDS:
+        apart0, apart1 = runs[0][backend]["apart"], runs[2][backend]["apart"]  # replica 0 and 1, shard 0
+        assert np.abs(apart0 - apart1).max() > 1e-5, backend  # LR spread 0.5: they really parted
+        for rank in range(4):
+            np.testing.assert_allclose(runs[rank][backend]["converged"], (apart0 + apart1) / 2, rtol=0, atol=1e-6,
+                                       err_msg=f"{backend}: rank {rank}")

@@ -106,6 +106,19 @@ def test_an_optimizer_instance_instead_of_a_function_is_named():
     assert not torch.distributed.is_initialized()
 
 
+def test_an_optimizer_function_beside_the_configs_block_is_refused():
+    """Tester round 61: ``optimizer=`` replaced the config's ``optimizer`` block (another
+    type, LR and betas) without a word. Refused as Accelerate refuses the pair, on every
+    engine, before torch.distributed starts."""
+    model = torch.nn.Linear(2, 2)
+    for backend in ("deepspeed", "fsdp2", "ddp", "fairscale"):
+        with pytest.raises(HDETConfigError, match=r"^optimizer: the config's \"optimizer\" block \(AdamW\) and "
+                                                  r"optimizer= both give the optimizer"):
+            hdet_scale.prepare(model, copy.deepcopy(BASE), backend=backend,
+                               optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not torch.distributed.is_initialized()
+
+
 ZERO_INIT_THEN_PREPARE = """
 import sys, torch, hdet_scale
 from hdet_scale.errors import HDETConfigError

@@ -170,6 +170,31 @@ def test_converge_passthrough_averages_without_sync():
     assert sim.scheduler.sync_count == 0
 
 
+def test_the_last_step_converges_when_it_is_no_sync_step():
+    """Tester round 61: 5 steps at T = 2 ended with the replicas apart (the library and
+    HDETTrainer converged at syncs only; save_model wrote replica 0's weights). The
+    scheduler now converges at last_step: before it the replicas differ, after it every
+    replica holds the exact mean of what they held (converge's own mean, atol 0), and no
+    meta-update or sync is counted for it."""
+    sim = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=5, spread=0.5,
+                                                    sharing="replica"))
+    data = make_data(5, 2)
+    for t in range(4):
+        sim.step(loss_for(data, t))
+    lrs = [[g["lr"] for g in o.param_groups] for o in sim.optimizers]
+    seen = []
+    orig = sim.sync.converge
+    sim.sync.converge = lambda finite: (seen.append([params_of(m) for m in sim.models]), orig(finite))[1]
+    sim.step(loss_for(data, 4))
+    assert len(seen) == 1 and sim.scheduler.sync_count == 2 and sim.scheduler.converged_step == 5
+    pre = seen[0]
+    assert any(not torch.equal(a, b) for a, b in zip(pre[0], pre[1]))  # step 5 ran apart
+    for i, p in enumerate(sim.models[0].parameters()):
+        assert torch.equal(p, list(sim.models[1].parameters())[i])
+        torch.testing.assert_close(p, (pre[0][i] + pre[1][i]) / 2, rtol=0, atol=0)
+    assert lrs[0] != lrs[1]  # the spread itself was there
+
+
 # ---- (c) replica LRs = base x multiplier[perm[r]] ---------------------------------------
 def test_replica_lrs_are_base_times_permuted_multipliers():
     R, T, N, a, seed = 3, 2, 8, 0.2, 7
