@@ -4,6 +4,7 @@ before any collective, its result before it enters one. Pure, no communication."
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -15,7 +16,8 @@ def require_probe(cfg: Any, probe: Any, name: str, signature: str | None = None,
     """The one check of a probe against an ``HDETConfig``, before any collective and on
     every rank alike: auto-LR scoring replicas by probe loss needs one, and a given probe
     must be callable as ``signature`` (``nargs`` positional arguments; not checked when
-    ``signature`` is ``None``).
+    ``signature`` is ``None``). A probe given where nothing calls it (``train_loss``
+    fitness, auto-LR off) is a ``UserWarning``.
 
     Raises:
         HDETConfigError: a missing probe (naming ``hdet.auto.fitness``) or a wrong one
@@ -28,6 +30,12 @@ def require_probe(cfg: Any, probe: Any, name: str, signature: str | None = None,
                               "the Simulator (probe_fn(model, r)), or set hdet.auto.fitness='train_loss'")
     if probe is not None and signature is not None:
         check_callable(probe, name, signature, nargs)
+    if cfg.enabled and probe is not None and not cfg.uses_probe:
+        # tester round 61: a probe beside auto.fitness 'train_loss' was never called, unsaid
+        why = ("hdet.auto.fitness is 'train_loss' (replicas are scored by their training loss)"
+               if cfg.auto_can_move else "auto-LR scores no replicas here (auto off, one replica or no spread)")
+        warnings.warn(f"{name}: given but never called: {why}; set hdet.auto.fitness='probe' to score replicas "
+                      f"with it, or drop {name}", UserWarning, stacklevel=2)
 
 
 def check_callable(fn: Any, name: str, signature: str, nargs: int) -> None:

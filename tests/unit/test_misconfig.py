@@ -1488,3 +1488,29 @@ def test_the_old_bfloat16_block_and_adam_w_mode_false_under_adamw_are_refused():
     check_deepspeed_values({"bf16": {"enabled": True},
                             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}}})
     check_deepspeed_values({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "adam_w_mode": True}}})
+
+
+def test_a_probe_nothing_calls_is_a_warning():
+    """Tester round 61: probe= beside auto.fitness 'train_loss' was accepted and never
+    called, without a word (HDETTrainer and prepare). A probe with the probe fitness, or
+    no probe with train_loss, says nothing."""
+    import warnings
+
+    from hdet_scale.config import HDETConfig
+    from hdet_scale.probe import require_probe
+
+    def cfg(**auto):
+        return HDETConfig.from_dict({"replicas": 2, "sync_interval": 2, "axes": {"lr": {"spread_ratio": 0.5}},
+                                     "schedule": {"total_steps": 10}, "auto": {"enabled": True, **auto}})
+
+    def said(c, probe):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            require_probe(c, probe, "probe", "probe(model) -> loss", 1)
+        return [str(w.message) for w in seen if "never called" in str(w.message)]
+
+    probe = lambda model: 0.0  # noqa: E731
+    msgs = said(cfg(fitness="train_loss"), probe)
+    assert len(msgs) == 1 and "hdet.auto.fitness is 'train_loss'" in msgs[0] and "drop probe" in msgs[0], msgs
+    assert "auto-LR scores no replicas" in said(cfg(enabled=False), probe)[0]
+    assert said(cfg(fitness="probe"), probe) == [] and said(cfg(fitness="train_loss"), None) == []
