@@ -265,3 +265,37 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
                       "starts (hdet_scale.hf.HDETTrainer, docs/hf_trainer.md); elsewhere write the numbers)")
     if errors:
         raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))
+
+
+def check_client_optimizer(ds: Mapping[str, Any], optimizer: Any, hdet_enabled: bool = True) -> None:
+    """The ``optimizer=`` given to ``hdet_scale.initialize`` / ``prepare`` against the
+    DeepSpeed config, before ``torch.distributed`` starts, the same on every rank.
+
+    Raises:
+        HDETConfigError: HDET on and neither an ``optimizer`` block nor ``optimizer=``
+            (tester round 27: DeepSpeed builds no optimizer, then a KeyError on every
+            rank); a torch optimizer that ZeRO does not list as tested
+            (``ZERO_SUPPORTED_OPTIMIZERS``: Adam, AdamW, DeepSpeed's own...) without
+            ``zero_allow_untested_optimizer: true`` (tester round 61: DeepSpeed's
+            AssertionError inside ``deepspeed.initialize`` on every rank).
+    """
+    if hdet_enabled and optimizer is None and not ds.get("optimizer"):
+        raise HDETConfigError("optimizer: HDET sets the optimizer's LR per replica, and this DeepSpeed config has "
+                              "no 'optimizer' block and no optimizer= was given; add one (e.g. {\"type\": \"AdamW\", "
+                              "\"params\": {\"lr\": 3e-4}}) or pass optimizer=")
+    import torch
+
+    zero = ds.get("zero_optimization") or {}
+    if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(zero, Mapping) \
+            or not zero.get("stage") or ds.get("zero_allow_untested_optimizer") is True:
+        return
+    try:
+        from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+    except ImportError:
+        return
+    name = type(optimizer).__name__
+    if type(optimizer) not in ZERO_SUPPORTED_OPTIMIZERS and name != "MuonWithAuxAdam":  # muon: added lazily
+        raise HDETConfigError(f"optimizer: {name} is not among the optimizers DeepSpeed's ZeRO lists as tested "
+                              "(torch's Adam, AdamW and Adagrad, DeepSpeed's own); add "
+                              "\"zero_allow_untested_optimizer\": true to the DeepSpeed config to use it anyway "
+                              "(DeepSpeed would stop with an assertion)")

@@ -32,6 +32,7 @@ from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.backends.ds_shared import link_tool_files, name_shared_params_everywhere
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
+from hdet_scale.ds_values import check_client_optimizer
 from hdet_scale.topology import Topology
 
 _FLAT_ATTRS = ("fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat", "grad_partitions_flat_buffer",
@@ -338,12 +339,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     cfg, ds = prepare_config(config)
     check_probe(cfg, probe)
     check_accelerator(ds)
-    if cfg.enabled and optimizer is None and not ds.get("optimizer"):
-        # tester round 27 (a Megatron-DeepSpeed style JSON): DeepSpeed then builds no
-        # optimizer and calls no lr_scheduler factory: a KeyError in every rank
-        raise HDETConfigError("optimizer: HDET sets the optimizer's LR per replica, and this DeepSpeed config has "
-                              "no 'optimizer' block and no optimizer= was given; add one (e.g. {\"type\": \"AdamW\", "
-                              "\"params\": {\"lr\": 3e-4}}) or pass optimizer=")
+    check_client_optimizer(ds, optimizer, cfg.enabled)  # no optimizer at all; one ZeRO calls untested
     if not cfg.enabled:
         engine, opt, loader, sched = deepspeed.initialize(model=model, optimizer=optimizer, config=ds,
                                                           model_parameters=model_parameters,

@@ -119,6 +119,27 @@ def test_an_optimizer_function_beside_the_configs_block_is_refused():
     assert not torch.distributed.is_initialized()
 
 
+def test_an_optimizer_zero_calls_untested_is_named_before_deepspeed_starts():
+    """Tester round 61: ``prepare(backend="deepspeed", optimizer=SGD...)`` stopped inside
+    ``deepspeed.initialize`` with DeepSpeed's AssertionError ("untested ZeRO Optimizer")
+    on every rank. Now an HDETConfigError naming ``zero_allow_untested_optimizer``, before
+    torch.distributed starts; with that key the check lets it through to DeepSpeed."""
+    from hdet_scale.ds_values import check_client_optimizer
+
+    cfg = {k: v for k, v in copy.deepcopy(BASE).items() if k != "optimizer"}
+    cfg["zero_optimization"] = {"stage": 3}
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(HDETConfigError, match=r"^optimizer: SGD is not among the optimizers DeepSpeed's ZeRO lists "
+                                              r"as tested .*\"zero_allow_untested_optimizer\": true"):
+        hdet_scale.prepare(model, copy.deepcopy(cfg), backend="deepspeed",
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    assert not torch.distributed.is_initialized()
+    sgd, adamw = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.AdamW(model.parameters())
+    check_client_optimizer({**cfg, "zero_allow_untested_optimizer": True}, sgd)
+    check_client_optimizer(cfg, adamw)
+    check_client_optimizer({**cfg, "zero_optimization": {"stage": 0}}, sgd)  # no ZeRO: DeepSpeed does not ask
+
+
 ZERO_INIT_THEN_PREPARE = """
 import sys, torch, hdet_scale
 from hdet_scale.errors import HDETConfigError
