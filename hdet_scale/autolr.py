@@ -126,6 +126,9 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
     Raises:
         HDETConfigError: every (axis, group) whose lowest replica value would be < 0, or
             that a multiplicative spread of 0 leaves unexplored.
+
+    Warns (``UserWarning``): a multiplicative axis with some groups at 0 beside others
+    (those stay at 0 in every replica).
     """
     errors = []
     for (axis, group), base in sorted(bases.items()):
@@ -136,12 +139,21 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
             # every multiplier times 0 is 0: an axis whose every explored group is at 0
             # explores nothing (tester round 11); a group at 0 beside others (a no-decay
             # group of biases and norms) is meant to stay there
+            at_zero = [g for (a, g), v in sorted(bases.items()) if a == axis and v == 0]
             if base == 0 and all(v == 0 for (a, _), v in bases.items() if a == axis) and \
                     group == min(g for a, g in bases if a == axis):
                 an = "an" if axis[0] in "aeiou" else "a"  # "an eps" (tester round 18)
                 errors.append(f"{prefix}.axes.{axis}: a multiplicative spread of {an} {axis} of 0 gives every "
                               f"replica 0, so nothing is explored: set {an} {axis} > 0 in the optimizer "
                               "(optimizer.params), or kind additive")
+            elif base == 0 and group == at_zero[0]:
+                # tester round 61: HDETTrainer's no-decay group logged group_1 = 0 for every
+                # replica; kept at 0 on purpose, but said once so it is no surprise
+                others = [g for a, g in sorted(bases) if a == axis and g not in at_zero]
+                warnings.warn(f"{prefix}.axes.{axis}: parameter group(s) {at_zero} have {axis} 0 (a no-decay group: "
+                              f"biases, norms), which a multiplicative spread keeps at 0 in every replica: only "
+                              f"group(s) {others} are explored; set axes.{axis}.groups={others} to say so",
+                              UserWarning, stacklevel=3)
             continue
         if spec.kind != "additive":
             continue

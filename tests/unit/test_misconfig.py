@@ -1514,3 +1514,27 @@ def test_a_probe_nothing_calls_is_a_warning():
     assert len(msgs) == 1 and "hdet.auto.fitness is 'train_loss'" in msgs[0] and "drop probe" in msgs[0], msgs
     assert "auto-LR scores no replicas" in said(cfg(enabled=False), probe)[0]
     assert said(cfg(fitness="probe"), probe) == [] and said(cfg(fitness="train_loss"), None) == []
+
+
+def test_a_group_at_zero_beside_explored_ones_is_said():
+    """Tester round 61: HDETTrainer's no-decay group (weight_decay 0) under a weight_decay
+    axis stayed 0 in every replica without a word (only its group_1 = 0 records). Kept at
+    0, and said once; with the groups named, or every group nonzero, nothing is said."""
+    import warnings
+
+    from hdet_scale.autolr import check_additive_floors
+
+    wd = HDETConfig.from_dict({"replicas": 2, "axes": {"weight_decay": {"spread_ratio": 0.5}},
+                               "schedule": {"total_steps": 100}})
+
+    def said(bases):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            check_additive_floors(wd, build_schedule(wd), bases)
+        return [str(w.message) for w in seen]
+
+    msgs = said({("weight_decay", 0): 0.01, ("weight_decay", 1): 0.0, ("weight_decay", 2): 0.0})
+    assert len(msgs) == 1 and "parameter group(s) [1, 2] have weight_decay 0" in msgs[0] \
+        and "set axes.weight_decay.groups=[0]" in msgs[0], msgs
+    assert said({("weight_decay", 0): 0.01}) == []
+    assert said({("weight_decay", 0): 0.01, ("weight_decay", 1): 0.02}) == []
