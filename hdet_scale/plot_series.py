@@ -169,7 +169,8 @@ def series(records: list[dict]) -> dict:
 
     Returns a dict:
         ``fanout[(axis, g)]``: ``{"steps": [s], "replicas": [[value of replica r at s]]}``
-        (per-step records only; a sync record repeats its step's values);
+        (per-step records, and sync records at steps without one: a sync record
+        repeats its step's values);
         ``base[(axis, g)]``: ``{"steps", "base", "plain" (None: not derivable), "sync_steps",
         "sync_base" (the base each sync logged, for the next step), "shown" (title)}``;
         ``sync``: ``{"steps", "loss": [[per replica]], "fitness" (or None),
@@ -182,6 +183,17 @@ def series(records: list[dict]) -> dict:
     out: dict[str, Any] = {"fanout": {}, "base": {}}
     cols: dict[tuple[str, int], dict[int, dict[int, float]]] = {}
     for rec in steps:
+        for k, v in rec.items():
+            m = _VALUE.match(k)
+            if m:
+                cols.setdefault((m[1], int(m[3])), {}).setdefault(rec["step"], {})[int(m[2])] = _num(v)
+    # a sync record holds the values its step ran with: the fan-out at the steps that
+    # logging.every leaves without a per-step record (tester round 61: every = 50 at
+    # T = 10 drew the fan-out at every 50th step, none of the syncs between)
+    stepped = {r["step"] for r in steps}
+    for rec in syncs:
+        if rec["step"] in stepped:
+            continue
         for k, v in rec.items():
             m = _VALUE.match(k)
             if m:

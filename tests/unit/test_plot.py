@@ -82,6 +82,19 @@ def test_series_equal_the_metrics():
                                      "key": "train/loss"}
 
 
+def test_the_fanout_takes_sync_records_where_logging_every_left_no_step_record():
+    """Tester round 61: with logging.every > 1 the fan-out was drawn from the per-step
+    records alone, though every sync record holds the values its step ran with. Keep
+    the per-step records of steps 3 and 6 only (every = 3): the fan-out is at steps 2,
+    3, 4, 6 (syncs 2 and 4 from their sync records), with the values of the full run."""
+    full = series(_records())["fanout"][("lr", 0)]
+    thin = [r for r in _records() if "hdet/sync" in r or r.get("step") in (3, 6) or "val/loss" in r]
+    f = series(thin)["fanout"][("lr", 0)]
+    assert f["steps"] == [2, 3, 4, 6]
+    for r in range(2):
+        assert f["replicas"][r] == [full["replicas"][r][s - 1] for s in (2, 3, 4, 6)]
+
+
 def test_nan_and_no_auto_update():
     recs = _records(syncs=False, val=False)
     recs[2]["hdet/loss"] = "nan"  # json_safe's form of a diverged step
