@@ -530,6 +530,27 @@ def test_a_trainers_auto_values_are_explained_once():
     assert "value(s) above" not in str(e.value)
 
 
+def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, capsys):
+    """Tester round 61: a DeepSpeed JSON written for HDETTrainer ("auto" values) could
+    not be dry-run at all (every "auto" an error). It is now checked as HDETTrainer checks
+    it, without them, with one note naming them; its real errors are still found."""
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+          "hdet": {"replicas": 2, "sync_interval": 10, "axes": {"lr": {"spread_ratio": 0.1}},
+                   "schedule": {"total_steps": "auto"}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 0
+    out, err = capsys.readouterr()
+    assert "2 replicas x 2 shards" in out and "multipliers [0.9, 1.1]" in out, out
+    assert err.count('value(s) are "auto"') == 1 and "6 value(s)" in err and "optimizer.params.lr" in err, err
+    ds["hdet"]["replicas"] = 3  # a real error is still one
+    path.write_text(json.dumps(ds))
+    assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2
+    assert "hdet.replicas" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
 def test_an_optimizer_block_that_means_another_optimizer_on_a_torch_engine_is_noted(backend):
     """Tester round 27: one JSON, a different optimizer per backend, without a word:
