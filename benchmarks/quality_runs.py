@@ -154,8 +154,8 @@ def run(spec: dict) -> dict:
                           "multiplier": rec.get("hdet/lr/group_0/multiplier"),
                           "dropout": rec.get("hdet/dropout/group_0/base"),
                           "loss": sum(float(x) for x in losses) / len(losses)})
-    if not diverged and steps % block["sync_interval"]:
-        sim.converge()
+    if not diverged and sim.scheduler.converged_step != sim.scheduler.step_count:
+        sim.converge()  # a run shorter than total_steps (the scheduler converges at its last step itself)
     wall = time.perf_counter() - t0
     val_loss = float("nan") if diverged else _eval(sim.models[0], val)
     syncs = steps // block["sync_interval"]
