@@ -167,38 +167,20 @@ def _reach_line(cfg: Any, n_meta: int) -> str:
             f"{a.resolved('momentum')}; {bound})")
 
 
-def _auto_paths(value: Any, prefix: str = "") -> list[str]:
-    """The dotted keys of ``value`` whose value is ``"auto"``."""
-    if not isinstance(value, dict):
-        return []
-    out = []
-    for k, v in value.items():
-        out += [f"{prefix}{k}"] if v == "auto" else _auto_paths(v, f"{prefix}{k}.")
-    return out
-
-
 def _trainer_autos_left_out(config: dict) -> dict:
-    """A DeepSpeed config written for ``HDETTrainer`` (``"auto"`` values the Hugging Face
-    Trainer fills from ``TrainingArguments``) checked as ``HDETTrainer`` checks it before
-    training: without them (``hf_config._without_auto``), with a note naming them
-    (tester round 61: every ``"auto"`` was an error here, so such a file could not be
-    dry-run). ``hdet.schedule.total_steps: "auto"`` stays, for ``--total-steps``."""
-    autos = [p for p in _auto_paths(config) if p != "hdet.schedule.total_steps"]
-    if not autos:
-        return config
-    from hdet_scale.hf_config import _without_auto
+    """A file written for ``HDETTrainer`` checked as it checks it, without the ``"auto"``
+    values the Hugging Face Trainer fills (tester round 61: each was an error here, so such
+    a file could not be dry-run), with one note naming them."""
+    from hdet_scale.hf_config import without_trainer_autos
 
-    print(f"hdet-dryrun: note: {len(autos)} value(s) are \"auto\" ({', '.join(autos[:5])}"
-          f"{', ...' if len(autos) > 5 else ''}): the Hugging Face Trainer fills them from TrainingArguments "
-          "(HDETTrainer, docs/hf_trainer.md); checked without them, as HDETTrainer checks the file, so the report "
-          "uses the defaults where they are missing (hdet-train and hdet_scale.prepare refuse them)",
-          file=sys.stderr, flush=True)
-    total = ((config.get("hdet") or {}).get("schedule") or {}).get("total_steps") if isinstance(
-        config.get("hdet"), dict) and isinstance(config["hdet"].get("schedule"), dict) else None
-    out = _without_auto(config)
-    if total == "auto":
-        out["hdet"]["schedule"]["total_steps"] = "auto"
-    return out
+    config, autos = without_trainer_autos(config)
+    if autos:
+        print(f"hdet-dryrun: note: {len(autos)} value(s) are \"auto\" ({', '.join(autos[:5])}"
+              f"{', ...' if len(autos) > 5 else ''}): the Hugging Face Trainer fills them from TrainingArguments "
+              "(HDETTrainer, docs/hf_trainer.md); checked without them, as HDETTrainer checks the file, so the "
+              "report uses the defaults where they are missing (hdet-train and hdet_scale.prepare refuse them)",
+              file=sys.stderr, flush=True)
+    return config
 
 
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",

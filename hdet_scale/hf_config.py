@@ -21,6 +21,30 @@ def _without_auto(value: Any) -> Any:
     return value
 
 
+def _auto_paths(value: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of ``value`` whose value is ``"auto"``."""
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for k, v in value.items():
+        out += [f"{prefix}{k}"] if v == "auto" else _auto_paths(v, f"{prefix}{k}.")
+    return out
+
+
+def without_trainer_autos(config: dict) -> tuple[dict, list[str]]:
+    """``(config without the "auto" values Trainer fills, their dotted keys)``, as
+    :class:`~hdet_scale.hf.HDETTrainer` checks a DeepSpeed file before training
+    (``hdet-dryrun``). ``hdet.schedule.total_steps: "auto"`` is kept (the run length,
+    which ``--total-steps`` stands for). ``config`` itself is not changed."""
+    autos = [p for p in _auto_paths(config) if p != "hdet.schedule.total_steps"]
+    if not autos:
+        return config, []
+    out = _without_auto(config)
+    if _auto_paths(config).count("hdet.schedule.total_steps"):
+        out["hdet"]["schedule"]["total_steps"] = "auto"
+    return out, autos
+
+
 def _checkable(ds_config: dict, max_steps: int | None) -> dict:
     """``ds_config`` as the checks take it before training starts: the hdet block's
     ``"auto"`` run length resolved (:func:`resolve_auto`), ``Trainer``'s other autos left
