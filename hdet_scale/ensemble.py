@@ -457,6 +457,7 @@ class HDETScheduler:
             "sync_interval": self.config.sync_interval,
             "step": self.step_count,
             "sync_count": self.sync_count,
+            "converged_step": self.converged_step,  # a resume at the end does not converge again
             "controller": self.controller.state_dict(),
             "auto": {"controller": self.config.auto.controller, "groups": self.config.auto.groups},
             "permutations": {k: list(v) for k, v in self.permutations.items()},
@@ -497,6 +498,7 @@ class HDETScheduler:
                                             + "\n  ".join(changes)), stacklevel=2)
         self.step_count = state["step"]
         self.sync_count = state["sync_count"]
+        self.converged_step = state.get("converged_step", -1)  # absent in states saved before it
         self.controller.load_state_dict(state["controller"])
         self.permutations = {k: list(v) for k, v in state["permutations"].items()}
         self.generator.set_state(state["generator"])

@@ -193,6 +193,12 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
         assert torch.equal(p, list(sim.models[1].parameters())[i])
         torch.testing.assert_close(p, (pre[0][i] + pre[1][i]) / 2, rtol=0, atol=0)
     assert lrs[0] != lrs[1]  # the spread itself was there
+    # a resume from the end's checkpoint knows the end converged (hdet-train's loop then
+    # does not average again)
+    again = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=5, spread=0.5,
+                                                      sharing="replica"))
+    again.load_state_dict(sim.state_dict())
+    assert again.scheduler.converged_step == again.scheduler.step_count == 5
 
 
 # ---- (c) replica LRs = base x multiplier[perm[r]] ---------------------------------------
