@@ -131,7 +131,7 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
                         engine.gradient_accumulation_steps(), clip=0.0)
     from hdet_scale.backends.common import resolve_config, world_size
     from hdet_scale.ds_keys import check_deepspeed_keys
-    from hdet_scale.ds_values import check_deepspeed_values
+    from hdet_scale.ds_values import check_client_optimizer, check_deepspeed_values
     from hdet_scale.engine_config import check_engine_config
 
     # As the deepspeed backend and hdet-train do (tester round 23: a negative
@@ -140,6 +140,7 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     # own arguments are checked against its signature by check_engine_config.
     check_deepspeed_keys(ds, optimizer_params=False)
     check_deepspeed_values(ds)
+    check_client_optimizer(ds, optimizer)  # neither a block nor optimizer= (tester round 62: "got None")
 
     # an optimizer= of the user's stands in for the config's block in the engine checks
     check_engine_config(ds if optimizer is None else {**ds, "optimizer": {"type": "AdamW"}}, backend,

@@ -138,6 +138,12 @@ def test_an_optimizer_zero_calls_untested_is_named_before_deepspeed_starts():
     check_client_optimizer({**cfg, "zero_allow_untested_optimizer": True}, sgd)
     check_client_optimizer(cfg, adamw)
     check_client_optimizer({**cfg, "zero_optimization": {"stage": 0}}, sgd)  # no ZeRO: DeepSpeed does not ask
+    # tester round 62: no block and no optimizer= on a torch engine said "optimizer.type: ... got None"
+    for backend in ("ddp", "fsdp2", "fairscale"):
+        with pytest.raises(HDETConfigError, match=r"^optimizer: HDET sets the optimizer's LR per replica, and this "
+                                                  r"DeepSpeed config has no 'optimizer' block and no optimizer= "):
+            hdet_scale.prepare(model, copy.deepcopy(cfg), backend=backend)
+    assert not torch.distributed.is_initialized()
 
 
 ZERO_INIT_THEN_PREPARE = """
