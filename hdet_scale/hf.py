@@ -52,6 +52,7 @@ from hdet_scale import hf_fsdp
 from hdet_scale.backends.common import (
     attach_sync,
     check_probe,
+    check_sinks,
     make_logger,
     resolve_config,
     use_topology,
@@ -241,6 +242,7 @@ class HDETTrainer(Trainer):
                 block = ds.get("hdet")
                 check_run_length(block, max_steps)
                 cfg, _ = prepare_config(_checkable(ds, max_steps), world_size=self.args.world_size)
+                check_sinks(cfg)  # the FSDP2 branch's resolve_config checks them itself
         except HDETConfigError as e:
             raise explain_total_steps(e) from None
         return cfg

@@ -73,13 +73,29 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
                               "set axes.lr.spread_ratio=0 and auto.enabled=false, or do not use hdet_scale)")
     Layout(world_size() if world is None else world, config.replicas)
     check_config(config)
-    if config.logging.jsonl:  # on every rank, before any collective: rank 0 opens it at its first record
+    check_sinks(config)
+    return config
+
+
+def check_sinks(config: HDETConfig) -> None:
+    """``hdet.logging``'s sinks, on every rank before any collective, where rank 0 alone
+    would fail later: a JSONL path it could not open at its first record
+    (:func:`~hdet_scale.paths.check_output_file`), W&B settings it could not start.
+    :func:`resolve_config`, the DeepSpeed backend's ``initialize`` and ``HDETTrainer``
+    call it (tester round 62: ``HDETTrainer`` on DeepSpeed trained into an
+    ``IsADirectoryError`` on rank 0 at step 1).
+
+    Raises:
+        HDETConfigError: naming the key.
+    """
+    if not config.enabled:
+        return
+    if config.logging.jsonl:
         check_output_file(config.logging.jsonl, "hdet.logging.jsonl")
-    if config.logging.wandb.enabled:  # on every rank, before any collective (rank 0 alone would fail later)
+    if config.logging.wandb.enabled:
         from hdet_scale.logging import check_wandb_settings
 
         check_wandb_settings(config.logging.wandb, prefix="hdet.logging.wandb.")
-    return config
 
 
 def make_logger(cfg: HDETConfig, topology: Topology, run_config: dict | None = None) -> Any:

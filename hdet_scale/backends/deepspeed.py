@@ -25,7 +25,7 @@ from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.backends.ds_prepare import prepare_config
-from hdet_scale.backends.common import attach_sync, check_probe, use_topology, make_logger
+from hdet_scale.backends.common import attach_sync, check_probe, check_sinks, use_topology, make_logger
 from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
@@ -337,6 +337,8 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     import deepspeed
 
     cfg, ds = prepare_config(config)
+    if logger is None:  # the block's sinks are used (make_logger below), not a caller's logger (hdet-train's)
+        check_sinks(cfg)
     check_probe(cfg, probe)
     check_accelerator(ds)
     check_client_optimizer(ds, optimizer, cfg.enabled)  # no optimizer at all; one ZeRO calls untested

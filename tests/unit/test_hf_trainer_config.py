@@ -145,6 +145,20 @@ def test_a_deepspeed_file_with_two_hdet_blocks_is_refused(world_of_one, tmp_path
     assert _trainer(_args(tmp_path, str(path)))._hdet_enabled
 
 
+def test_a_jsonl_path_rank_0_could_not_open_is_refused_at_construction(world_of_one, tmp_path):
+    """Tester round 62: ``hdet.logging.jsonl`` naming a folder trained under HDETTrainer on
+    DeepSpeed until rank 0's first record (IsADirectoryError; the other ranks a lost
+    peer), and ``/dev/null`` threw the metrics away without a word; prepare() refused
+    both. HDETTrainer now refuses them at construction, naming the key."""
+    for bad, says in ((tmp_path, "is a folder"), ("/dev/null", "not a regular file")):
+        block = {**_block(), "logging": {"jsonl": str(bad)}}
+        with pytest.raises(HDETConfigError, match="hdet.logging.jsonl") as err:
+            _trainer(_args(tmp_path, H.ds_config(block)))
+        assert says in str(err.value), err.value
+    good = {**_block(), "logging": {"jsonl": str(tmp_path / "m.jsonl")}}
+    assert _trainer(_args(tmp_path, H.ds_config(good)))._hdet_enabled
+
+
 def test_a_schedule_shorter_than_the_run_is_named_as_such_first(world_of_one, tmp_path):
     """Tester round 60: ``total_steps`` 3 against ``max_steps`` 4 with a one-cycle warm-up
     was refused for ``pct_start`` (the warm-up's own check), naming neither max_steps nor
