@@ -38,8 +38,8 @@ _HEAD = 3
 # hdet.schedule.total_steps while checking a file that leaves it to the trainer.
 _STAND_IN_TOTAL = 10**12
 _MISSING_TOTAL = ("hdet.schedule.total_steps: must be an integer >= 1; the file leaves it to the trainer "
-                  "(hdet-train sets it from train.steps): pass --total-steps N (the checks that depend on the run "
-                  "length were not run)")
+                  "(hdet-train sets it from train.steps, HDETTrainer from max_steps): pass --total-steps N (the "
+                  "checks that depend on the run length were not run)")
 
 
 def _set_on_hf_model(cfg: Any, cost: dict | None) -> bool:
@@ -132,6 +132,10 @@ def _schedule_line(cfg: Any, config: dict, schedule: Any) -> str:
     if isinstance(peak, list) and peak:
         peak, source = peak[0], source + "[0], parameter group 0"
     if not isinstance(peak, (int, float)) or isinstance(peak, bool):
+        if source == "optimizer.params.lr" and source in config.get("_trainer_autos", ()):
+            # tester round 62: "the optimizer's default" for an "auto" the Trainer fills
+            return (f"schedule {cfg.schedule.name}: peak LR \"auto\" (optimizer.params.lr): the Trainer's "
+                    "learning_rate")
         return f"schedule {cfg.schedule.name}: peak LR is the optimizer's default (no {source} in the file)"
     return f"{summary(schedule, float(peak))} (peak from {source})"
 
@@ -167,7 +171,7 @@ def _reach_line(cfg: Any, n_meta: int) -> str:
             f"{a.resolved('momentum')}; {bound})")
 
 
-def _trainer_autos_left_out(config: dict) -> dict:
+def _trainer_autos_left_out(config: dict) -> tuple[dict, list[str]]:
     """A file written for ``HDETTrainer`` checked as it checks it, without the ``"auto"``
     values the Hugging Face Trainer fills (tester round 61: each was an error here, so such
     a file could not be dry-run), with one note naming them."""
@@ -180,7 +184,7 @@ def _trainer_autos_left_out(config: dict) -> dict:
               "(HDETTrainer, docs/hf_trainer.md); checked without them, as HDETTrainer checks the file, so the "
               "report uses the defaults where they are missing (hdet-train and hdet_scale.prepare refuse them)",
               file=sys.stderr, flush=True)
-    return config
+    return config, autos
 
 
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",
@@ -212,7 +216,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
                               "JSON with the hdet block as the first argument")
 
     check_deepspeed_keys(config, strict=True, optimizer_params=backend == "deepspeed")
-    config = _trainer_autos_left_out(config)
+    config, autos = _trainer_autos_left_out(config)
     if not isinstance(config.get("hdet", {}), dict):
         raise HDETConfigError(f"hdet: expected an object, got {config['hdet']!r}")
     # The values hdet-train refuses before any rank starts (a negative, NaN or text LR, a
@@ -249,7 +253,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
 
     # A file that leaves total_steps to the trainer is checked with a stand-in run length
     # too long for any check to fail on, so that its other errors show in the same message.
-    if sched.get("total_steps") is None:
+    if sched.get("total_steps") in (None, "auto"):  # "auto": HDETTrainer's (tester round 62: no --total-steps named)
         first = _MISSING_TOTAL
         sched["total_steps"] = _STAND_IN_TOTAL
     with warnings.catch_warnings():
@@ -335,7 +339,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             warn = drowning_warning(cfg, gamma) if name == "lr" else None
             if warn:
                 lines.append(f"  warning: {warn}")
-    lines.append(_schedule_line(cfg, config, schedule))
+    lines.append(_schedule_line(cfg, {**config, "_trainer_autos": autos}, schedule))
     lines.append(f"sync every {cfg.sync_interval} optimizer steps; gradient sharing: {cfg.gradient_sharing}")
     a = cfg.auto
     if a.enabled and not cfg.auto_can_move:  # no meta-update count or reach: nothing would move (warning above)

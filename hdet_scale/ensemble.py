@@ -311,8 +311,10 @@ class HDETScheduler:
         elif self.step_count == self.last_step:
             # the run ends with one model, whatever T (tester round 61: a library or
             # HDETTrainer run of 10 steps at T = 4 ended with the replicas apart, and
-            # save_model wrote replica 0's weights, not their average)
-            self.converge()
+            # save_model wrote replica 0's weights, not their average): a sync without a
+            # meta-update, so that it is logged and leaves a non-finite replica out as
+            # any sync does (tester round 62: no record of it)
+            self.sync(final=True)
         self._apply()
 
     def logs_step(self, step: int) -> bool:
@@ -338,11 +340,13 @@ class HDETScheduler:
                              f"{self.total_steps} (hdet.schedule.total_steps, optimizer steps: set it to the whole "
                              "run's length to train longer)")
 
-    def sync(self) -> dict[str, Any]:
+    def sync(self, final: bool = False) -> dict[str, Any]:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at
         the same step. With ``auto.fitness = "probe"`` the probe runs first (before
-        converge makes the replicas equal). Returns the published record (also in
-        ``self.last_sync``).
+        converge makes the replicas equal). ``final``: the converge that ends a run at a
+        ``last_step`` that is no multiple of ``sync_interval``: no meta-update (and no
+        probe), a shorter interval's losses; the record has ``hdet/final_converge: 1``.
+        Returns the published record (also in ``self.last_sync``).
 
         Raises (on every rank, before converge changes anything):
             HDETStepMismatchError: the ranks are at different steps (found by the
@@ -352,14 +356,15 @@ class HDETScheduler:
         """
         losses, counts = self.sync_obj.interval_losses(step=self.step_count)
         auto = self.config.auto
-        if auto.enabled and auto.fitness == "train_loss" and self.loss_every_interval and not any(counts):
+        if not final and auto.enabled and auto.fitness == "train_loss" and self.loss_every_interval \
+                and not any(counts):
             # Now, not at the first meta-update (possibly hours later, after warm-up):
             # counts come from the all-reduce, so every rank decides alike.
             raise HDETConfigError("hdet.auto.fitness: 'train_loss' scores replicas by the training loss, but no "
                                   f"rank recorded one in the interval ending at step {self.step_count}; pass it "
                                   "to the scheduler: engine.step(lr_kwargs={'loss': loss}) or "
                                   "scheduler.step(loss), or use auto.fitness 'probe'")
-        meta = auto.enabled and self.step_count >= auto.warmup_steps
+        meta = not final and auto.enabled and self.step_count >= auto.warmup_steps
         fitness = losses
         if meta and self.config.uses_probe:
             self.check_probe()
@@ -377,6 +382,8 @@ class HDETScheduler:
         self.sync_count += 1
         record: dict[str, Any] = {"hdet/step": self.step_count, "hdet/sync": self.sync_count,
                                   "hdet/converge_s": converge_s}
+        if final:
+            record["hdet/final_converge"] = 1
         for r, x in enumerate(losses):
             record[f"hdet/loss/replica_{r}"] = x
         if fitness is not losses:

@@ -264,8 +264,8 @@ def test_without_total_steps_every_other_error_is_reported_too(capsys, tmp_path)
     assert len(given) == 3 and given[1].startswith("  scheduler:") and given[2].startswith("  zero_optimization.stage")
     assert missing == ["hdet-dryrun: error: invalid config:",
                        "  hdet.schedule.total_steps: must be an integer >= 1; the file leaves it to the trainer "
-                       "(hdet-train sets it from train.steps): pass --total-steps N (the checks that depend on the "
-                       "run length were not run)"] + given[1:]
+                       "(hdet-train sets it from train.steps, HDETTrainer from max_steps): pass --total-steps N (the "
+                       "checks that depend on the run length were not run)"] + given[1:]
 
 
 @pytest.mark.parametrize("value,rc,line", [
@@ -545,6 +545,9 @@ def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, 
     out, err = capsys.readouterr()
     assert "2 replicas x 2 shards" in out and "multipliers [0.9, 1.1]" in out, out
     assert err.count('value(s) are "auto"') == 1 and "6 value(s)" in err and "optimizer.params.lr" in err, err
+    assert "peak LR \"auto\" (optimizer.params.lr): the Trainer's learning_rate" in out, out  # round 62
+    assert main([str(path), "--world-size", "4"]) == 2  # round 62: the flag that stands for max_steps is named
+    assert "pass --total-steps N" in capsys.readouterr().err
     ds["hdet"]["replicas"] = 3  # a real error is still one
     path.write_text(json.dumps(ds))
     assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2

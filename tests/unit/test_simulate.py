@@ -174,19 +174,26 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
     """Tester round 61: 5 steps at T = 2 ended with the replicas apart (the library and
     HDETTrainer converged at syncs only; save_model wrote replica 0's weights). The
     scheduler now converges at last_step: before it the replicas differ, after it every
-    replica holds the exact mean of what they held (converge's own mean, atol 0), and no
-    meta-update or sync is counted for it."""
+    replica holds the exact mean of what they held (converge's own mean, atol 0), logged
+    as a sync without a meta-update."""
+    auto = {"enabled": True, "fitness": "train_loss", "warmup_steps": 0, "controller": "log"}
     sim = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=5, spread=0.5,
-                                                    sharing="replica"))
+                                                    sharing="replica", auto=auto))
     data = make_data(5, 2)
     for t in range(4):
         sim.step(loss_for(data, t))
     lrs = [[g["lr"] for g in o.param_groups] for o in sim.optimizers]
+    meta_before = copy.deepcopy(sim.scheduler.controller.state_dict())
     seen = []
     orig = sim.sync.converge
     sim.sync.converge = lambda finite: (seen.append([params_of(m) for m in sim.models]), orig(finite))[1]
     sim.step(loss_for(data, 4))
-    assert len(seen) == 1 and sim.scheduler.sync_count == 2 and sim.scheduler.converged_step == 5
+    assert len(seen) == 1 and sim.scheduler.sync_count == 3 and sim.scheduler.converged_step == 5
+    # logged as a sync without a meta-update (tester round 62: it left no record)
+    rec = sim.scheduler.last_sync
+    assert rec["hdet/step"] == 5 and rec["hdet/final_converge"] == 1 and "hdet/loss/replica_1" in rec, rec
+    assert not any(k.startswith("hdet/weight/") for k in rec), rec  # no meta-update at the end
+    assert sim.scheduler.controller.state_dict() == meta_before  # nor a move of the base
     pre = seen[0]
     assert any(not torch.equal(a, b) for a, b in zip(pre[0], pre[1]))  # step 5 ran apart
     for i, p in enumerate(sim.models[0].parameters()):
@@ -196,7 +203,7 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
     # a resume from the end's checkpoint knows the end converged (hdet-train's loop then
     # does not average again)
     again = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=5, spread=0.5,
-                                                      sharing="replica"))
+                                                      sharing="replica", auto=auto))
     again.load_state_dict(sim.state_dict())
     assert again.scheduler.converged_step == again.scheduler.step_count == 5
 
