@@ -1539,3 +1539,20 @@ def test_a_group_at_zero_beside_explored_ones_is_said():
         and "set axes.weight_decay.groups=[0]" in msgs[0], msgs
     assert said({("weight_decay", 0): 0.01}) == []
     assert said({("weight_decay", 0): 0.01, ("weight_decay", 1): 0.02}) == []
+
+
+@pytest.mark.parametrize("text", ["{}\n", "", "# nothing yet\n"])
+def test_a_config_file_without_settings_is_noted(tmp_path, capsys, monkeypatch, text):
+    """Tester round 62: ``hdet-train empty.json`` (a file holding ``{}``) started the full
+    default job without a word. One note on stderr says the file holds no settings; a
+    file with one says nothing; the run config is the defaults either way."""
+    from hdet_scale.train.config import load_run_config
+
+    monkeypatch.delenv("RANK", raising=False)
+    empty, one = tmp_path / "empty.yaml", tmp_path / "one.yaml"
+    empty.write_text(text)
+    one.write_text("seed: 3\n")
+    assert load_run_config(str(empty), []) == load_run_config(None, [])
+    assert "holds no settings" in capsys.readouterr().err
+    load_run_config(str(one), [])
+    assert "holds no settings" not in capsys.readouterr().err
