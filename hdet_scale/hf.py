@@ -353,6 +353,20 @@ class HDETTrainer(Trainer):
             return scheduler.taken_lr[0]
         return super()._get_learning_rate()
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, then, when the run stopped before its last step (a callback
+        set ``control.should_training_stop``, as ``EarlyStoppingCallback`` does) between
+        syncs, the converge that ends every HDET run (a logged sync without a
+        meta-update, ``HDETScheduler.sync(final=True)``), so that the model ``train()``
+        leaves and ``save_model`` writes is the replicas' average (tester round 63: the
+        replicas were left apart). Collective, as ``train()`` is on every rank."""
+        out = super().train(*args, **kwargs)
+        sched = self.hdet_scheduler
+        if self._hdet_enabled and sched is not None and sched.step_count > 0 \
+                and sched.converged_step != sched.step_count:
+            sched.sync(final=True)
+        return out
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if not self._hdet_enabled:
             return super().create_scheduler(num_training_steps, optimizer)

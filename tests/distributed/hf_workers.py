@@ -216,4 +216,22 @@ def run(tmp: str) -> dict:
     resumed.add_callback(r_recorder)
     resumed.train(resume_from_checkpoint=f"{tmp}/hdet/checkpoint-2")
     out["resumed"] = {"steps": r_steps, "final": flat_params(resumed.model_wrapped)}
+
+    # A callback stops the run at step 3 (as EarlyStoppingCallback does), between the
+    # syncs of steps 2 and 4: train() ends with the replicas' average all the same
+    # (tester round 63: they were left apart)
+    stopped = HDETTrainer(model=build_model(), args=args(f"{tmp}/stopped", ds_config(hdet_block(0.2, False)), 6),
+                          train_dataset=data)
+
+    class StopAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+        def on_train_end(self, args, state, control, **kwargs):
+            out["stopped_apart"] = flat_params(stopped.model_wrapped)  # before HDETTrainer's converge
+
+    stopped.add_callback(StopAt3())
+    stopped.train()
+    out["stopped"] = {"final": flat_params(stopped.model_wrapped), "step": stopped.hdet_scheduler.step_count,
+                      "record": dict(stopped.hdet_scheduler.last_sync)}
     return out

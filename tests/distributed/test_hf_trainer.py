@@ -137,3 +137,17 @@ def test_trainer_resume_from_checkpoint_continues_bit_for_bit(runs):
         assert resumed == [(row["step"], row["lr"]) for row in out["hdet"]["steps"]][2:]
     layout = runs[0]["hdet"]["layout"]
     assert (layout["replicas"], layout["shard_size"], layout["step"]) == (2, 2, 2)
+
+
+def test_a_run_stopped_by_a_callback_between_syncs_ends_with_the_replicas_average(runs):
+    """A callback sets ``should_training_stop`` at step 3 of 6 (sync every 2): the
+    replicas had parted at step 3 (spread 0.2), and after ``train()`` every rank holds
+    the mean of the two replicas' weights, logged as the final converge. Tolerance atol
+    1e-7: one float32 all-reduce of two values and a halving, against numpy's (a+b)/2."""
+    apart = [out["stopped_apart"] for out in runs]
+    assert np.abs(apart[0] - apart[2]).max() > 1e-6  # replica 0 (rank 0) and 1 (rank 2), shard group gathered
+    for rank, out in enumerate(runs):
+        assert out["stopped"]["step"] == 3
+        assert out["stopped"]["record"].get("hdet/final_converge") == 1, out["stopped"]["record"]
+        np.testing.assert_allclose(out["stopped"]["final"], (apart[rank % 2] + apart[rank % 2 + 2]) / 2, rtol=0,
+                                   atol=1e-7, err_msg=f"rank {rank}")
