@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -203,6 +204,13 @@ class HDETConfig:
         errors: list[str] = []
         data = _resolve_auto(data, prefix, errors)
         cfg = _parse(cls, data, prefix, errors)
+        # "~" as a shell expands it, as hdet-train does for its paths (tester round 63: the
+        # library wrote hdet.logging.jsonl "~/m.jsonl" into a folder named "~" here)
+        log = getattr(cfg, "logging", None)
+        if isinstance(getattr(log, "jsonl", None), str):
+            log.jsonl = os.path.expanduser(log.jsonl)
+        if isinstance(getattr(getattr(log, "wandb", None), "dir", None), str):
+            log.wandb.dir = os.path.expanduser(log.wandb.dir)
         # The LR follows the base schedule even when only another axis is explored.
         cfg.axes.setdefault("lr", AxisConfig())
         if cfg.enabled:  # a disabled block only has to be well-formed

@@ -75,3 +75,16 @@ def test_a_jsonl_path_rank_0_could_not_open_is_refused_with_the_config(tmp_path)
     good = tmp_path / "new" / "deeper" / "m.jsonl"
     assert resolve_config(block(good), world=1).logging.jsonl == str(good)
     assert not (tmp_path / "new").exists()  # checked, not created
+
+
+def test_a_jsonl_path_under_the_home_folder_is_expanded(monkeypatch, tmp_path):
+    """Tester round 63: hdet.logging.jsonl "~/m.jsonl" in a library config wrote into a
+    folder literally named "~" in the working directory (hdet-train expands "~" in its own
+    paths). The block's paths are expanded as a shell would: jsonl and wandb.dir."""
+    from hdet_scale.config import HDETConfig
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = HDETConfig.from_dict({"replicas": 1, "schedule": {"total_steps": 10},
+                                "logging": {"jsonl": "~/runs/m.jsonl", "wandb": {"dir": "~/wb"}}})
+    assert cfg.logging.jsonl == str(tmp_path / "runs" / "m.jsonl")
+    assert cfg.logging.wandb.dir == str(tmp_path / "wb")
