@@ -307,9 +307,9 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     total = cfg.schedule.total_steps
     if cfg.sync_interval > total:  # as hdet-train's notes (tester round 14)
         lines.append(f"note: hdet.sync_interval={cfg.sync_interval} > total_steps={total}: no sync during the run "
-                     "(no auto-LR step; the replicas are averaged only if the trainer converges at the end)")
+                     "(no auto-LR step; the replicas are averaged only by the final converge at the run's last step)")
     if cfg.logging.every > total:
-        lines.append(f"note: hdet.logging.every={cfg.logging.every} > total_steps={total}: no per-step record")
+        lines.append(f"note: hdet.logging.every={cfg.logging.every} > total_steps={total}: one per-step record, the last step's")
     lines.append(f"{backend}, inside each replica (shard group of {world_size // cfg.replicas} ranks): "
                  f"{INSIDE_REPLICA[backend]}")
     if backend == "deepspeed":

@@ -17,7 +17,9 @@ def _without_auto(value: Any) -> Any:
     """A copy of a DeepSpeed config without the ``"auto"`` values ``Trainer`` fills only
     when training starts (bucket sizes from the model's hidden size): checked then."""
     if isinstance(value, dict):
-        return {k: _without_auto(v) for k, v in value.items() if v != "auto"}
+        # the hdet block keeps its own: HDETConfig reads or refuses them (total_steps by
+        # resolve_auto; tester round 63: replicas "auto" was dropped, then a TypeError)
+        return {k: v if k == "hdet" else _without_auto(v) for k, v in value.items() if v != "auto"}
     return value
 
 
@@ -36,13 +38,10 @@ def without_trainer_autos(config: dict) -> tuple[dict, list[str]]:
     :class:`~hdet_scale.hf.HDETTrainer` checks a DeepSpeed file before training
     (``hdet-dryrun``). ``hdet.schedule.total_steps: "auto"`` is kept (the run length,
     which ``--total-steps`` stands for). ``config`` itself is not changed."""
-    autos = [p for p in _auto_paths(config) if p != "hdet.schedule.total_steps"]
+    autos = [p for p in _auto_paths(config) if not p.startswith("hdet.")]
     if not autos:
         return config, []
-    out = _without_auto(config)
-    if _auto_paths(config).count("hdet.schedule.total_steps"):
-        out["hdet"]["schedule"]["total_steps"] = "auto"
-    return out, autos
+    return _without_auto(config), autos
 
 
 def _checkable(ds_config: dict, max_steps: int | None) -> dict:

@@ -45,6 +45,11 @@ def check_output_file(path: str | os.PathLike, key: str) -> None:
         HDETConfigError: naming ``key``, the path and what is wrong.
     """
     path = os.fspath(path)
+    real = os.path.realpath(path)
+    for root in ("/proc", "/sys"):  # tester round 63: root may "write" there, and open fails at step 1
+        if real == root or real.startswith(root + os.sep):
+            raise HDETConfigError(f"{key}: {path} is in {root}, a kernel filesystem, not storage; give a path on a "
+                                  "disk this user can write")
     if os.path.isdir(path):
         raise HDETConfigError(f"{key}: {path} is a folder; give the path of a file "
                               f"(e.g. {os.path.join(path, 'metrics.jsonl')})")

@@ -510,7 +510,9 @@ def test_scancel_of_the_slurm_script_stops_with_one_line_and_no_traceback(tmp_pa
 def test_a_note_from_the_checks_is_printed_once_not_by_every_rank(tmp_path):
     """Tester round 36: the note on a validation split read on overlapping windows came
     once as an hdet-train line and then once more from every rank as a raw Python warning
-    (file, line and source). Once now, as the line (DDP, 2 ranks, 10 steps)."""
+    (file, line and source). Once now, as the line (DDP, 2 ranks, 10 steps). No other
+    UserWarning either (tester round 63: auto-LR off, every rank warned of hdet-train's
+    own probe, which nothing called)."""
     run_dir = tmp_path / "run"
     rc, err, _, leftovers = run_cli([*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", "train.steps=10",
                                      "data.max_bytes=40000", "wandb.enabled=false", "train.progress=false",

@@ -159,6 +159,19 @@ def test_a_jsonl_path_rank_0_could_not_open_is_refused_at_construction(world_of_
     assert _trainer(_args(tmp_path, H.ds_config(good)))._hdet_enabled
 
 
+def test_an_auto_value_in_the_hdet_block_is_refused_naming_its_key(world_of_one, tmp_path):
+    """Tester round 63: ``"replicas": "auto"`` was dropped with the Trainer's autos (a
+    one-replica warning, then a TypeError on every rank); only ``schedule.total_steps``
+    is the Trainer's to fill. Refused at construction, naming the key."""
+    block = {**_block(), "replicas": "auto"}
+    with pytest.raises(HDETConfigError, match="hdet.replicas"):
+        _trainer(_args(tmp_path, H.ds_config(block)))
+    from hdet_scale.hf_config import without_trainer_autos
+
+    _, autos = without_trainer_autos({"optimizer": {"params": {"lr": "auto"}}, "hdet": {"replicas": "auto"}})
+    assert autos == ["optimizer.params.lr"]
+
+
 def test_a_schedule_shorter_than_the_run_is_named_as_such_first(world_of_one, tmp_path):
     """Tester round 60: ``total_steps`` 3 against ``max_steps`` 4 with a one-cycle warm-up
     was refused for ``pct_start`` (the warm-up's own check), naming neither max_steps nor

@@ -68,7 +68,7 @@ def test_a_jsonl_path_rank_0_could_not_open_is_refused_with_the_config(tmp_path)
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     for bad, says in ((tmp_path, "is a folder"), (a_file / "m.jsonl", "is not a folder"),
-                      ("/dev/null", "not a regular file")):
+                      ("/dev/null", "not a regular file"), ("/proc/m.jsonl", "kernel filesystem")):
         with pytest.raises(HDETConfigError, match="hdet.logging.jsonl") as e:
             resolve_config(block(bad), world=1)
         assert says in str(e.value) and str(bad) in str(e.value), e.value
