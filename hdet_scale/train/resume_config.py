@@ -77,10 +77,13 @@ _ERRORS = {
     "deepspeed.hdet.auto.controller": _HDET_STATE,
     "deepspeed.hdet.auto.groups": _HDET_STATE,
     # tester round 45: "train.steps sets it unless ... total_steps is given" read as a way to
-    # lengthen the run; giving it then failed ("shorter than train.steps")
+    # lengthen the run; giving it then failed ("shorter than train.steps"); round 63: "at
+    # most the checkpoint's value" was refused too (a smaller train.steps shortens the schedule)
     "deepspeed.hdet.schedule.total_steps": "the schedule's length (train.steps sets it unless "
                                            "deepspeed.hdet.schedule.total_steps is given), which a resumed run "
-                                           "keeps: resume with train.steps at most the checkpoint's value; to train "
+                                           "keeps: resume with the same train.steps, or to stop earlier add "
+                                           "deepspeed.hdet.schedule.total_steps=<the checkpoint's value> with a "
+                                           "smaller train.steps; to train "
                                            "longer, start a new run_dir with schedule.total_steps set to the whole "
                                            "length (a run can stop before its end and be resumed up to it)",
     **{f"deepspeed.{k}.enabled": "the precision the saved weights and optimizer state were written in (DeepSpeed "

@@ -91,7 +91,7 @@ def test_a_longer_run_is_refused_with_advice_that_works(tmp_path):
         resume_config.check(run_config(tmp_path, "train.steps=30", *SHORT), str(ckpt))
     msg = str(err.value)
     assert "deepspeed.hdet.schedule.total_steps: 20 -> 30: the schedule's length" in msg, msg
-    assert "resume with train.steps at most the checkpoint's value" in msg, msg
+    assert "resume with the same train.steps, or to stop earlier add deepspeed.hdet.schedule.total_steps=" in msg, msg
     assert "new run_dir with schedule.total_steps set to the whole length" in msg, msg
     other = tmp_path / "longer"
     save(other / "checkpoint", 20, run_config(other, "train.steps=20", "deepspeed.hdet.schedule.total_steps=30", *SHORT))
