@@ -313,8 +313,14 @@ class HDETScheduler:
             # HDETTrainer run of 10 steps at T = 4 ended with the replicas apart, and
             # save_model wrote replica 0's weights, not their average): a sync without a
             # meta-update, so that it is logged and leaves a non-finite replica out as
-            # any sync does (tester round 62: no record of it)
-            self.sync(final=True)
+            # any sync does (tester round 62: no record of it). Before total_steps (hdet-train's
+            # train.steps shorter than the schedule: a run that may be resumed up to it) a
+            # converge alone, so the sync count, permutations and interval losses stay those
+            # of the uninterrupted run (tester round 64: a resume then moved the base apart)
+            if self.last_step >= self.total_steps:
+                self.sync(final=True)
+            else:
+                self.converge()
         self._apply()
 
     def logs_step(self, step: int) -> bool:

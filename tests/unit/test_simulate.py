@@ -208,6 +208,35 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
     assert again.scheduler.converged_step == again.scheduler.step_count == 5
 
 
+def test_a_last_step_before_total_steps_converges_without_moving_the_hdet_state():
+    """Tester round 64: hdet-train with train.steps (last_step) shorter than total_steps
+    ended with a logged sync, which advanced the sync count, the permutations and the
+    interval losses, so a resume up to total_steps moved the base apart from the
+    uninterrupted run. There the end converges only: the HDET state after step 5 equals
+    that of a run that goes on to step 10 (compared with such a run), and the replicas
+    are equal."""
+    auto = {"enabled": True, "fitness": "train_loss", "warmup_steps": 0, "controller": "log"}
+
+    def run(last):
+        sim = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=10, spread=0.5,
+                                                        sharing="replica", auto=auto))
+        sim.scheduler.last_step = last
+        data = make_data(5, 2)
+        for t in range(5):
+            sim.step(loss_for(data, t))
+        return sim
+
+    short, going_on = run(5), run(10)
+    a, b = short.scheduler.state_dict(), going_on.scheduler.state_dict()
+    assert a["sync_count"] == b["sync_count"] == 2 and a["permutations"] == b["permutations"]
+    assert a["controller"] == b["controller"] and a["sync"] == b["sync"]
+    assert torch.equal(a["generator"], b["generator"])
+    for p, q in zip(short.models[0].parameters(), short.models[1].parameters()):
+        assert torch.equal(p, q)
+    assert any(not torch.equal(p, q) for p, q in zip(going_on.models[0].parameters(),
+                                                     going_on.models[1].parameters()))
+
+
 # ---- (c) replica LRs = base x multiplier[perm[r]] ---------------------------------------
 def test_replica_lrs_are_base_times_permuted_multipliers():
     R, T, N, a, seed = 3, 2, 8, 0.2, 7
