@@ -123,7 +123,7 @@ def _per_replica(replicas: int, value: Callable[[float], float]) -> str:
     return "[" + ", ".join(shown) + "]" + (f" ({replicas} replicas)" if replicas > _LISTED else "")
 
 
-def _schedule_line(cfg: Any, config: dict, schedule: Any) -> str:
+def _schedule_line(cfg: Any, config: dict, schedule: Any, autos: tuple[str, ...] | list[str] = ()) -> str:
     # the peak LR a run starts from was not printed (tester round 33)
     from hdet_scale.engine_config import peak_lr
     from hdet_scale.schedules import summary
@@ -132,7 +132,7 @@ def _schedule_line(cfg: Any, config: dict, schedule: Any) -> str:
     if isinstance(peak, list) and peak:
         peak, source = peak[0], source + "[0], parameter group 0"
     if not isinstance(peak, (int, float)) or isinstance(peak, bool):
-        if source == "optimizer.params.lr" and source in config.get("_trainer_autos", ()):
+        if source == "optimizer.params.lr" and source in autos:
             # tester round 62: "the optimizer's default" for an "auto" the Trainer fills
             return (f"schedule {cfg.schedule.name}: peak LR \"auto\" (optimizer.params.lr): the Trainer's "
                     "learning_rate")
@@ -339,7 +339,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             warn = drowning_warning(cfg, gamma) if name == "lr" else None
             if warn:
                 lines.append(f"  warning: {warn}")
-    lines.append(_schedule_line(cfg, {**config, "_trainer_autos": autos}, schedule))
+    lines.append(_schedule_line(cfg, config, schedule, autos))
     lines.append(f"sync every {cfg.sync_interval} optimizer steps; gradient sharing: {cfg.gradient_sharing}")
     a = cfg.auto
     if a.enabled and not cfg.auto_can_move:  # no meta-update count or reach: nothing would move (warning above)

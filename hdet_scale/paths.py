@@ -45,11 +45,7 @@ def check_output_file(path: str | os.PathLike, key: str) -> None:
         HDETConfigError: naming ``key``, the path and what is wrong.
     """
     path = os.fspath(path)
-    real = os.path.realpath(path)
-    for root in ("/proc", "/sys"):  # tester round 63: root may "write" there, and open fails at step 1
-        if real == root or real.startswith(root + os.sep):
-            raise HDETConfigError(f"{key}: {path} is in {root}, a kernel filesystem, not storage; give a path on a "
-                                  "disk this user can write")
+    refuse_kernel_fs(path, key)  # tester round 63: root may "write" there, and open fails at step 1
     if os.path.isdir(path):
         raise HDETConfigError(f"{key}: {path} is a folder; give the path of a file "
                               f"(e.g. {os.path.join(path, 'metrics.jsonl')})")
@@ -69,3 +65,15 @@ def check_output_file(path: str | os.PathLike, key: str) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise HDETConfigError(f"{key}: this user cannot create {path} (folder {parent} is not writable); "
                               "give a path in a folder this user can write")
+
+
+def refuse_kernel_fs(path: str | os.PathLike, key: str) -> None:
+    """Raise HDETConfigError naming ``key`` when ``path`` resolves into /proc or /sys:
+    kernel filesystems, where nothing a run writes belongs (``os.access`` says yes to
+    root there, and the write fails later)."""
+    path = os.fspath(path)
+    real = os.path.realpath(os.path.expanduser(path))
+    for root in ("/proc", "/sys"):
+        if real == root or real.startswith(root + os.sep):
+            raise HDETConfigError(f"{key}: {path} is in {root}, a kernel filesystem, not storage; choose a folder "
+                                  "on a disk this user can write")

@@ -24,6 +24,7 @@ from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import resume_config
 from hdet_scale.train.no_latest import no_latest_message, tag_index
 from hdet_scale.train.run_dir_place import PROBE_PREFIX, refuse_root
+from hdet_scale.paths import refuse_kernel_fs
 from hdet_scale.train.run_lock import LOCK_FILE, check_not_in_use, hold_run_dir  # noqa: F401 (re-exported)
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoint")
@@ -261,11 +262,7 @@ def check_writable(run_dir: str, key: str = "run_dir") -> None:
         raise HDETConfigError(f"{key}: {broken} is a symbolic link to {os.readlink(broken)!r}, which does not "
                               f"exist; create its target, remove the link, or choose another {key}")
     refuse_root(run_dir, key)  # tester round 59: run_dir=/ trained and wrote among the system's folders
-    real = os.path.realpath(run_dir)
-    for root in ("/proc", "/sys"):  # kernel filesystems: nothing a run writes belongs there
-        if real == root or real.startswith(root + os.sep):
-            raise HDETConfigError(f"{key}: {run_dir} is in {root}, a kernel filesystem, not storage; choose a folder "
-                                  "on a disk this user can write")
+    refuse_kernel_fs(run_dir, key)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         # makedirs would say only "File exists" (a tester: run_dir=afile, run_dir=/dev/null)
         if os.path.isfile(run_dir):
