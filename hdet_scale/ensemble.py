@@ -261,9 +261,9 @@ class HDETScheduler:
     # ---- step and sync ------------------------------------------------------------------
     def step(self, loss: Any = None, **kwargs: Any) -> None:
         """Close one optimizer step: record its loss, sync every ``sync_interval`` steps
-        and converge (only) at ``last_step`` when it is no sync step, so that every run
-        ends with one model; then set the values for the next step. Collective on the
-        steps that sync or converge.
+        and, at ``last_step`` when it is no sync step, end with one model (a logged sync
+        without a meta-update at ``total_steps``, a plain converge before it); then set
+        the values for the next step. Collective on the steps that sync or converge.
 
         Args:
             loss: the step's training loss on this rank (0-dim tensor or float, nats);
@@ -349,8 +349,9 @@ class HDETScheduler:
     def sync(self, final: bool = False) -> dict[str, Any]:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at
         the same step. With ``auto.fitness = "probe"`` the probe runs first (before
-        converge makes the replicas equal). ``final``: the converge that ends a run at a
-        ``last_step`` that is no multiple of ``sync_interval``: no meta-update (and no
+        converge makes the replicas equal). ``final``: the converge that ends a run at
+        ``total_steps`` (or a stop ``HDETTrainer`` saw) that is no multiple of
+        ``sync_interval``: no meta-update (and no
         probe), a shorter interval's losses; the record has ``hdet/final_converge: 1``.
         Returns the published record (also in ``self.last_sync``).
 
