@@ -311,7 +311,7 @@ class Ensemble:
     def converge(self) -> None:
         """Average the replicas now, between optimizer steps: one model from here on (e.g.
         a loop that stops before ``hdet.schedule.total_steps``, where :meth:`step`
-        converges by itself). No meta-update, no new permutation; the next step's LRs
+        converges by itself; ``scheduler.finish()`` does the same and logs it). No meta-update, no new permutation; the next step's LRs
         stay the replicas' own. Collective: every rank calls it at the same step.
 
         Raises:

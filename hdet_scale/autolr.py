@@ -79,6 +79,27 @@ def drowning_warning(cfg: HDETConfig, gamma: float) -> str | None:
             "auto.controller='log' (follows the schedule), or a longer run / later warm-up / explicit auto.decay")
 
 
+def controller_warning(cfg: HDETConfig, gamma: float | None) -> str | None:
+    """What the controller built from ``cfg`` warns of at its start, or ``None``:
+    auto-LR with nothing to compare (:attr:`HDETConfig.auto_without_spread_warning`, or
+    no controlled axis with a spread), or the ``"paper"`` controller's decay ``gamma``
+    (the LR's, ``None``: no LR group explored) outrunning its meta-update
+    (:func:`drowning_warning`). :func:`check_config` gives it before anything starts
+    (tester round 64: ``hdet-train`` printed the checks' warnings and dropped this one,
+    raised only in the ranks), the :class:`Controller` where it is built alone."""
+    if cfg.auto_without_spread_warning:
+        return cfg.auto_without_spread_warning
+    if not cfg.auto.enabled:
+        return None
+    if not cfg.auto_can_move:
+        return ("hdet.auto.enabled: no axis it controls has a spread (spread_ratio > 0) over more than one replica, "
+                "so the meta-update has no signal and leaves the LR to the schedule"
+                + (" and the decay" if cfg.auto.controller == "paper" else ""))
+    if cfg.auto.controller == "paper" and gamma is not None:
+        return drowning_warning(cfg, gamma)
+    return None
+
+
 def lr_lower_bound(schedule: Schedule, peak: float, max_factor: float) -> float:
     """The lowest base LR the ``"paper"`` controller may set for a group whose peak LR
     is ``peak``: the schedule's final LR (``schedule.floor``), or ``peak / max_factor``
@@ -100,19 +121,20 @@ def check_config(cfg: HDETConfig) -> None:
     floor/start does not depend on the peak, so peak 1.0 stands for every group. Pure;
     raises HDETConfigError. Warns (``UserWarning``) when one replica is asked to do what
     takes two (:attr:`HDETConfig.single_replica_warning`), and when auto-LR is on with
-    nothing to compare (:attr:`HDETConfig.auto_without_spread_warning`)."""
+    nothing to compare, or the ``"paper"`` controller's decay outruns it
+    (:func:`controller_warning`)."""
     msg = cfg.single_replica_warning
     if msg:
         warnings.warn(msg, UserWarning, stacklevel=2)
-    if cfg.auto_without_spread_warning:
-        _warn_once(cfg.auto_without_spread_warning)
     if cfg.auto_off_warning:
         _warn_once(cfg.auto_off_warning)
     if cfg.schedule_unused_warning:
         _warn_once(cfg.schedule_unused_warning)
     schedule = build_schedule(cfg)
-    for axis in cfg.axes:
-        decay_for(cfg, schedule, axis, 1.0)
+    decays = {axis: decay_for(cfg, schedule, axis, 1.0) for axis in cfg.axes}
+    msg = controller_warning(cfg, decays.get("lr"))
+    if msg:
+        _warn_once(msg)
 
 
 def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, float], prefix: str = "hdet") -> None:
@@ -199,17 +221,10 @@ class Controller:
         self.velocity: dict[Key, float] = {k: 0.0 for k in explored}
         self.decay = {(a, g): decay_for(config, schedule, a, peaks[g]) for a, g in explored}
         self.updates = 0
-        if config.auto_without_spread_warning:
-            _warn_once(config.auto_without_spread_warning)
-        elif self.auto.enabled and not config.auto_can_move:
-            warnings.warn("hdet.auto.enabled: no axis it controls has a spread (spread_ratio > 0) over more than "
-                          "one replica, so the meta-update has no signal and leaves the LR to the schedule"
-                          + (" and the decay" if self.auto.controller == "paper" else ""), UserWarning, stacklevel=2)
-        elif self.auto.enabled and self.auto.controller == "paper":
-            gammas = [v for (a, _), v in self.decay.items() if a == "lr"]
-            msg = drowning_warning(config, max(gammas)) if gammas else None
-            if msg:
-                warnings.warn(msg, UserWarning, stacklevel=2)
+        gammas = [v for (a, _), v in self.decay.items() if a == "lr"]
+        msg = controller_warning(config, max(gammas) if gammas else None)
+        if msg:
+            _warn_once(msg)
 
     @property
     def active(self) -> bool:

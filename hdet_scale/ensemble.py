@@ -261,9 +261,10 @@ class HDETScheduler:
     # ---- step and sync ------------------------------------------------------------------
     def step(self, loss: Any = None, **kwargs: Any) -> None:
         """Close one optimizer step: record its loss, sync every ``sync_interval`` steps
-        and, at ``last_step`` when it is no sync step, end with one model (a logged sync
-        without a meta-update at ``total_steps``, a plain converge before it); then set
-        the values for the next step. Collective on the steps that sync or converge.
+        and, at ``total_steps`` when it is no sync step, end with one model (a logged sync
+        without a meta-update); then set the values for the next step. A ``last_step``
+        before ``total_steps`` averages nothing: the caller saves, then calls
+        :meth:`finish`. Collective on the steps that sync or converge.
 
         Args:
             loss: the step's training loss on this rank (0-dim tensor or float, nats);
@@ -308,19 +309,18 @@ class HDETScheduler:
         self.taken_lr = self.get_last_lr()
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
-        elif self.step_count == self.last_step:
+        elif self.step_count == self.last_step == self.total_steps:
             # the run ends with one model, whatever T (tester round 61: a library or
             # HDETTrainer run of 10 steps at T = 4 ended with the replicas apart, and
             # save_model wrote replica 0's weights, not their average): a sync without a
             # meta-update, so that it is logged and leaves a non-finite replica out as
-            # any sync does (tester round 62: no record of it). Before total_steps (hdet-train's
-            # train.steps shorter than the schedule: a run that may be resumed up to it) a
-            # converge alone, so the sync count, permutations and interval losses stay those
-            # of the uninterrupted run (tester round 64: a resume then moved the base apart)
-            if self.last_step >= self.total_steps:
-                self.sync(final=True)
-            else:
-                self.converge()
+            # any sync does (tester round 62: no record of it). A last step before
+            # total_steps (hdet-train's train.steps, HDETTrainer's max_steps shorter than
+            # the schedule: a run that may be resumed up to it) is a step like any other:
+            # its checkpoint must hold each replica, as a mid-run one does, or the resumed
+            # run parts from the uninterrupted one (tester round 64); the caller averages
+            # after saving (:meth:`finish`)
+            self.sync(final=True)
         self._apply()
 
     def logs_step(self, step: int) -> bool:
@@ -350,8 +350,7 @@ class HDETScheduler:
         """Converge and (after warm-up) meta-update now. Collective: every rank calls it at
         the same step. With ``auto.fitness = "probe"`` the probe runs first (before
         converge makes the replicas equal). ``final``: the converge that ends a run at
-        ``total_steps`` (or a stop ``HDETTrainer`` saw) that is no multiple of
-        ``sync_interval``: no meta-update (and no
+        ``total_steps`` that is no multiple of ``sync_interval``: no meta-update (and no
         probe), a shorter interval's losses; the record has ``hdet/final_converge: 1``.
         Returns the published record (also in ``self.last_sync``).
 
@@ -439,10 +438,36 @@ class HDETScheduler:
         self.sync_obj.add_noise(w.nu, w.seed)
         return True
 
+    def finish(self) -> dict[str, Any] | None:
+        """End the run with one model: average the replicas unless the last step did (a
+        sync step, or ``total_steps``, where :meth:`step` synced). For a run that stops
+        before ``total_steps`` (``hdet-train``'s ``train.steps``, ``HDETTrainer``'s
+        ``max_steps``, a callback's stop): call it after saving the checkpoint a resume
+        would load, which then holds each replica, so the resumed run continues the
+        uninterrupted one exactly. Like :meth:`converge` it leaves the sync count,
+        permutations and interval losses alone; it logs ``{"hdet/step", "hdet/final_converge":
+        1, "hdet/converge_s"}`` (no ``hdet/sync``: no sync happened), also kept in
+        ``last_sync``. Collective: every rank calls it at the same step.
+
+        Returns the record, or None when there was nothing to average (no step taken, or
+        the replicas already equal since the last step's sync)."""
+        if self.step_count == 0 or self.converged_step == self.step_count:
+            return None
+        self._wait_for_device()
+        t0 = time.perf_counter()
+        self.converge()
+        self._wait_for_device()
+        record = {"hdet/step": self.step_count, "hdet/final_converge": 1,
+                  "hdet/converge_s": time.perf_counter() - t0}
+        self.last_sync = record
+        if self.logger is not None:
+            self.logger.log(record, step=self.step_count)
+        return record
+
     def converge(self) -> None:
         """Average the replicas now (every rank must call it), without a meta-update,
         a new permutation or touching the interval's losses: e.g. to end a run with
-        one model before ``last_step`` (:meth:`step` converges at ``last_step`` itself). The
+        one model mid-run (:meth:`finish` ends a run with it, and a record). The
         next forward pass uses the averaged weights. Unlike :meth:`sync`
         it does not check that the ranks are at the same step: its only collectives are
         the replica-group all-reduces of the weights (model dtype, one replica group per

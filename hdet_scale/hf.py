@@ -354,17 +354,19 @@ class HDETTrainer(Trainer):
         return super()._get_learning_rate()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``, then, when the run stopped before its last step (a callback
-        set ``control.should_training_stop``, as ``EarlyStoppingCallback`` does) between
-        syncs, the converge that ends every HDET run (a logged sync without a
-        meta-update, ``HDETScheduler.sync(final=True)``), so that the model ``train()``
-        leaves and ``save_model`` writes is the replicas' average (tester round 63: the
-        replicas were left apart). Collective, as ``train()`` is on every rank."""
+        """``Trainer.train``, then the end of every HDET run, one model
+        (``HDETScheduler.finish``): when the run stopped between syncs before
+        ``total_steps`` (``max_steps`` shorter than the schedule, or a callback set
+        ``control.should_training_stop``, as ``EarlyStoppingCallback`` does), the
+        replicas are averaged, so that the model ``train()`` leaves and ``save_model``
+        writes is their average (tester round 63: they were left apart). ``Trainer``'s
+        own evaluation and checkpoint at that last step came before, and see each
+        replica as at any mid-run step: a resume from that checkpoint continues the
+        uninterrupted run exactly (tester round 64). Collective, as ``train()`` is on
+        every rank."""
         out = super().train(*args, **kwargs)
-        sched = self.hdet_scheduler
-        if self._hdet_enabled and sched is not None and sched.step_count > 0 \
-                and sched.converged_step != sched.step_count:
-            sched.sync(final=True)
+        if self._hdet_enabled and self.hdet_scheduler is not None:
+            self.hdet_scheduler.finish()
         return out
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:

@@ -209,13 +209,13 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
     if missing:  # a deleted folder: the older checkpoints may be whole (tester round 32)
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}; "
-                             f"{_ways_on(saved, tag)}")
+                             f"{_ways_on(load_dir, saved, tag, replicas, shard)}")
     # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
     lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
             if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
     if lost:
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}; "
-                             f"{_ways_on(saved, tag)}")
+                             f"{_ways_on(load_dir, saved, tag, replicas, shard)}")
     required = tag in manifested(saved)
     damaged = []
     for r in range(replicas):
@@ -228,30 +228,65 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
             damaged.append(p)
     if damaged:
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has damaged files: {'; '.join(damaged)}; "
-                             f"{_ways_on(saved, tag)}")
+                             f"{_ways_on(load_dir, saved, tag, replicas, shard)}")
     return tag
 
 
-def _ways_on(saved: dict, tag: str) -> str:
+def _ways_on(load_dir: str, saved: dict, tag: str, replicas: int, shard: int) -> str:
     """The ways on from a damaged or incomplete checkpoint ``tag``: restore its files from
-    a copy, resume from another complete checkpoint (those the layout ``saved`` lists,
-    when there is one), or start a new run_dir (tester round 51: with no other checkpoint
-    the advice was "; or start a new run_dir" alone)."""
-    older = {t: s for t, s in checkpoint_index(saved, tag).items() if t != tag}
+    a copy, resume from another checkpoint the layout ``saved`` lists whose replica
+    folders and HDET state files are all there (tester round 64: with a replica folder
+    gone from two tags, each was offered as the way on from the other), or start a new
+    run_dir (tester round 51: with no other checkpoint the advice was "; or start a new
+    run_dir" alone). Reads the folder listing only, not the files."""
+    older = {t: s for t, s in checkpoint_index(saved, tag).items()
+             if t != tag and _files_present(load_dir, t, replicas, shard)}
     listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
     other = f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
     return f"restore them from a copy, {other}or start a new run_dir"
+
+
+def _files_present(load_dir: str, tag: str, replicas: int, shard: int) -> bool:
+    """Whether every replica's folder of ``tag`` holds every rank's HDET state file (the
+    last files a save writes in it)."""
+    return all(os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))
+               for r in range(replicas) for s in range(shard))
 
 
 def _hdet_state_path(rdir: str, topology: Topology) -> str:
     return os.path.join(rdir, f"hdet_shard_{topology.shard_index}.pt")
 
 
-def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> None:
-    """This rank's scheduler state (with its interval-loss accumulator) and torch RNG
-    state (dropout: ``checkpoint_io.rng_state``) into the replica folder ``rdir``, as
-    ``hdet_shard_<s>.pt``."""
-    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, _hdet_state_path(rdir, topology))
+def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler, optimizer: Any = None) -> None:
+    """This rank's scheduler state (with its interval-loss accumulator), torch RNG state
+    (dropout: ``checkpoint_io.rng_state``) and the class name of the torch optimizer
+    whose state the folder holds (``optimizer``; see :func:`check_optimizer_class`)
+    into the replica folder ``rdir``, as ``hdet_shard_<s>.pt``."""
+    state = {"scheduler": scheduler.state_dict(), "rng": rng_state()}
+    if optimizer is not None:
+        state["optimizer_class"] = type(optimizer).__name__
+    torch.save(state, _hdet_state_path(rdir, topology))
+
+
+def check_optimizer_class(rdir: str, topology: Topology, optimizer: Any) -> None:
+    """Refuse, before anything is loaded, a checkpoint whose optimizer state was saved
+    from another torch optimizer class than ``optimizer``'s (tester round 64: AdamW's
+    state loaded into SGD, and the first step raised ``KeyError: 'momentum'``; Adam's
+    into AdamW would load its groups' ``decoupled_weight_decay`` silently). Reads this
+    rank's HDET state file only; every rank runs the same optimizer class and reads a
+    file of the same save, so all reach one verdict. A checkpoint saved without the
+    record (hdet_scale <= 0.4) is not checked.
+
+    Raises:
+        HDETStateError: the classes differ (both named, and what to do).
+    """
+    path = _hdet_state_path(rdir, topology)
+    saved = load_entries(path, ("scheduler",), weights_only=False).get("optimizer_class")
+    mine = type(optimizer).__name__
+    if saved is not None and saved != mine:
+        raise HDETStateError(f"checkpoint {rdir}: its optimizer state was saved from torch {saved}, and this run's "
+                             f"optimizer is {mine}: the state of one does not fit the other. Resume with {saved} "
+                             "(the same optimizer as the saved run), or start a new run from the weights alone")
 
 
 def load_entries(path: str, keys: tuple[str, ...], **load_kwargs: Any) -> dict:

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.common import FullParamsBackend, build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, unwrap, use_topology, wrap_ddp
-from hdet_scale.backends.checkpoints import load_entries, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
+from hdet_scale.backends.checkpoints import check_optimizer_class, load_entries, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError
@@ -123,7 +123,7 @@ def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     if t.shard_index == 0:
         torch.save({"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()},
                    os.path.join(rdir, MODEL_FILE))
-    save_hdet_state(rdir, t, scheduler)
+    save_hdet_state(rdir, t, scheduler, optimizer)
     finish_checkpoint(save_dir, t, scheduler, tag, "ddp")
     return tag
 
@@ -141,7 +141,9 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     resume bitwise, at the cost of one autograd-graph traversal per step.
 
     Raises:
-        HDETStateError: no checkpoint, or one written by another ``R x S`` layout or
+        HDETStateError: optimizer state saved from another torch optimizer class
+            (``checkpoints.check_optimizer_class``, before anything is loaded);
+            no checkpoint, or one written by another ``R x S`` layout or
             another backend.
             Then a file of the replica's folder whose bytes changed since it was written
             (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
@@ -151,6 +153,7 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     tag = check_resumable(load_dir, t.world_size, t.replicas, "ddp", tag)
     verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
+    check_optimizer_class(rdir, t, optimizer)  # before anything is loaded
     module = unwrap(model)
     device = next(module.parameters()).device
     state = load_entries(os.path.join(rdir, MODEL_FILE), ("model", "optimizer"), map_location=device,

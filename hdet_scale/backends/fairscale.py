@@ -45,7 +45,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
-from hdet_scale.backends.checkpoints import (check_resumable, checkpoint_target, finish_checkpoint, load_entries,
+from hdet_scale.backends.checkpoints import (check_optimizer_class, check_resumable, checkpoint_target, finish_checkpoint, load_entries,
                                              load_hdet_state, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import (  # build_topology: re-exported, fairscale.build_topology(config)
     build_topology,  # noqa: F401
@@ -301,7 +301,7 @@ def save_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     # own forward updates its buffers after the broadcast.
     torch.save({"optimizer": optimizer.optim.state_dict(), "buffers": _buffer_state(module),
                 "owned": _owned_indices(optimizer, module)}, os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"))
-    save_hdet_state(rdir, t, scheduler)
+    save_hdet_state(rdir, t, scheduler, optimizer.optim)
     finish_checkpoint(save_dir, t, scheduler, tag, BACKEND)
     return tag
 
@@ -321,7 +321,9 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     per step.
 
     Raises:
-        HDETStateError: no checkpoint, another ``R x S`` layout or backend (checked
+        HDETStateError: optimizer state saved from another torch optimizer class
+            (``checkpoints.check_optimizer_class``, before anything is loaded);
+            no checkpoint, another ``R x S`` layout or backend (checked
             before reading any shard), a file whose bytes changed since it was written
             (its CRC), or another OSS partition (different model or parameter groups).
     """
@@ -329,6 +331,7 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND, tag)
     verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
+    check_optimizer_class(rdir, t, optimizer.optim)  # before anything is loaded
     module = unwrap(model)
     device = next(module.parameters()).device
     shard = load_entries(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), ("owned", "buffers", "optimizer"),

@@ -49,7 +49,8 @@ from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.checkpoint_shapes import agreed_difference
 from hdet_scale.backends.common import build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, use_topology
-from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
+from hdet_scale.backends.checkpoints import (check_optimizer_class, check_resumable, checkpoint_target, finish_checkpoint,
+                                             load_hdet_state, replica_dir, save_hdet_state)
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETConfigError, HDETStateError
@@ -301,7 +302,7 @@ def save_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     with_optimizer = bool(optimizer.state)
     dcp.save(_state(model, optimizer, t.shard_index, with_optimizer), checkpoint_id=rdir,
              process_group=t.shard_group)
-    save_hdet_state(rdir, t, scheduler)
+    save_hdet_state(rdir, t, scheduler, optimizer)
     finish_checkpoint(save_dir, t, scheduler, tag, BACKEND_NAME)
     return tag
 
@@ -313,7 +314,9 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     Collective on each shard group (every rank calls it).
 
     Raises:
-        HDETStateError: no checkpoint, another ``R x S`` layout or backend, or a missing
+        HDETStateError: optimizer state saved from another torch optimizer class
+            (``checkpoints.check_optimizer_class``, before anything is loaded);
+            no checkpoint, another ``R x S`` layout or backend, or a missing
             replica folder (all checked before any collective, identically on every rank).
             Then a file of the replica's folder whose bytes changed since it was written
             (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
@@ -329,6 +332,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND_NAME, tag)
     verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
+    check_optimizer_class(rdir, t, optimizer)  # before anything is loaded
     # DCP loads the keys it is asked for: a smaller model would load from a larger
     # checkpoint without a word (tester round 28, through hdet-train)
     params, _ = _split_model_state(model)

@@ -189,7 +189,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         # never arrives; the launcher ends the waiting ones.
         dist.barrier()
         if rank == 0:
-            rundir.trim_for_resume(run, sched.step_count)  # only now: a resume that fails to load loses nothing
+            rundir.trim_for_resume(run, sched.step_count, sched.config.logging.every)  # only now: a resume that fails to load loses nothing
     steps = run["train"]["steps"]
     sched.last_step = steps  # its record is written whatever logging.every
     every, keep = run["train"]["checkpoint_every"] or 0, run["train"]["keep_checkpoints"]
@@ -240,13 +240,15 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t_start
-    if sched.converged_step != sched.step_count:
-        sched.converge()  # end with one model (step() did at last_step; a stop before it did not)
+    if run["train"]["checkpoint"]:
+        # before the end's average: a run stopped before total_steps keeps each replica, as
+        # a mid-run checkpoint does, so its resume continues the uninterrupted run exactly
+        # (tester round 64: the average at the stop moved every later step)
+        run_checkpoint.save(engine, ckpt, keep, run, logger.run_id, data)
+    sched.finish()  # end with one model (at total_steps step() did; before it, now), logged
     per_rank = max(1, run["train"]["eval_batches"] // world)
     val_batches = ByteBatches(corpus.val, d["seq_len"], micro, run["seed"], 0, 1).eval_batches(per_rank * world)
     val_loss = evaluate(engine, val_batches, rank, world)
-    if run["train"]["checkpoint"]:
-        run_checkpoint.save(engine, ckpt, keep, run, logger.run_id, data)
     device = engine.device if dist.get_backend() != "gloo" else "cpu"
     memory = every_rank({"peak_host_mb": peak_host_mb(),  # per global rank, MiB
                          "peak_host_mb_after_model": engine.model_built_mb,

@@ -70,3 +70,31 @@ def foreign_files_note(run: dict) -> str | None:
     return (f"run_dir: {run_dir} already holds {n} entr{'y' if n == 1 else 'ies'} ({shown}) and no earlier run "
             f"of hdet-train; this run writes {', '.join(writes(run))} beside {'it' if n == 1 else 'them'} (and "
             "removes none of them): give a new or empty run_dir to keep the run's files apart")
+
+
+def kept_wandb_note(run: dict) -> str | None:
+    """One note when ``train.overwrite=true`` replaces a run of ours whose W&B folder
+    (``<wandb.dir or run_dir>/wandb``) holds run folders (``offline-run-*``, ``run-*``),
+    or ``None`` (tester round 64: they were kept without a word, beside the new run's).
+    The replace removes the run's own files only (``rundir.RUN_FILES``, plots); W&B's
+    stay, since an offline run not yet synced may be the only copy of its charts."""
+    from hdet_scale.train.rundir import RUN_FILES  # rundir imports this module
+
+    t, w = run["train"], run["wandb"]
+    run_dir = run["run_dir"]
+    if not t.get("overwrite") or t.get("resume"):
+        return None
+    try:
+        if not any(n in os.listdir(run_dir) for n in RUN_FILES):
+            return None
+        folder = os.path.join(w.get("dir") or run_dir, "wandb")
+        kept = sorted(n for n in os.listdir(folder) if n.startswith(("offline-run-", "run-")))
+    except OSError:
+        return None
+    if not kept:
+        return None
+    n = len(kept)
+    shown = ", ".join(kept[:_SHOWN]) + (", ..." if n > _SHOWN else "")
+    return (f"train.overwrite=true replaces the run in {run_dir} (metrics.jsonl, summary.json, checkpoint/, plots/) "
+            f"but keeps its W&B folder {folder}: {n} run folder{'' if n == 1 else 's'} ({shown}) of earlier runs "
+            f"stay{'s' if n == 1 else ''} beside this run's; sync them (wandb sync {folder}/offline-run-*) or delete them")

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 
 from hdet_scale.safe_parse import json_load, json_loads  # tester round 45: deep nesting is a ValueError
@@ -296,8 +297,10 @@ def _broken_link(path: str) -> str | None:
 
 def truncate_metrics(path: str, step: int) -> int:
     """Drop the records of ``path`` (JSONL) past optimizer step ``step`` (those of the run
-    that died after its checkpoint) and a torn last line, atomically. Returns how many
-    records were dropped."""
+    that died after its checkpoint), the end-of-run converge at ``step`` itself (a record
+    with ``hdet/final_converge`` and no ``hdet/sync``: a run stopped before total_steps
+    averaged after saving each replica, and the resume goes on from those, not from the
+    average), and a torn last line, atomically. Returns how many records were dropped."""
     if not os.path.exists(path):
         return 0
     kept, dropped = [], 0
@@ -310,7 +313,9 @@ def truncate_metrics(path: str, step: int) -> int:
             except ValueError:
                 dropped += 1
                 continue
-            if record.get("step") is not None and record["step"] > step:
+            at = record.get("step")
+            if at is not None and (at > step or (at == step and "hdet/final_converge" in record
+                                                 and "hdet/sync" not in record)):
                 dropped += 1
             else:
                 kept.append(line if line.endswith("\n") else line + "\n")
@@ -350,15 +355,43 @@ def _remove_plots(run_dir: str) -> None:
         os.rmdir(folder)  # only when empty
 
 
-def trim_for_resume(run: dict, step: int) -> None:
+def trim_for_resume(run: dict, step: int, every: int = 1) -> None:
     """Rank 0, after the checkpoint loaded and before the first new record: keep the
     metrics up to ``step``, the optimizer step the load restored (the scheduler's own,
     not ``hdet_layout.json``'s index: tester round 26, an index naming another step for
     the tag left the records of steps 21-25 twice), so ``metrics.jsonl`` reads like one
-    uninterrupted run, and drop the stopped run's ``summary.json``."""
+    uninterrupted run, and drop the stopped run's ``summary.json``. When the file holds
+    no record of the last step ``every`` (``hdet.logging.every``) logs at or before
+    ``step`` (deleted, or cut short by hand), a note on stderr names the steps whose
+    records are gone: the resumed run appends after them (tester round 64: a silent gap)."""
     run_dir = run["run_dir"]
-    truncate_metrics(os.path.join(run_dir, "metrics.jsonl"), step)
+    path = os.path.join(run_dir, "metrics.jsonl")
+    truncate_metrics(path, step)
     _remove(os.path.join(run_dir, "summary.json"))
+    expected = step - step % max(1, every)
+    last = last_record_step(path)
+    if expected > 0 and (last is None or last < expected):
+        held = "no record" if last is None else f"records up to step {last} only"
+        print(f"hdet-train: note: {path} holds {held}, though the checkpoint is at step {step}: the records of "
+              f"steps {1 if last is None else last + 1}-{step} are gone, and the resumed run appends from step "
+              f"{step + 1} on", file=sys.stderr, flush=True)
+
+
+def last_record_step(path: str) -> int | None:
+    """The largest ``step`` of the records in the JSONL ``path`` (``None``: no file, or no
+    record with an integer step)."""
+    if not os.path.exists(path):
+        return None
+    last = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                at = json_loads(line).get("step")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(at, int) and (last is None or at > last):
+                last = at
+    return last
 
 
 def _remove(path: str) -> None:

@@ -40,7 +40,7 @@ def print_engine_notes(run: dict, path: str | None = None, overrides: list[str] 
     from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.config_merge import kept_by_merge
     from hdet_scale.train.engines import engine_notes
-    from hdet_scale.train.run_dir_place import foreign_files_note
+    from hdet_scale.train.run_dir_place import foreign_files_note, kept_wandb_note
     from hdet_scale.train.run_notes import never_notes
 
     ds_path = run["deepspeed_config"] or packaged("deepspeed.json")
@@ -48,8 +48,8 @@ def print_engine_notes(run: dict, path: str | None = None, overrides: list[str] 
     file_ds = load_deepspeed_json(ds_path)
     notes = (engine_notes(run["deepspeed"], run["backend"]) + switch_notes(run, file_ds) + never_notes(run)
              + kept_by_merge(overrides or [], file_ds, shown))
-    place = foreign_files_note(run)  # tester round 59: a run_dir of the user's own files
-    for note in empty_file_notes(path) + ([place] if place else []) + notes:
+    place = [n for n in (foreign_files_note(run), kept_wandb_note(run)) if n]  # rounds 59, 64
+    for note in empty_file_notes(path) + place + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
 
 

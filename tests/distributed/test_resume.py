@@ -69,7 +69,7 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-def assert_same_run(run_dir, reference) -> None:
+def assert_same_run(run_dir, reference, resumed_from: int = 6) -> None:
     want, want_summary = reference
     got = records(run_dir)
     # every step once: the dead run's records after its checkpoint were dropped
@@ -85,7 +85,26 @@ def assert_same_run(run_dir, reference) -> None:
             assert (g["hdet/step"], g["hdet/sync"]) == (w["hdet/step"], w["hdet/sync"])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["val_loss"] == want_summary["val_loss"]
-    assert summary["steps"] == 8 and summary["resumed_from_step"] == 6
+    assert summary["steps"] == 8 and summary["resumed_from_step"] == resumed_from
+
+
+def test_a_run_in_two_parts_of_one_schedule_ends_as_the_uninterrupted_run(tmp_path, uninterrupted):
+    """Tester round 64: ``train.steps=5`` of ``schedule.total_steps=8`` (step 5 no sync
+    step, a checkpoint at 3 and at the end), then ``train.resume=true`` with
+    ``train.steps=8``, equals the uninterrupted run bit for bit (every LR, loss and sync
+    record, and the final val_loss): the first part saved each replica before averaging
+    them for its own evaluation (logged as ``hdet/final_converge`` at step 5, without a
+    sync, and dropped by the resume). Before, the average came first and every later
+    step differed."""
+    run_dir = tmp_path / "run"
+    first = [a for a in SHORT if not a.startswith("train.steps=")]
+    proc = hdet_train([f"run_dir={run_dir}", *first, "train.steps=5", "deepspeed.hdet.schedule.total_steps=8"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    end = [r for r in records(run_dir) if r.get("hdet/final_converge")]
+    assert [(r["step"], "hdet/sync" in r) for r in end] == [(5, False)], end
+    proc = hdet_train([f"run_dir={run_dir}", *SHORT, "train.resume=true", "deepspeed.hdet.schedule.total_steps=8"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(run_dir, uninterrupted("deepspeed"), resumed_from=5)
 
 
 def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninterrupted):

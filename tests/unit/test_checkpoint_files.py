@@ -94,6 +94,43 @@ def test_truncated_metrics_read_like_one_run(tmp_path):
     assert path.read_text() == '{"step": 7, "a": 1}\n{"step": 8, "a": 2}\n{"step": 8, "hdet/sync": 1}\n'
 
 
+def test_the_end_converge_of_a_run_stopped_before_total_steps_is_dropped_at_its_resume(tmp_path):
+    """A run stopped at step 8 of a longer schedule saved each replica, then averaged them
+    for its evaluation (logged ``hdet/final_converge`` without ``hdet/sync``); its resume
+    goes on from the saved replicas, so that record goes; the final converge of a sync
+    step (with ``hdet/sync``) and earlier ones stay."""
+    path = tmp_path / "metrics.jsonl"
+    kept = '{"step": 6, "hdet/final_converge": 1}\n{"step": 8, "a": 2}\n{"step": 8, "hdet/sync": 2, "hdet/final_converge": 1}\n'
+    path.write_text(kept + '{"step": 8, "hdet/step": 8, "hdet/final_converge": 1, "hdet/converge_s": 0.1}\n')
+    assert rundir.truncate_metrics(str(path), 8) == 1
+    assert path.read_text() == kept
+
+
+def test_a_resume_whose_metrics_were_deleted_or_cut_notes_the_gap(tmp_path, capsys):
+    """Tester round 64: a resume after metrics.jsonl was deleted or cut short by hand
+    appended after a gap without a word. The trim now notes the steps whose records are
+    gone; a file holding the last logged step (every 4: step 8 for a checkpoint at 10)
+    gets no note."""
+    from hdet_scale.train import rundir
+
+    run = {"run_dir": str(tmp_path)}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}}}\n' for s in (4, 8, 12)))
+    rundir.trim_for_resume(run, 10, every=4)
+    assert capsys.readouterr().err == "" and path.read_text() == '{"step": 4}\n{"step": 8}\n'
+    path.write_text('{"step": 4}\n{"step": 5, "hdet/lo')  # cut short by hand, mid-line
+    rundir.trim_for_resume(run, 10, every=4)
+    assert capsys.readouterr().err == (
+        f"hdet-train: note: {path} holds records up to step 4 only, though the checkpoint is at step 10: the "
+        "records of steps 5-10 are gone, and the resumed run appends from step 11 on\n")
+    path.unlink()
+    rundir.trim_for_resume(run, 10, every=1)
+    assert f"{path} holds no record, though the checkpoint is at step 10: the records of steps 1-10" in \
+        capsys.readouterr().err
+    rundir.trim_for_resume(run, 3, every=4)  # nothing logged before step 4: no gap
+    assert capsys.readouterr().err == ""
+
+
 def test_a_tail_of_bytes_that_are_not_utf8_is_dropped_like_a_torn_line(tmp_path):
     """Tester round 12: random bytes appended to metrics.jsonl raised UnicodeDecodeError
     on every rank at resume; they are a damaged tail, dropped, the records kept as written."""
@@ -326,6 +363,18 @@ def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_
     assert str(err.value).startswith(f"checkpoint {ckpt} has no folder for replica(s) [0, 1] at tag 'global_step20'; "
                                      f"{advice}"), err.value
     assert "global_step10 (step 10)" in str(err.value)
+    # tester round 64: a replica folder gone from two tags; each was offered as the way on
+    # from the other. Only a tag whose folders are all there is offered (global_step5).
+    shutil.rmtree(ckpt / "replica_0" / "global_step10")
+    (ckpt / "latest").write_text("global_step10")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert "latest (global_step5 (step 5)), or start a new run_dir" in str(err.value), err.value
+    shutil.rmtree(ckpt / "replica_1" / "global_step5")
+    with pytest.raises(HDETStateError) as err:
+        check_resumable(str(ckpt), 4, REPLICAS, "ddp")
+    assert str(err.value).endswith("has no folder for replica(s) [0] at tag 'global_step10'; restore them from a "
+                                   "copy, or start a new run_dir"), err.value
 
 
 def test_a_cut_short_archive_is_named_once(tmp_path):

@@ -274,3 +274,41 @@ def test_an_index_whose_step_disagrees_with_its_tag_is_damaged(tmp_path):
     (tmp_path / "hdet_layout.json").write_text(json.dumps(layout))
     (tmp_path / "latest").write_text("best")
     assert read_layout(str(tmp_path))["step"] == 15
+
+
+def test_a_checkpoint_of_another_optimizer_class_is_refused_before_anything_loads(tmp_path):
+    """Tester round 64: an AdamW checkpoint loaded into an SGD run (the library's DDP and
+    FSDP2 backends, gloo world 1) loaded, and the first step raised ``KeyError:
+    'momentum'``. Shown first: torch's own load_state_dict takes AdamW's state into SGD
+    without a word. Now ``load_checkpoint`` raises HDETStateError naming both classes and
+    leaves the model's weights as they were (compared exactly); the same optimizer class
+    loads."""
+    import pytest
+    import torch.distributed as dist
+
+    from hdet_scale.backends import ddp, fsdp2
+    from hdet_scale.errors import HDETStateError
+
+    _world_of_one(tmp_path)
+    try:
+        for lib in (ddp, fsdp2):
+            engine = _trained(lib, tmp_path)
+            ckpt = tmp_path / f"checkpoint_{lib.__name__.rsplit('.', 1)[1]}"
+            lib.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+            torch.manual_seed(1)
+            cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
+            model, sgd, sched = lib.initialize(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)),
+                                               cfg, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9))
+            probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+            probe.load_state_dict({"state": {}, "param_groups": [
+                {**engine.optimizer.state_dict()["param_groups"][0], "params": [0]}]})  # torch: no error
+            assert "momentum" not in probe.param_groups[0]
+            before = [_full(p).clone() for p in model.parameters()]
+            with pytest.raises(HDETStateError) as err:
+                lib.load_checkpoint(model, sgd, sched, str(ckpt))
+            assert "saved from torch AdamW, and this run's optimizer is SGD" in str(err.value), str(err.value)
+            assert all(torch.equal(a, _full(p)) for a, p in zip(before, model.parameters()))
+            assert sched.step_count == 0
+            lib.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))  # same class: loads
+    finally:
+        dist.destroy_process_group()

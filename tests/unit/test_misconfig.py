@@ -1556,3 +1556,24 @@ def test_a_config_file_without_settings_is_noted(tmp_path, capsys, monkeypatch, 
     assert "holds no settings" in capsys.readouterr().err
     load_run_config(str(one), [])
     assert "holds no settings" not in capsys.readouterr().err
+
+
+def test_hdet_train_prints_the_paper_controllers_decay_warning_before_the_ranks_start(monkeypatch, capsys):
+    """Tester round 64: the 'paper' controller's decay outrunning its meta-update was
+    warned only where the controller is built, in the ranks, which drop the config
+    warnings (the launcher printed those of the checks once): hdet-train said nothing,
+    where hdet-dryrun and prepare() warn. The checks now meet it; the log controller's
+    run (same settings otherwise) warns of nothing."""
+    from hdet_scale.train.cli import _validate_once
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    monkeypatch.delenv("RANK", raising=False)
+    for controller, warned in (("paper", True), ("log", False)):
+        run = load_run_config(None, [f"deepspeed.hdet.auto.controller={controller}", "train.steps=40",
+                                     "wandb.enabled=false"])
+        capsys.readouterr()
+        _validate_once(lambda r, w: validate(r, w, build_model=False), run, 4, True)
+        err = capsys.readouterr().err
+        assert ("hdet-train: warning: hdet.auto: the decay (auto.decay='auto') cuts the base LR" in err) == warned, err
+        assert ("piecewise-constant decay" in err) == warned, err

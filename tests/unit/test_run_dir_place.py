@@ -128,3 +128,28 @@ def test_in_nproc_terms_keeps_other_errors_and_lines():
     assert text == ("invalid config:\n  deepspeed.hdet.replicas: nproc=6 gives a world of 6 ranks, and "
                     "deepspeed.hdet.replicas=4 needs nproc to be a multiple of 4 (nproc=4, 8, ...); or set "
                     "deepspeed.hdet.replicas to one of [1, 2, 3, 6]\n  deepspeed.hdet.x: bad"), text
+
+
+def test_overwrite_notes_the_replaced_runs_wandb_folders_it_keeps(no_world, tmp_path, capsys):
+    """Tester round 64: train.overwrite=true kept the replaced run's offline W&B run
+    folder beside the new run's without a word. One note at the start names the folder,
+    the count and how to sync or delete them; none without a run to replace, without
+    overwrite, or with an empty W&B folder. Nothing is removed."""
+    from hdet_scale.train.run_dir_place import kept_wandb_note
+
+    wandb_dir = tmp_path / "wandb"
+    (wandb_dir / "offline-run-20261206_010101-abc").mkdir(parents=True)
+    (wandb_dir / "debug.log").write_text("")
+    assert kept_wandb_note(_run(tmp_path, "train.overwrite=true")) is None  # no run of ours to replace
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert kept_wandb_note(_run(tmp_path)) is None  # no overwrite: start_mode refuses
+    assert kept_wandb_note(_run(tmp_path, "train.overwrite=true", "train.resume=true")) is None
+    note = kept_wandb_note(_run(tmp_path, "train.overwrite=true"))
+    assert note == (f"train.overwrite=true replaces the run in {tmp_path} (metrics.jsonl, summary.json, checkpoint/, "
+                    f"plots/) but keeps its W&B folder {wandb_dir}: 1 run folder (offline-run-20261206_010101-abc) of "
+                    f"earlier runs stays beside this run's; sync them (wandb sync {wandb_dir}/offline-run-*) or delete "
+                    "them"), note
+    assert cli.main([*TINY, "nproc=2", f"run_dir={tmp_path}", "train.overwrite=true"]) == 0 and len(no_world) == 1
+    err = capsys.readouterr().err
+    assert err.count(f"hdet-train: note: {note}") == 1, err
+    assert (wandb_dir / "offline-run-20261206_010101-abc").is_dir()

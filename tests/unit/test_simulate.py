@@ -208,33 +208,54 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
     assert again.scheduler.converged_step == again.scheduler.step_count == 5
 
 
-def test_a_last_step_before_total_steps_converges_without_moving_the_hdet_state():
+def test_a_run_stopped_before_total_steps_resumes_as_the_uninterrupted_run():
     """Tester round 64: hdet-train with train.steps (last_step) shorter than total_steps
-    ended with a logged sync, which advanced the sync count, the permutations and the
-    interval losses, so a resume up to total_steps moved the base apart from the
-    uninterrupted run. There the end converges only: the HDET state after step 5 equals
-    that of a run that goes on to step 10 (compared with such a run), and the replicas
-    are equal."""
+    averaged the replicas at its last step, before its checkpoint, so a resume up to
+    total_steps parted from the uninterrupted run. Now that step is like any other: the
+    state after step 5 (models, optimizers, HDET state) equals that of a run going on to
+    10; a resume from it ends bit-for-bit (atol 0) as the uninterrupted run; ``finish()``
+    afterwards averages the replicas (their exact mean) and logs it, leaving the sync
+    count, permutations and controller alone."""
     auto = {"enabled": True, "fitness": "train_loss", "warmup_steps": 0, "controller": "log"}
+    data = make_data(10, 2)
 
-    def run(last):
+    def sim_for(last):
         sim = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=10, spread=0.5,
                                                         sharing="replica", auto=auto))
         sim.scheduler.last_step = last
-        data = make_data(5, 2)
-        for t in range(5):
-            sim.step(loss_for(data, t))
         return sim
 
-    short, going_on = run(5), run(10)
-    a, b = short.scheduler.state_dict(), going_on.scheduler.state_dict()
+    short, whole = sim_for(5), sim_for(10)
+    for t in range(5):
+        short.step(loss_for(data, t))
+        whole.step(loss_for(data, t))
+    saved = copy.deepcopy(short.state_dict())  # hdet-train's checkpoint: before finish()
+    a, b = short.scheduler.state_dict(), whole.scheduler.state_dict()
     assert a["sync_count"] == b["sync_count"] == 2 and a["permutations"] == b["permutations"]
     assert a["controller"] == b["controller"] and a["sync"] == b["sync"]
     assert torch.equal(a["generator"], b["generator"])
-    for p, q in zip(short.models[0].parameters(), short.models[1].parameters()):
-        assert torch.equal(p, q)
-    assert any(not torch.equal(p, q) for p, q in zip(going_on.models[0].parameters(),
-                                                     going_on.models[1].parameters()))
+    apart = [params_of(m) for m in short.models]
+    assert any(not torch.equal(p, q) for p, q in zip(*apart))  # step 5 is no sync: still apart
+    for m, n in zip(short.models, whole.models):
+        for p, q in zip(m.parameters(), n.parameters()):
+            assert torch.equal(p, q)
+    rec = short.scheduler.finish()
+    assert rec["hdet/final_converge"] == 1 and rec["hdet/step"] == 5 and "hdet/sync" not in rec, rec
+    assert short.scheduler.finish() is None  # once
+    after = short.scheduler.state_dict()
+    assert after["sync_count"] == 2 and after["permutations"] == a["permutations"] and after["sync"] == a["sync"]
+    for i, p in enumerate(short.models[0].parameters()):
+        torch.testing.assert_close(p, (apart[0][i] + apart[1][i]) / 2, rtol=0, atol=0)
+        assert torch.equal(p, list(short.models[1].parameters())[i])
+    resumed = sim_for(10)
+    resumed.load_state_dict(saved)
+    for t in range(5, 10):
+        resumed.step(loss_for(data, t))
+        whole.step(loss_for(data, t))
+    assert whole.scheduler.finish() is None  # step 10 synced
+    for m, n in zip(resumed.models, whole.models):
+        for p, q in zip(m.parameters(), n.parameters()):
+            assert torch.equal(p, q)
 
 
 # ---- (c) replica LRs = base x multiplier[perm[r]] ---------------------------------------
