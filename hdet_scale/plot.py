@@ -106,7 +106,9 @@ def _save(fig, folder: PlotsFolder, name: str, written: list[str], log: Callable
 def write_plots(run_dir: str, out_dir: str | None = None,
                 log: Callable[[str], None] = print, overwrite: bool = False) -> list[str]:
     """Write the run's PNGs (module docstring) into ``out_dir`` (default
-    ``run_dir/plots``, created) and return their paths, in writing order. ``log`` gets
+    ``run_dir/plots``, created) and return their paths, in writing order. ``run_dir`` may
+    also name a JSONL file of HDET records (``hdet.logging.jsonl`` of the library or
+    ``HDETTrainer``): the default folder is then ``<file without .jsonl>_plots`` beside it. ``log`` gets
     one line per skipped plot and per earlier PNG removed (``hdet_scale.plot_out``).
 
     Raises:
@@ -117,19 +119,26 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ImportError: no matplotlib.
         OSError: a PNG or the folder's record cannot be written.
     """
-    if os.path.isfile(run_dir):  # tester round 24: "<file>/metrics.jsonl: Not a directory"
-        raise HDETConfigError(f"{run_dir} is a file: hdet-plot takes the run_dir that holds metrics.jsonl "
-                              f"({os.path.dirname(run_dir) or '.'} here?)")
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.isdir(run_dir) and not os.path.lexists(path):  # "No such file or directory" said nothing of why
+    metrics = None  # a JSONL named itself: hdet.logging.jsonl of the library or HDETTrainer (tester round 63)
+    if os.path.isfile(run_dir):
+        if not run_dir.endswith(".jsonl"):  # tester round 24: "<file>/metrics.jsonl: Not a directory"
+            raise HDETConfigError(f"{run_dir} is a file, not a .jsonl: hdet-plot takes the run_dir that holds "
+                                  f"metrics.jsonl ({os.path.dirname(run_dir) or '.'} here?) or a JSONL of HDET "
+                                  "records (hdet.logging.jsonl)")
+        metrics, run_dir = run_dir, os.path.dirname(run_dir) or "."
+        if os.path.basename(metrics) == "metrics.jsonl":
+            metrics = None  # an hdet-train run_dir's own: plotted as that run_dir
+    path = metrics or os.path.join(run_dir, "metrics.jsonl")
+    if metrics is None and os.path.isdir(run_dir) and not os.path.lexists(path):
+        # "No such file or directory" said nothing of why
         raise HDETConfigError(f"{run_dir} has no metrics.jsonl yet ({path}): a run that has not logged its first "
                               "step, or not an hdet-train run_dir")
     records = read_records(path, log)
     s = series(records)
-    if not s["val"]["steps"]:
+    if not s["val"]["steps"] and metrics is None:
         s["val"] = _summary_val(run_dir)
     import_matplotlib()  # fail before creating the folder
-    folder = claim(run_dir, out_dir, overwrite)  # another run's plots, a user's files: refused here
+    folder = claim(run_dir, out_dir, overwrite, metrics)  # another run's plots, a user's files: refused here
     existed = os.path.isdir(folder.path)
     folder.create()
     written: list[str] = []
@@ -249,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     from hdet_scale import __version__
 
     p.add_argument("--version", action="version", version=f"%(prog)s (hdet_scale) {__version__}")
-    p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl)")
+    p.add_argument("run_dir", help="the run's run_dir (holds metrics.jsonl), or a JSONL file of HDET records "
+                   "(hdet.logging.jsonl of the library or HDETTrainer; plots go to <file>_plots beside it)")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: RUN_DIR/plots); one that holds "
                    "another run's plots or other files is refused")
     p.add_argument("--overwrite", action="store_true", help="write into --out whatever it holds: another run's "

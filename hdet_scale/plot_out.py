@@ -187,19 +187,23 @@ class PlotsFolder:
             raise
 
 
-def claim(run_dir: str, out_dir: str | None = None, overwrite: bool = False) -> PlotsFolder:
+def claim(run_dir: str, out_dir: str | None = None, overwrite: bool = False,
+          metrics_file: str | None = None) -> PlotsFolder:
     """The folder for the plots of ``run_dir``'s metrics: ``out_dir``, default
     ``run_dir/plots``, when the rules of the module docstring allow writing into it
-    (``overwrite``: whatever it holds). Reads the folder only; writes nothing.
+    (``overwrite``: whatever it holds). ``metrics_file``: a JSONL named by itself (not a
+    run_dir's ``metrics.jsonl``): its default folder is ``<file without .jsonl>_plots``,
+    which has no "own folder" rule (new, empty, or its own earlier plots). Reads the
+    folder only; writes nothing.
 
     Raises:
         HDETConfigError: the folder holds another run's plots, files that are not hdet
             plots, or a record that cannot be read (without ``overwrite``), or cannot be
             listed: one line naming it, what it holds and the way out.
     """
-    metrics = os.path.realpath(os.path.join(run_dir, "metrics.jsonl"))
-    own = os.path.join(run_dir, "plots")
-    path = out_dir or own
+    metrics = os.path.realpath(metrics_file or os.path.join(run_dir, "metrics.jsonl"))
+    own = os.path.join(run_dir, "plots") if metrics_file is None else None
+    path = out_dir or own or os.path.splitext(metrics_file)[0] + "_plots"
     if not os.path.isdir(path):  # not there yet; or a file in its place, which create() names
         return PlotsFolder(path, run_dir, metrics, set(), None)
     try:
@@ -208,7 +212,7 @@ def claim(run_dir: str, out_dir: str | None = None, overwrite: bool = False) -> 
         raise HDETConfigError(f"{path}: cannot list the plots folder ({e.strerror or e}); choose another --out"
                               ) from None
     record = read_record(path)
-    is_own = os.path.realpath(path) == os.path.realpath(own)
+    is_own = own is not None and os.path.realpath(path) == os.path.realpath(own)
     earlier = set(record["pngs"]) if record is not None else set()
     if is_own or _run_of(path) is not None:  # a run's plots folder: every PNG of hdet-plot's names is one
         earlier |= {n for n in names if _is_plot_name(n)}

@@ -308,14 +308,31 @@ def test_a_bad_mplbackend_neither_fails_the_run_nor_the_command(tmp_path):
     assert sorted(os.listdir(run / "plots")) == sorted(os.listdir(tmp_path / "out")) != []
 
 
-def test_the_metrics_file_instead_of_its_run_dir_is_named(tmp_path, capsys):
+def test_a_metrics_file_is_plotted_as_its_run_and_a_library_jsonl_beside_itself(tmp_path, capsys):
     """Tester round 24: ``hdet-plot RUN/metrics.jsonl`` said "RUN/metrics.jsonl/metrics.jsonl:
-    cannot read the metrics file (Not a directory)"."""
+    cannot read the metrics file (Not a directory)"; round 63: a library or HDETTrainer
+    ``hdet.logging.jsonl`` could not be plotted at all. ``RUN/metrics.jsonl`` now plots as
+    ``RUN`` (the same PNGs, into RUN/plots); ``logs/hdet.jsonl`` into ``logs/hdet_plots``,
+    the same PNG names as a run_dir of the same records, and again on a second call (its
+    own earlier plots); a file that is no .jsonl is named as before."""
     run = tmp_path / "run"
     _write(run, _records())
-    assert main([str(run / "metrics.jsonl")]) == 2
-    assert f"{run / 'metrics.jsonl'} is a file: hdet-plot takes the run_dir that holds metrics.jsonl ({run} here?)" \
-        in capsys.readouterr().err
+    assert main([str(run / "metrics.jsonl")]) == 0
+    drawn = sorted(os.listdir(run / "plots"))
+    assert drawn and all(n.endswith(".png") or n.startswith(".") for n in drawn)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "hdet.jsonl").write_text((run / "metrics.jsonl").read_text())
+    (logs / "notes.txt").write_text("mine")
+    for _ in range(2):
+        assert main([str(logs / "hdet.jsonl")]) == 0, capsys.readouterr().err
+        assert sorted(os.listdir(logs / "hdet_plots")) == drawn
+    assert (logs / "notes.txt").read_text() == "mine"
+    (run / "notes.txt").write_text("x")
+    capsys.readouterr()
+    assert main([str(run / "notes.txt")]) == 2
+    assert f"{run / 'notes.txt'} is a file, not a .jsonl: hdet-plot takes the run_dir that holds metrics.jsonl " \
+           f"({run} here?)" in capsys.readouterr().err
 
 
 def test_a_binary_metrics_file_is_named_as_not_json_lines(tmp_path):
