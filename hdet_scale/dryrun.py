@@ -430,9 +430,31 @@ def main(argv: list[str] | None = None) -> int:
         cost = check_options(args.params, args.hf_config, args.precision, args.bandwidth_gbps, args.step_seconds)
         print(describe(args.config, args.world_size, args.total_steps, args.backend, cost, args.build_groups))
     except HDETConfigError as e:
-        print(f"hdet-dryrun: error: {e}", file=sys.stderr)
+        print(f"hdet-dryrun: error: {e}{_auto_hints(args.config, str(e))}", file=sys.stderr)
         return 2
     return 0
+
+
+def _auto_hints(path: str, error: str) -> str:
+    """For each ``optimizer.params`` value the file leaves ``"auto"`` that ``error`` is
+    about (a weight_decay axis over a weight_decay of 0: tester round 63, where only
+    ``TrainingArguments.weight_decay`` decides), one line saying that the check used the
+    optimizer's default and ``HDETTrainer`` takes the Trainer's value; ``""`` if none."""
+    from hdet_scale.ds_json import read_for_check
+    from hdet_scale.hf_config import without_trainer_autos
+
+    try:
+        _, autos = without_trainer_autos(read_for_check(path))
+    except Exception:  # noqa: BLE001 - a hint is not worth a second error: the first is said
+        return ""
+    hints = []
+    for key in autos:
+        name = key.rsplit(".", 1)[-1]
+        if key.startswith("optimizer.params.") and f"a {name} of 0" in error:
+            hints.append(f"\n  {key} is \"auto\" in the file: checked with the optimizer's default 0 here; "
+                         f"HDETTrainer takes TrainingArguments.{name} (Hugging Face's default 0.0 is refused the "
+                         f"same way): set {name} > 0 there, and dry-run a copy of the file with that value")
+    return "".join(hints)
 
 
 if __name__ == "__main__":

@@ -552,6 +552,17 @@ def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, 
     path.write_text(json.dumps(ds))
     assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2
     assert "hdet.replicas" in capsys.readouterr().err
+    # tester round 63: a weight_decay axis over weight_decay "auto" was refused as a
+    # weight_decay of 0 without a word of the Trainer's value, which alone decides
+    ds["hdet"]["replicas"] = 2
+    ds["hdet"]["axes"]["weight_decay"] = {"spread_ratio": 0.2}
+    path.write_text(json.dumps(ds))
+    assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "a multiplicative spread of a weight_decay of 0" in err and (
+        'optimizer.params.weight_decay is "auto" in the file: checked with the optimizer\'s default 0 here; '
+        "HDETTrainer takes TrainingArguments.weight_decay") in err, err
+    assert "optimizer.params.lr is" not in err
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
