@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Callable
 
 from hdet_scale.backends import BACKENDS
+from hdet_scale.dryrun_autos import auto_hints, trainer_autos_left_out
 from hdet_scale.errors import HDETConfigError
 
 
@@ -171,22 +172,6 @@ def _reach_line(cfg: Any, n_meta: int) -> str:
             f"{a.resolved('momentum')}; {bound})")
 
 
-def _trainer_autos_left_out(config: dict) -> tuple[dict, list[str]]:
-    """A file written for ``HDETTrainer`` checked as it checks it, without the ``"auto"``
-    values the Hugging Face Trainer fills (tester round 61: each was an error here, so such
-    a file could not be dry-run), with one note naming them."""
-    from hdet_scale.hf_config import without_trainer_autos
-
-    config, autos = without_trainer_autos(config)
-    if autos:
-        print(f"hdet-dryrun: note: {len(autos)} value(s) are \"auto\" ({', '.join(autos[:5])}"
-              f"{', ...' if len(autos) > 5 else ''}): the Hugging Face Trainer fills them from TrainingArguments "
-              "(HDETTrainer, docs/hf_trainer.md); checked without them, as HDETTrainer checks the file, so the "
-              "report uses the defaults where they are missing (hdet-train and hdet_scale.prepare refuse them)",
-              file=sys.stderr, flush=True)
-    return config, autos
-
-
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",
              cost: dict | None = None, build_groups: bool = False) -> str:
     """The dry-run report; ``total_steps`` fills ``hdet.schedule.total_steps`` when the
@@ -216,7 +201,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
                               "JSON with the hdet block as the first argument")
 
     check_deepspeed_keys(config, strict=True, optimizer_params=backend == "deepspeed")
-    config, autos = _trainer_autos_left_out(config)
+    config, autos = trainer_autos_left_out(config)
     if not isinstance(config.get("hdet", {}), dict):
         raise HDETConfigError(f"hdet: expected an object, got {config['hdet']!r}")
     # The values hdet-train refuses before any rank starts (a negative, NaN or text LR, a
@@ -430,31 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         cost = check_options(args.params, args.hf_config, args.precision, args.bandwidth_gbps, args.step_seconds)
         print(describe(args.config, args.world_size, args.total_steps, args.backend, cost, args.build_groups))
     except HDETConfigError as e:
-        print(f"hdet-dryrun: error: {e}{_auto_hints(args.config, str(e))}", file=sys.stderr)
+        print(f"hdet-dryrun: error: {e}{auto_hints(args.config, str(e))}", file=sys.stderr)
         return 2
     return 0
-
-
-def _auto_hints(path: str, error: str) -> str:
-    """For each ``optimizer.params`` value the file leaves ``"auto"`` that ``error`` is
-    about (a weight_decay axis over a weight_decay of 0: tester round 63, where only
-    ``TrainingArguments.weight_decay`` decides), one line saying that the check used the
-    optimizer's default and ``HDETTrainer`` takes the Trainer's value; ``""`` if none."""
-    from hdet_scale.ds_json import read_for_check
-    from hdet_scale.hf_config import without_trainer_autos
-
-    try:
-        _, autos = without_trainer_autos(read_for_check(path))
-    except Exception:  # noqa: BLE001 - a hint is not worth a second error: the first is said
-        return ""
-    hints = []
-    for key in autos:
-        name = key.rsplit(".", 1)[-1]
-        if key.startswith("optimizer.params.") and f"a {name} of 0" in error:
-            hints.append(f"\n  {key} is \"auto\" in the file: checked with the optimizer's default 0 here; "
-                         f"HDETTrainer takes TrainingArguments.{name} (Hugging Face's default 0.0 is refused the "
-                         f"same way): set {name} > 0 there, and dry-run a copy of the file with that value")
-    return "".join(hints)
 
 
 if __name__ == "__main__":
