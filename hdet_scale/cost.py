@@ -377,11 +377,18 @@ def check_options(params: str | None = None, hf_config: str | None = None, preci
             "step_seconds": None if step_seconds is None else positive(step_seconds, "--step-seconds", 1e-6, 1e7)}
 
 
-def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options: dict) -> str:
+def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options: dict,
+                   autos: tuple[str, ...] | list[str] = ()) -> str:
     """The cost lines of ``hdet-dryrun`` for a checked ``cfg`` (HDETConfig) and its
     DeepSpeed JSON; ``options`` from :func:`check_options`. The precision defaults to the
-    JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error."""
-    in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled") is True else "fp32"
+    JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error. ``autos``:
+    the keys the file left ``"auto"`` (HDETTrainer's, left out of ``ds_config``): a
+    ``bf16.enabled`` among them is the Trainer's ``bf16`` argument, so any ``--precision``
+    goes with it (tester round 63: it read as ``false``)."""
+    if "bf16.enabled" in autos:
+        in_file = options["precision"] or "fp32"
+    else:
+        in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled") is True else "fp32"
     precision = options["precision"] or in_file
     if precision == "bf16" and backend in ("ddp", "fairscale"):  # tester round 20: advised a refused bf16
         raise HDETConfigError(f"--precision bf16: the {backend} backend trains in float32; bf16 is available with "

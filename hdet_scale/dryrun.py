@@ -350,7 +350,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         if build_groups:
             lines.append(cost_model.groups_line(world_size, cfg.replicas))
         if cost:
-            lines.append(cost_model.dryrun_section(cfg, config, backend, world_size, cost))
+            lines.append(cost_model.dryrun_section(cfg, config, backend, world_size, cost, autos))
     return "\n".join(lines)
 
 

@@ -563,6 +563,14 @@ def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, 
         'optimizer.params.weight_decay is "auto" in the file: checked with the optimizer\'s default 0 here; '
         "HDETTrainer takes TrainingArguments.weight_decay") in err, err
     assert "optimizer.params.lr is" not in err
+    # tester round 63: bf16.enabled "auto" read as false, so --precision bf16 "differed
+    # from the file"; it is the Trainer's bf16 argument: either precision is costed
+    del ds["hdet"]["axes"]["weight_decay"]
+    path.write_text(json.dumps(ds))
+    for precision, words in (("bf16", "bf16 with fp32 masters"), ("fp32", "fp32")):
+        assert main([str(path), "--world-size", "4", "--total-steps", "100", "--params", "1e9",
+                     "--precision", precision]) == 0, capsys.readouterr().err
+        assert f"(--params), {words}, deepspeed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
