@@ -28,7 +28,7 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETResumeWarning, HDETStateError
 from hdet_scale.param_groups import LiveParamGroups, check_param_groups  # noqa: F401 (re-exported)
 from hdet_scale.probe import require_probe
-from hdet_scale.resume_changes import config_changes
+from hdet_scale.resume_changes import config_changes, peak_changes
 from hdet_scale.step_args import check_loss_args
 from hdet_scale.sync import Sync
 
@@ -503,6 +503,7 @@ class HDETScheduler:
             "generator": self.generator.get_state(),
             "sync": self.sync_obj.state_dict() if self.sync_obj is not None else {},
             "config": self.config.to_dict(),  # what a resume changed is said (resume_changes)
+            "peaks": list(self.peaks),  # the schedule's peak LR per group, idem (tester round 65)
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -513,7 +514,8 @@ class HDETScheduler:
                 sync interval, or by an incompatible version.
         Warns:
             HDETResumeWarning: other ``hdet`` settings than the state was saved with
-                (``resume_changes.config_changes``), each ``old -> new``.
+                (``resume_changes.config_changes``) or peak LR per group
+                (``resume_changes.peak_changes``), each ``old -> new``.
         """
         if state.get("version") != STATE_VERSION:
             raise HDETStateError(f"HDET state version {state.get('version')} != {STATE_VERSION}")
@@ -532,8 +534,9 @@ class HDETScheduler:
         if set(state["permutations"]) != set(self.permutations):
             raise HDETStateError("checkpoint explores different (axis, group) pairs than hdet.axes now does")
         changes = config_changes(state.get("config"), self.config.to_dict())
+        changes += peak_changes(state.get("peaks"), self.peaks)
         if changes:
-            warnings.warn(HDETResumeWarning("hdet: this checkpoint was written with other hdet settings:\n  "
+            warnings.warn(HDETResumeWarning("hdet: this checkpoint was written with other hdet settings or peak LR:\n  "
                                             + "\n  ".join(changes)), stacklevel=2)
         self.step_count = state["step"]
         self.sync_count = state["sync_count"]

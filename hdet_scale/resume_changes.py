@@ -46,3 +46,15 @@ def config_changes(saved: Any, now: dict) -> list[str]:
     missing = "(not set)"
     return [f"hdet.{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r} ({_effect(k)})"
             for k in sorted(set(old) | set(new)) if old.get(k, missing) != new.get(k, missing)]
+
+
+def peak_changes(saved: Any, now: list[float]) -> list[str]:
+    """``"peak LR of group <g>: old -> new (...)"`` for each parameter group whose peak LR
+    (the optimizer's ``lr``, or ``hdet.schedule.max_lr``) differs from the checkpoint's
+    ``saved`` list (``None``: saved before it was kept). Tester round 65: a library
+    resume with another ``lr`` trained on with it without a word, where ``hdet-train``
+    lists it."""
+    if not isinstance(saved, list) or len(saved) != len(now):
+        return []
+    return [f"peak LR of group {g}: {old!r} -> {new!r} (this run's value applies from here on)"
+            for g, (old, new) in enumerate(zip(saved, now)) if old != new]

@@ -103,3 +103,18 @@ def agreed_difference(backend: str, folder: str | None, built: dict[str, tuple[i
     found: list[str | None] = [None] * topology.world_size
     dist.all_gather_object(found, mine, group=topology.world_group)
     return next((f for f in found if f), None)
+
+
+def refuse_other_model(backend: str, load_dir: str, tag: str, folder: str, built: dict[str, tuple[int, ...]],
+                       topology: Any) -> None:
+    """Every backend's ``load_checkpoint``, before anything is loaded: raise
+    ``HDETStateError`` on every rank alike when the checkpoint's model tensors differ from
+    ``built`` (:func:`agreed_difference`; collective on the world group). Tester round 65:
+    the library's DDP load of another width was torch's state-dict traceback on every
+    rank (hdet-train and FSDP2 refused it)."""
+    from hdet_scale.errors import HDETStateError
+
+    difference = agreed_difference(backend, folder, built, topology)
+    if difference:
+        raise HDETStateError(f"the checkpoint {load_dir}/replica_*/{tag} holds another model than the one loading "
+                             f"it: {difference}")

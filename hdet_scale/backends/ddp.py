@@ -27,7 +27,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
+from hdet_scale.backends.checkpoint_shapes import refuse_other_model
 from hdet_scale.backends.common import FullParamsBackend, build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, unwrap, use_topology, wrap_ddp
+from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.checkpoints import check_optimizer_class, load_entries, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler
@@ -147,7 +149,9 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
             another backend.
             Then a file of the replica's folder whose bytes changed since it was written
             (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
-            group, every rank raising alike, before anything is loaded).
+            group, every rank raising alike, before anything is loaded). Then a checkpoint of another model (tensors of
+            another shape, missing or extra: ``checkpoint_shapes.refuse_other_model``,
+            one more collective, every rank raising alike, before anything is loaded).
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, "ddp", tag)
@@ -155,10 +159,13 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     rdir = replica_dir(load_dir, t, tag)
     check_optimizer_class(rdir, t, optimizer)  # before anything is loaded
     module = unwrap(model)
+    refuse_other_model("ddp", load_dir, tag, rdir, {k: tuple(v.shape) for k, v in module.state_dict().items()}, t)
+    settings = group_settings(optimizer)
     device = next(module.parameters()).device
     state = load_entries(os.path.join(rdir, MODEL_FILE), ("model", "optimizer"), map_location=device,
                          weights_only=False)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    warn_kept_settings(settings, optimizer, scheduler.config.axes)
     load_hdet_state(rdir, t, scheduler)
     return tag

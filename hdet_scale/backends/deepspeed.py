@@ -27,6 +27,8 @@ from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.backends.ds_prepare import prepare_config
 from hdet_scale.backends.common import attach_sync, check_probe, check_sinks, use_topology, make_logger
 from hdet_scale.backends.checkpoints import check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
+from hdet_scale.backends.checkpoint_shapes import refuse_other_model
+from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.backends.ds_shared import link_tool_files, name_shared_params_everywhere
@@ -401,12 +403,19 @@ def load_checkpoint(engine: Any, scheduler: HDETScheduler, load_dir: str, tag: s
             replica folder (checked before any collective, identically on every rank).
             Then a file of the replica's folder whose bytes changed since it was written
             (its CRC-32s, ``checkpoint_io.verify_checksums``: one collective on the world
-            group, every rank raising alike, before anything is loaded).
+            group, every rank raising alike, before anything is loaded). Then a checkpoint of another model (tensors of
+            another shape, missing or extra: ``checkpoint_shapes.refuse_other_model``,
+            one more collective, every rank raising alike, before anything is loaded).
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, "deepspeed", tag)
     verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
+    # ZeRO-3 partitions: ds_shape is the full shape
+    refuse_other_model("deepspeed", load_dir, tag, rdir,
+                       {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in engine.module.named_parameters()}, t)
+    settings = group_settings(engine.optimizer)
     _, client = engine.load_checkpoint(os.path.dirname(rdir), tag=tag, load_lr_scheduler_states=False)
+    warn_kept_settings(settings, engine.optimizer, scheduler.config.axes)
     load_hdet_state(rdir, t, scheduler)
     return client or {}

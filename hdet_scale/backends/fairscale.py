@@ -45,6 +45,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
+from hdet_scale.backends.checkpoint_shapes import refuse_other_model
+from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.checkpoints import (check_optimizer_class, check_resumable, checkpoint_target, finish_checkpoint, load_entries,
                                              load_hdet_state, replica_dir, save_hdet_state)
 from hdet_scale.backends.common import (  # build_topology: re-exported, fairscale.build_topology(config)
@@ -325,13 +327,18 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
             (``checkpoints.check_optimizer_class``, before anything is loaded);
             no checkpoint, another ``R x S`` layout or backend (checked
             before reading any shard), a file whose bytes changed since it was written
-            (its CRC), or another OSS partition (different model or parameter groups).
+            (its CRC), a checkpoint of another model (``checkpoint_shapes.refuse_other_model``:
+            one collective, every rank raising alike), or another OSS partition
+            (different parameter groups).
     """
     t = scheduler.topology
     tag = check_resumable(load_dir, t.world_size, t.replicas, BACKEND, tag)
     verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
     check_optimizer_class(rdir, t, optimizer.optim)  # before anything is loaded
+    refuse_other_model(BACKEND, load_dir, tag, rdir, {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()},
+                       t)
+    settings = group_settings(optimizer.optim)
     module = unwrap(model)
     device = next(module.parameters()).device
     shard = load_entries(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), ("owned", "buffers", "optimizer"),
@@ -345,5 +352,6 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     optimizer.optim.load_state_dict(shard["optimizer"])
     # The inner groups hold the last step's values of every key; HDET re-applies its own.
     optimizer._sync_param_groups(optimizer.optim.param_groups, optimizer.param_groups)
+    warn_kept_settings(settings, optimizer.optim, scheduler.config.axes)
     load_hdet_state(rdir, t, scheduler)
     return tag

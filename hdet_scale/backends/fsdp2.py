@@ -47,8 +47,9 @@ from torch.optim import Optimizer
 
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
-from hdet_scale.backends.checkpoint_shapes import agreed_difference
+from hdet_scale.backends.checkpoint_shapes import refuse_other_model
 from hdet_scale.backends.common import build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, use_topology
+from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.checkpoints import (check_optimizer_class, check_resumable, checkpoint_target, finish_checkpoint,
                                              load_hdet_state, replica_dir, save_hdet_state)
 from hdet_scale.config import HDETConfig
@@ -333,13 +334,11 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     verify_checksums(load_dir, tag, t)
     rdir = replica_dir(load_dir, t, tag)
     check_optimizer_class(rdir, t, optimizer)  # before anything is loaded
+    settings = group_settings(optimizer)
     # DCP loads the keys it is asked for: a smaller model would load from a larger
     # checkpoint without a word (tester round 28, through hdet-train)
     params, _ = _split_model_state(model)
-    difference = agreed_difference(BACKEND_NAME, rdir, {k: tuple(v.shape) for k, v in params.items()}, t)
-    if difference:
-        raise HDETStateError(f"the checkpoint {load_dir}/replica_*/{tag} holds another model than the one "
-                             f"loading it: {difference}")
+    refuse_other_model(BACKEND_NAME, load_dir, tag, rdir, {k: tuple(v.shape) for k, v in params.items()}, t)
     saved_keys = dcp.FileSystemReader(rdir).read_metadata().state_dict_metadata
     with_optimizer = any(k.startswith("optim.") for k in saved_keys)
     state = _state(model, optimizer, t.shard_index, with_optimizer)
@@ -349,6 +348,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
         set_optimizer_state_dict(model, optimizer, state["optim"])
     else:
         optimizer.state.clear()  # saved before the first step: start the moments afresh
+    warn_kept_settings(settings, optimizer, scheduler.config.axes)
     # Last: re-applies this replica's hyperparameters over the param groups just loaded.
     load_hdet_state(rdir, t, scheduler)
     return tag

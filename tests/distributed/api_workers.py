@@ -9,6 +9,7 @@ Batches are seeded by (rank, step, micro-batch), so every engine sees the same d
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import rank_tools
+from hdet_scale.errors import HDETResumeWarning
 from rank_tools import D_IN, D_OUT, LR, MICRO, WORLD
 
 BACKENDS = ("ddp", "fairscale", "fsdp2", "deepspeed")
@@ -73,11 +75,26 @@ def run(tmp: str) -> dict:
         rest = train_steps(ens, 3, 4)
         final = weights(ens)
         again = hdet_scale.prepare(rank_tools.build_model(), copy.deepcopy(CONFIG), backend=backend)
-        loaded = again.load_checkpoint(f"{tmp}/{backend}")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loaded = again.load_checkpoint(f"{tmp}/{backend}")
+        # other betas and eps than the checkpoint's: the load keeps the checkpoint's, and
+        # says so (tester round 65: without a word)
+        changed = copy.deepcopy(CONFIG)
+        changed["optimizer"]["params"].update(betas=[0.5, 0.6], eps=1e-6)
+        other = hdet_scale.prepare(rank_tools.build_model(), changed, backend=backend)
+        with warnings.catch_warnings(record=True) as kept:
+            warnings.simplefilter("always")
+            other.load_checkpoint(f"{tmp}/{backend}")
+        resume_warnings = {"same": [str(w.message) for w in seen if issubclass(w.category, HDETResumeWarning)],
+                           "changed": [str(w.message) for w in kept if issubclass(w.category, HDETResumeWarning)],
+                           "betas_after": [list(g["betas"]) for g in other.optimizer.param_groups]}
+        del other
         resumed = train_steps(again, 3, 4)
         out[backend] = {"losses": first + rest, "final": final, "tag": tag, "loaded": loaded,
                         "resumed_losses": resumed, "resumed": weights(again),
                         "lr": again.scheduler.get_last_lr()[0], "step": again.scheduler.step_count,
+                        "resume_warnings": resume_warnings,
                         "replica": again.topology.replica_index}
         # step 5 is no sync (T = 2): the replicas part; Ensemble.converge joins them (a
         # loop that stops before total_steps; tester round 61: there was no such call)

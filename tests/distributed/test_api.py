@@ -98,3 +98,20 @@ def test_ensemble_converge_averages_the_replicas_between_steps(runs):
         for rank in range(4):
             np.testing.assert_allclose(runs[rank][backend]["converged"], (apart0 + apart1) / 2, rtol=0, atol=1e-6,
                                        err_msg=f"{backend}: rank {rank}")
+
+
+def test_a_load_says_which_optimizer_settings_the_checkpoint_replaced(runs):
+    """Tester round 65: an Ensemble built with other betas and eps than its checkpoint's
+    loaded it and trained on with the checkpoint's, bit for bit, without a word (torch's
+    load_state_dict restores each group's settings; hdet-train warned from its own
+    config). Every engine now warns (HDETResumeWarning) naming each replaced setting, and
+    a load with the same settings warns of nothing: the LR, which HDET sets every step,
+    is never named."""
+    for backend in A.BACKENDS:
+        w = runs[0][backend]["resume_warnings"]
+        assert w["same"] == [], (backend, w["same"])
+        assert w["betas_after"][0] == [0.9, 0.999], (backend, w)  # what torch's load does, shown
+        assert len(w["changed"]) == 1, (backend, w["changed"])
+        text = w["changed"][0]
+        assert "group 0 betas: [0.5, 0.6] -> [0.9, 0.999]" in text and "group 0 eps: 1e-06 -> 1e-08" in text, text
+        assert " lr:" not in text and "optimizer.param_groups[g][key] after load_checkpoint" in text, text

@@ -312,3 +312,33 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_before_anything_load
             lib.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))  # same class: loads
     finally:
         dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_the_librarys_ddp_and_fairscale_loads(tmp_path):
+    """Tester round 65: the library's DDP load of a checkpoint of another width was torch's
+    "Error(s) in loading state_dict" traceback on every rank (hdet-train and FSDP2
+    refused it by name). Now every backend's load refuses it first: HDETStateError
+    naming the tensors and both shapes; the model is left as it was (compared exactly)."""
+    import pytest
+    import torch.distributed as dist
+
+    from hdet_scale.backends import ddp, fairscale
+    from hdet_scale.errors import HDETStateError
+
+    _world_of_one(tmp_path)
+    try:
+        for lib in (ddp, fairscale):
+            engine = _trained(lib, tmp_path)
+            ckpt = tmp_path / f"checkpoint_{lib.__name__.rsplit('.', 1)[1]}"
+            lib.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+            cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
+            model, opt, sched = lib.initialize(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 4)),
+                                               cfg, lambda p: torch.optim.AdamW(p, lr=1e-3))
+            before = [p.detach().clone() for p in model.parameters()]
+            with pytest.raises(HDETStateError) as err:
+                lib.load_checkpoint(model, opt, sched, str(ckpt))
+            assert "holds another model than the one loading it: 3 of another shape (0.weight: checkpoint " \
+                   "[32, 32], this run [16, 32]" in str(err.value), str(err.value)
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    finally:
+        dist.destroy_process_group()

@@ -531,6 +531,15 @@ def test_a_resume_with_other_hdet_settings_warns_with_each_change():
         assert line in text, text
     assert "logging" not in text
     assert new.replica_values("lr", 0) != a.replica_values("lr", 0)  # the same base, the new spread
+    # tester round 65: another peak LR (the optimizer's lr) applies too, and is said
+    groups = {r: [dict(g, lr=2 * g["lr"]) for g in gs] for r, gs in make_groups(old.replicas).items()}
+    peak, _, _ = make(old, groups)
+    with pytest.warns(HDETResumeWarning) as caught:
+        peak.load_state_dict(copy.deepcopy(state))
+    text = str(caught[0].message)
+    assert len(caught) == 1 and text.count("peak LR of group") == len(groups[0]), text
+    was = make_groups(old.replicas)[0][0]["lr"]
+    assert f"peak LR of group 0: {was!r} -> {2 * was!r} (this run's value applies from here on)" in text, text
     # a checkpoint written before the block was kept: nothing to compare, nothing said
     del state["config"]
     with warnings.catch_warnings():
