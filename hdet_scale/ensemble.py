@@ -249,6 +249,23 @@ class HDETScheduler:
         replica = next(iter(self.param_groups)) if replica is None else replica
         return self.model_values[replica][axis]
 
+    def _settle_model_axes(self) -> dict[str, float]:
+        """At the end of the run: every replica's model-side axes (dropout, temperature,
+        label_smoothing) set to the shared base value, the one the run's hyperparameter
+        search ends at (tester round 65: after ``train()`` each rank kept its replica's
+        temperature, so an evaluation mixed them). Returns ``{"hdet/<axis>/group_0/final":
+        value}`` for the end's record: no file of the model holds it (a module
+        attribute, not a weight)."""
+        out = {}
+        for axis in sorted(self.config.axes):
+            if specs.is_model_axis(axis):
+                value = self.base_value(axis, 0)
+                for r in self.model_values:
+                    self.model_values[r][axis] = value
+                out[f"hdet/{axis}/group_0/final"] = value
+        self._set_models()
+        return out
+
     def _set_models(self) -> None:
         for r, setters in self.model_setters.items():
             for axis, set_value in setters.items():
@@ -322,6 +339,8 @@ class HDETScheduler:
             # after saving (:meth:`finish`)
             self.sync(final=True)
         self._apply()
+        if self.step_count >= self.total_steps:  # no step follows: the replicas' shared value
+            self._settle_model_axes()
 
     def logs_step(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based, as ``step_count`` after it) gets a
@@ -409,6 +428,9 @@ class HDETScheduler:
         for a in sorted(self.config.axes) if self.step_count < self.last_step else ():
             for g in self.axis_groups(a):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
+        if self.step_count >= self.total_steps:  # what _settle_model_axes sets once step() applies
+            record.update({f"hdet/{a}/group_0/final": self.base_value(a, 0) for a in sorted(self.config.axes)
+                           if specs.is_model_axis(a)})
         self.last_sync = record
         if self.logger is not None:
             self.logger.log(record, step=self.step_count)
@@ -447,7 +469,9 @@ class HDETScheduler:
         uninterrupted one exactly. Like :meth:`converge` it leaves the sync count,
         permutations and interval losses alone; it logs ``{"hdet/step", "hdet/final_converge":
         1, "hdet/converge_s"}`` (no ``hdet/sync``: no sync happened), also kept in
-        ``last_sync``. Collective: every rank calls it at the same step.
+        ``last_sync``. Model-side axes (dropout, temperature) are set to their shared base
+        value on every replica, logged as ``hdet/<axis>/group_0/final`` (as the end at
+        ``total_steps`` does). Collective: every rank calls it at the same step.
 
         Returns the record, or None when there was nothing to average (no step taken, or
         the replicas already equal since the last step's sync)."""
@@ -458,7 +482,7 @@ class HDETScheduler:
         self.converge()
         self._wait_for_device()
         record = {"hdet/step": self.step_count, "hdet/final_converge": 1,
-                  "hdet/converge_s": time.perf_counter() - t0}
+                  "hdet/converge_s": time.perf_counter() - t0, **self._settle_model_axes()}
         self.last_sync = record
         if self.logger is not None:
             self.logger.log(record, step=self.step_count)

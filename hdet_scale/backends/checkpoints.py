@@ -30,12 +30,18 @@ def replica_dir(save_dir: str, topology: Topology, tag: str) -> str:
     return os.path.join(save_dir, f"replica_{topology.replica_index}", tag)
 
 
+#: Names the checkpoint folders use for their own files: not a tag.
+_RESERVED = (LATEST_FILE, LAYOUT_FILE, "zero_to_fp32.py", "zero_to_torch.py")
+
+
 def check_tag(tag: Any) -> None:
     """Refuse a checkpoint tag that is not one plain folder name: each replica saves into
     ``replica_<r>/<tag>``, so a tag with ``/`` or ``..`` put every replica into one
     folder, each overwriting the others' files, and the load then contradicted itself
     (tester round 57). Also refused: an empty tag, ``.``, whitespace at either end or a
-    line break (``latest`` holds the tag as one line of text).
+    line break (``latest`` holds the tag as one line of text), and the names of the
+    folders' own files (``latest``, ``hdet_layout.json``, DeepSpeed's recovery scripts,
+    ``.hdet*``).
 
     Raises:
         HDETStateError: naming the tag and what a tag may be.
@@ -45,6 +51,12 @@ def check_tag(tag: Any) -> None:
         raise HDETStateError(f"checkpoint tag {tag!r}: a tag is one folder name (each replica saves into "
                              "replica_<r>/<tag>): no '/', not '.' or '..', no whitespace at its ends or line "
                              "break; e.g. global_step100, or leave tag=None for global_step<step>")
+    if tag in _RESERVED or tag.startswith(".hdet"):
+        # tester round 65: "latest" is the name of DeepSpeed's link in each replica folder
+        # (and its tools' file), the others files of the checkpoint folder itself
+        raise HDETStateError(f"checkpoint tag {tag!r}: a name the checkpoint folder uses for its own files "
+                             f"({', '.join(_RESERVED)}); e.g. global_step100, or leave tag=None for "
+                             "global_step<step>")
 
 
 def check_save_dir(save_dir: Any) -> None:

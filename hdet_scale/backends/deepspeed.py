@@ -301,6 +301,16 @@ def zero_init(topology: Topology, config: str | dict, **kwargs: Any) -> Any:
                                config_dict_or_path=ds, **kwargs)
 
 
+#: ``deepspeed.initialize`` arguments HDET gives itself when the block is on.
+_HDET_KWARGS = {
+    "lr_scheduler": "the HDET scheduler is the engine's lr_scheduler (hdet.schedule sets the LR: docs/config.md)",
+    "mpu": "HDET's topology hands DeepSpeed the shard group (pass topology=hdet_scale.build_topology(config) to "
+           "build the process groups first)",
+    "mesh_param": "HDET's topology hands DeepSpeed the shard group (topology=hdet_scale.build_topology(config))",
+    "config_params": "give the DeepSpeed config (with its hdet block) as config=",
+}
+
+
 def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, collate_fn: Any = None, logger: Any = None,
                dist_backend: str | None = None, probe: Any = None, topology: Topology | None = None,
@@ -333,12 +343,18 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
     Validation happens before ``torch.distributed`` is touched, identically on every rank.
 
     Raises:
-        HDETConfigError: invalid ``"hdet"`` block, incompatible DeepSpeed keys, or a
-            ``topology`` of another layout.
+        HDETConfigError: invalid ``"hdet"`` block, incompatible DeepSpeed keys, a
+            ``topology`` of another layout, or (with the block on) a keyword HDET gives
+            ``deepspeed.initialize`` itself: ``lr_scheduler``, ``mpu``, ``mesh_param``,
+            ``config_params``.
     """
     import deepspeed
 
     cfg, ds = prepare_config(config)
+    taken = sorted(k for k in kwargs if k in _HDET_KWARGS) if cfg.enabled else []
+    if taken:  # tester round 65: deepspeed.initialize's TypeError "got multiple values for keyword argument"
+        raise HDETConfigError("hdet_scale.initialize: " + "; ".join(f"{k}= is HDET's to give DeepSpeed: "
+                                                                    f"{_HDET_KWARGS[k]}" for k in taken))
     if logger is None:  # the block's sinks are used (make_logger below), not a caller's logger (hdet-train's)
         check_sinks(cfg)
     check_probe(cfg, probe)

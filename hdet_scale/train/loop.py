@@ -278,6 +278,14 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         "data_source": corpus.source,
         **memory,
     }
+    if rank == 0 and run["train"]["checkpoint"] and sched.step_count < sched.total_steps:
+        # tester round 65: the checkpoint of a run stopped before total_steps holds each
+        # replica (so that its resume continues the schedule exactly); val_loss is of their
+        # average, which no file holds
+        print(f"hdet-train: note: train.steps={sched.step_count} < deepspeed.hdet.schedule.total_steps="
+              f"{sched.total_steps}: the checkpoint holds each replica's own weights, for the resume "
+              "(train.resume=true, up to total_steps); val_loss is of their average, which is not saved (the "
+              "run at total_steps saves it)", file=sys.stderr, flush=True)
     if rank == 0:
         with open(os.path.join(run_dir, "summary.json"), "w") as f:
             # Strict JSON: a diverged run's NaN / inf are written as null.

@@ -53,7 +53,23 @@ def foreign_entries(run_dir: str) -> list[str] | None:
         return None
     if any(n in names for n in RUN_FILES):
         return None
-    return sorted(n for n in names if n not in (LOCK_FILE, JOB_FILE) and not n.startswith(PROBE_PREFIX))
+    return sorted(n for n in names if n not in (LOCK_FILE, JOB_FILE) and not n.startswith(PROBE_PREFIX)
+                  and not (n == "wandb" and _wandb_folder(os.path.join(run_dir, n))))
+
+
+_WANDB_NAMES = ("offline-run-", "run-", "latest-run", "debug")  # what W&B writes into its folder
+
+
+def _wandb_folder(path: str) -> bool:
+    """Whether ``path`` is a W&B folder (``run_dir/wandb``: only W&B's run folders, its
+    ``latest-run`` link and debug logs): an earlier start's own, stopped before its first
+    checkpoint (tester round 65: the restart the stop line advised was told the run_dir
+    held the user's files)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return bool(names) and all(n.startswith(_WANDB_NAMES) for n in names)
 
 
 def foreign_files_note(run: dict) -> str | None:

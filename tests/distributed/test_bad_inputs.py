@@ -245,6 +245,9 @@ CASES = [
     # an empty value (an unset $DATA) is not null: it trained on the built-in corpus without a word
     ("data_path_empty", ["data.path="], {}, 2, ["data.path: empty value", "data.path=null", "built-in corpus"], None),
     ("run_dir_empty", ["run_dir="], {}, 2, ["run_dir: empty value", "runs/default"], None),
+    # tester round 65: the run went to the W&B project "hdet" without a word
+    ("wandb_project_empty", ["wandb.project="], {}, 2, ["wandb.project: empty value", "a W&B project name",
+                                                       "hdet-scale"], None),
     # issue 9 round 8 (F4): said "Incompatible value 'None'" and no valid value
     ("backend_empty", ["backend="], {}, 2,
      ["backend: empty or null value", "one of deepspeed, fsdp2, ddp, fairscale"], None),

@@ -313,7 +313,7 @@ for micro in range(4):
         except HDETConfigError as e:
             print("REFUSED", e)
 print("STEPS", ens.scheduler.step_count)
-for tag in ("../escape", "a/b", " x", ""):
+for tag in ("../escape", "a/b", " x", "", "latest", "hdet_layout.json"):
     try:
         ens.save_checkpoint(sys.argv[1], tag=tag)
         print("ACCEPTED tag", repr(tag))
@@ -326,8 +326,8 @@ def test_a_misused_ensemble_is_refused(tmp_path):
     """Tester round 57 (library, 2 ranks): a second prepare of one model wrapped its
     parameters in a second engine and scheduler; a loop that also called
     ens.scheduler.step(loss) after ens.step() moved the schedule twice per optimizer step
-    (4 after 2); a tag with '/' or '..' put every replica into one folder. All without a
-    word. A real DDP Ensemble on a one-rank gloo world, in a child process: each is
+    (4 after 2); a tag with '/' or '..' put every replica into one folder; a tag named
+    as the folders' own files (``latest``: round 65). All without a word. A real DDP Ensemble on a one-rank gloo world, in a child process: each is
     refused, and the schedule counts the 2 optimizer steps of 4 micro-batches."""
     import os
     import socket
@@ -348,5 +348,26 @@ def test_a_misused_ensemble_is_refused(tmp_path):
         "REFUSED HDETScheduler.step: the Ensemble of hdet_scale.prepare (ens.step()) steps this scheduler itself"), lines
     assert lines[3] == "STEPS 2", lines
     assert lines[4:] == ["REFUSED checkpoint tag '../escape'", "REFUSED checkpoint tag 'a/b'",
-                         "REFUSED checkpoint tag ' x'", "REFUSED checkpoint tag ''"], lines
+                         "REFUSED checkpoint tag ' x'", "REFUSED checkpoint tag ''",
+                         # tester round 65: DeepSpeed's link in each replica folder, the index
+                         "REFUSED checkpoint tag 'latest'", "REFUSED checkpoint tag 'hdet_layout.json'"], lines
     assert not (tmp_path / "escape").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("kwarg", ["lr_scheduler", "mpu", "mesh_param", "config_params"])
+def test_a_deepspeed_keyword_hdet_gives_itself_is_refused_before_anything_starts(kwarg):
+    """Tester round 65: ``hdet_scale.initialize(..., lr_scheduler=...)`` (or ``mpu=``) was
+    deepspeed.initialize's raw ``TypeError: got multiple values for keyword argument``.
+    Refused with the block on, naming the keyword and what HDET gives there, before
+    torch.distributed starts (no process group exists here)."""
+    pytest.importorskip("deepspeed")
+    import torch.distributed as dist
+
+    from hdet_scale.backends import deepspeed as ds_backend
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "hdet": {"replicas": 1, "schedule": {"total_steps": 10}, "logging": {"wandb": {"enabled": False}}}}
+    with pytest.raises(HDETConfigError, match=rf"^hdet_scale.initialize: {kwarg}= is HDET's to give DeepSpeed: "):
+        ds_backend.initialize(torch.nn.Linear(4, 4), cfg, **{kwarg: object()})
+    assert not dist.is_initialized()

@@ -1577,3 +1577,23 @@ def test_hdet_train_prints_the_paper_controllers_decay_warning_before_the_ranks_
         err = capsys.readouterr().err
         assert ("hdet-train: warning: hdet.auto: the decay (auto.decay='auto') cuts the base LR" in err) == warned, err
         assert ("piecewise-constant decay" in err) == warned, err
+
+
+@pytest.mark.parametrize("project", ["", "  "])
+def test_an_empty_wandb_project_is_refused_not_the_fallback_project(project):
+    """Tester round 65: ``wandb.project=`` (an unset shell variable) ran, without a word,
+    into the project "hdet" (the logger's fallback), not hdet-train's "hdet-scale".
+    Refused like an empty run_dir, by hdet-train before any rank starts (the whole
+    command: test_bad_inputs) and by the library's block; W&B off reads nothing."""
+    pytest.importorskip("wandb")
+    from hdet_scale.config import WandbConfig
+    from hdet_scale.logging import check_wandb_settings
+    from hdet_scale.train import cli
+
+    with pytest.raises(HDETConfigError, match=r"^wandb.project: empty \('.*'; an unset shell variable\?\)"):
+        check_wandb_settings(WandbConfig(enabled=True, mode="offline", project=project))
+    check_wandb_settings(WandbConfig(enabled=False, project=project))
+    with pytest.raises(HDETConfigError, match=r"^wandb.project: empty value \('wandb.project=.*'; an unset shell "
+                       r"variable\?\): give a W&B project name, or leave wandb.project out for the default "
+                       r"\(hdet-scale\)"):
+        cli._check_empty_overrides([f"wandb.project={project}"])  # hdet-train's: the value reads as null there

@@ -79,6 +79,31 @@ def test_dropout_reaches_every_dropout_and_attention_module_of_each_replica():
     assert seen == {0.05, 0.15}
 
 
+@pytest.mark.parametrize("end", ["total_steps", "finish"])
+def test_the_run_ends_with_every_replica_at_the_shared_model_axis_value(end):
+    """Tester round 65: after ``train()`` each rank kept its replica's temperature, so an
+    evaluation (and anything after the run) mixed the replicas' values. At the end of
+    the run (step ``total_steps``, or ``finish()`` of a run stopped before it) every
+    replica's modules hold the base value (0.1, spread 0.05 explored around it), and the
+    end's record names it (no file of the model holds it)."""
+    sim = Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
+                    block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.1}))
+    ids = torch.arange(8).reshape(1, 8)
+    steps = 8 if end == "total_steps" else 5
+    sim.scheduler.last_step = steps
+    for _ in range(steps):
+        sim.step(lambda m, r: m(ids).float().pow(2).mean())
+    apart = [sim.scheduler.model_value("dropout", r) for r in range(2)]
+    record = sim.scheduler.finish() if end == "finish" else sim.scheduler.last_sync
+    if end == "finish":
+        assert sorted(apart) == pytest.approx([0.05, 0.15], abs=1e-15)  # still the replicas' own before it
+    assert record["hdet/dropout/group_0/final"] == pytest.approx(0.1, abs=1e-15), record
+    for r, m in enumerate(sim.models):
+        assert sim.scheduler.model_value("dropout", r) == pytest.approx(0.1, abs=1e-15)
+        assert m.head_drop.p == pytest.approx(0.1, abs=1e-15)
+        assert [a.attention_dropout for a in attentions(m)] == [m.head_drop.p] * 2
+
+
 def test_modules_patterns_narrow_what_dropout_sets():
     """``modules: ["*.self_attn"]`` sets the attention dropout only; the other ``nn.Dropout``
     keeps its own 0.1."""

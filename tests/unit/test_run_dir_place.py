@@ -153,3 +153,21 @@ def test_overwrite_notes_the_replaced_runs_wandb_folders_it_keeps(no_world, tmp_
     err = capsys.readouterr().err
     assert err.count(f"hdet-train: note: {note}") == 1, err
     assert (wandb_dir / "offline-run-20261206_010101-abc").is_dir()
+
+
+def test_an_earlier_starts_wandb_folder_is_not_the_users_files(tmp_path):
+    """Tester round 65: a start stopped before its first step left run_dir/wandb (W&B's
+    offline run folder); the restart its stop line advised was told the run_dir held 1
+    entry of the user's. A folder of W&B's own names is not counted; one with a file of
+    the user's in it, or a file named wandb, still is."""
+    wandb_dir = tmp_path / "wandb"
+    (wandb_dir / "offline-run-20261206_010101-abc" / "files").mkdir(parents=True)
+    (wandb_dir / "debug.log").write_text("")
+    (wandb_dir / "latest-run").symlink_to(wandb_dir / "offline-run-20261206_010101-abc")
+    assert foreign_files_note(_run(tmp_path, "wandb.enabled=true", "wandb.mode=offline")) is None
+    (wandb_dir / "mine.txt").write_text("x")
+    assert "holds 1 entry (wandb)" in foreign_files_note(_run(tmp_path))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "wandb").write_text("a file")
+    assert "holds 1 entry (wandb)" in foreign_files_note(_run(other))
