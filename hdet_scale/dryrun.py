@@ -229,9 +229,15 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         in_file = sched.get("total_steps")
         if in_file in (None, "auto"):  # left to the trainer, as --total-steps stands for
             sched["total_steps"] = total_steps
-        elif isinstance(in_file, int) and not isinstance(in_file, bool) and in_file != total_steps:
-            first = (f"--total-steps {total_steps} differs from hdet.schedule.total_steps={in_file} "
-                     "in the file")
+        elif isinstance(in_file, int) and not isinstance(in_file, bool) and in_file < total_steps:
+            first = (f"--total-steps {total_steps} is longer than hdet.schedule.total_steps={in_file} in the "
+                     "file: the schedule must cover the run (HDETTrainer and hdet-train refuse it)")
+        elif isinstance(in_file, int) and not isinstance(in_file, bool) and in_file > total_steps:
+            # tester round 65: refused, where HDETTrainer (max_steps) and hdet-train (train.steps)
+            # run the schedule's first steps with a warning
+            print(f"hdet-dryrun: note: --total-steps {total_steps} < hdet.schedule.total_steps={in_file}: the run "
+                  f"covers the schedule's first {total_steps} steps and ends before its LR anneals (a run to be "
+                  "resumed up to its end); the report shows the whole schedule", file=sys.stderr, flush=True)
         # else the same number, or a value of the wrong type ("100"), which the block's own
         # check names (tester round 22: "--total-steps 100 differs from ...=100")
     from hdet_scale.autolr import build_schedule, decay_for, drowning_warning

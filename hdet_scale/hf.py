@@ -196,6 +196,14 @@ class HDETTrainer(Trainer):
         cfg = self._check(max_steps)
         self._hdet_block = copy.deepcopy(block)
         check_probe(cfg, probe)
+        if cfg.logging.wandb.enabled and "wandb" in (self.args.report_to or []):
+            # tester round 65: HDET's own W&B run (opened when train() builds the engine) and
+            # the Trainer's WandbCallback in one process: the callback's wandb.config.update
+            # failed at on_train_begin ("You must call wandb.init() before ...")
+            raise HDETConfigError("hdet.logging.wandb.enabled=true beside TrainingArguments(report_to=['wandb']): "
+                                  "two W&B runs in one process, and the Trainer's callback fails at train start; "
+                                  "keep one: set hdet.logging.wandb.enabled=false (HDET's records still go to "
+                                  "hdet.logging.jsonl) or leave 'wandb' out of report_to")
         if "label_smoothing" in cfg.axes:
             # Trainer's loss comes from the model (or its LabelSmoother, one epsilon for all
             # ranks): a per-replica value would be silently ignored
@@ -369,6 +377,29 @@ class HDETTrainer(Trainer):
             self.hdet_scheduler.finish()
         return out
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.evaluate``; refused on DeepSpeed before the first ``train()``
+        (:meth:`_refuse_before_train`)."""
+        self._refuse_before_train("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.predict``; refused on DeepSpeed before the first ``train()``."""
+        self._refuse_before_train("predict")
+        return super().predict(*args, **kwargs)
+
+    def _refuse_before_train(self, what: str) -> None:
+        """On DeepSpeed, ``evaluate()`` or ``predict()`` before the first ``train()``
+        builds an inference engine that ``train()`` then reuses without HDET (tester round
+        65: an AttributeError at ``train()``, or Accelerate's ValueError on an ``"auto"``
+        total_steps; the plain Trainer fails at its first backward). Refused before
+        anything is built. Raises HDETConfigError."""
+        if self._hdet_enabled and not self._hdet_fsdp and self.hdet_scheduler is None:
+            raise HDETConfigError(f"HDETTrainer.{what}() before train(): on DeepSpeed it builds an inference engine "
+                                  "that train() would reuse without HDET (the plain Trainer then fails at its first "
+                                  "backward); call train() first (TrainingArguments(eval_on_start=True) evaluates "
+                                  "at its start)")
+
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         if not self._hdet_enabled:
             return super().create_scheduler(num_training_steps, optimizer)
@@ -387,6 +418,15 @@ class HDETTrainer(Trainer):
             return self._prepare_fsdp(cfg, max_steps, train_dataloader, resume_from_checkpoint)
         with self._hdet_engine():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
+        if self.hdet_scheduler is None:
+            # tester round 65: evaluate() (or predict()) before train() built DeepSpeed's
+            # inference engine, which train() reuses without HDET's (and without an
+            # optimizer: the plain Trainer fails at its first backward)
+            raise HDETConfigError("HDETTrainer.train: the DeepSpeed engine was built before train() (evaluate() or "
+                                  "predict() before the first train() builds an inference engine, which train() "
+                                  "reuses: the plain Trainer fails the same way, at its first backward); call "
+                                  "train() first (TrainingArguments(eval_on_start=True) evaluates at its start), "
+                                  "or train a new HDETTrainer")
         self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.deepspeed import load_checkpoint

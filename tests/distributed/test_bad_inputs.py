@@ -645,8 +645,8 @@ DRYRUN_CASES = [
      ["--total-steps: must be an integer >= 1", "got -5"]),
     # round 4: argparse kept the last of two values
     # round 12: the --total-steps mismatch was the only line; the NaN spread is reported with it now
-    ("dryrun_total_steps_mismatch_and_more", ["{d}/nan_inf.json", "--total-steps", "50"],
-     ["--total-steps 50 differs from hdet.schedule.total_steps=100", "hdet.axes.lr.spread_ratio: must be finite"]),
+    ("dryrun_total_steps_mismatch_and_more", ["{d}/nan_inf.json", "--total-steps", "500"],
+     ["--total-steps 500 is longer than hdet.schedule.total_steps=100", "hdet.axes.lr.spread_ratio: must be finite"]),
     # round 13: the message kept the tail of transformers' list of model types, not the reason
     ("dryrun_hf_config_unknown_type", ["{d}/valid.json", "--hf-config", "{d}/hf_unknown.json"],
      ["hf_unknown.json' does not build a causal LM", "nonexistent_model"]),

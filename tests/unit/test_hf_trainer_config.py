@@ -224,3 +224,41 @@ def test_an_epoch_based_run_takes_its_length_from_the_epochs(world_of_one, tmp_p
     assert trainer.state.global_step == 32
     assert trainer.hdet_scheduler.config.schedule.total_steps == 32
     assert trainer.hdet_scheduler.step_count == 32
+
+
+def test_hdet_wandb_beside_the_trainers_wandb_callback_is_refused_at_construction(world_of_one, tmp_path):
+    """Tester round 65: ``hdet.logging.wandb.enabled`` with ``report_to=["wandb"]`` crashed
+    rank 0 at train start (the Trainer's WandbCallback could not update the config beside
+    HDET's own W&B run). Refused when the HDETTrainer is built, naming both settings and
+    the two ways out; either alone is accepted."""
+    pytest.importorskip("wandb")
+    block = {**_block(), "logging": {"wandb": {"enabled": True, "mode": "offline", "dir": str(tmp_path)}}}
+    with pytest.raises(HDETConfigError, match=r"^hdet.logging.wandb.enabled=true beside "
+                                              r"TrainingArguments\(report_to=\['wandb'\]\)"):
+        _trainer(_args(tmp_path, H.ds_config(block), report_to=["wandb"]))
+    _trainer(_args(tmp_path, H.ds_config(block)))  # HDET's W&B alone
+    plain = {**_block(), "logging": {"wandb": {"enabled": False}}}
+    os.environ["WANDB_MODE"] = "offline"  # the callback's run, if it ever started (it does not here)
+    _trainer(_args(tmp_path, H.ds_config(plain), report_to=["wandb"]))  # the Trainer's alone
+
+
+def test_evaluate_before_train_is_named_not_an_attribute_error(world_of_one, tmp_path, monkeypatch):
+    """Tester round 65: ``evaluate()`` before ``train()`` built DeepSpeed's inference
+    engine, and ``train()`` then failed with ``AttributeError: 'NoneType' object has no
+    attribute 'total_steps'`` (the plain Trainer fails there too, at its first backward),
+    or Accelerate's ValueError on an "auto" total_steps. Now evaluate() and predict()
+    before train() are an HDETConfigError naming the order and the way out, before
+    anything is built: train() then trains, and evaluate() after it works."""
+    from hdet_scale.hf import HDETTrainer
+
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)  # DeepSpeed's engine reads them (a launcher sets them)
+    trainer = HDETTrainer(model=H.build_model(), args=_args(tmp_path, H.ds_config(_block()), save_strategy="no"),
+                          train_dataset=H.Progressions(), eval_dataset=H.Progressions())
+    for call in (trainer.evaluate, trainer.predict):
+        with pytest.raises(HDETConfigError, match=r"^HDETTrainer.(evaluate|predict)\(\) before train\(\): on "
+                                                  r"DeepSpeed it builds an inference engine"):
+            call(H.Progressions()) if call == trainer.predict else call()
+    trainer.train()  # nothing was built: the run trains
+    assert trainer.hdet_scheduler.step_count == 4
+    assert "eval_loss" in trainer.evaluate()  # after train(): the Trainer's own evaluation

@@ -487,7 +487,9 @@ def test_optimizer_axis_errors_come_with_the_blocks_other_errors():
     assert "hdet.replicas: 3 replicas do not divide the world of 4 ranks" in str(e.value), str(e.value)
     assert "hdet.axes.eps: the optimizer SGD has no eps" in str(e.value), str(e.value)
     with pytest.raises(HDETConfigError) as e:  # beside a --total-steps mismatch too
-        describe(sgd | {"hdet": {**sgd["hdet"], "replicas": 2}}, world_size=4, total_steps=10, backend="ddp")
-    assert str(e.value).splitlines()[1:] == ["  --total-steps 10 differs from hdet.schedule.total_steps=100 in the file",
+        describe(sgd | {"hdet": {**sgd["hdet"], "replicas": 2}}, world_size=4, total_steps=1000, backend="ddp")
+    assert str(e.value).splitlines()[1:] == ["  --total-steps 1000 is longer than hdet.schedule.total_steps=100 in the "
+                                             "file: the schedule must cover the run (HDETTrainer and hdet-train refuse "
+                                             "it)",
                                              "  hdet.axes.eps: the optimizer SGD has no eps in its parameter groups, so "
                                              "there is nothing to spread; use Adam/AdamW, or drop the axis"], str(e.value)
