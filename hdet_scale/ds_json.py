@@ -63,8 +63,10 @@ def loads_json_object(text: str, where: str) -> dict:
     except RepeatedKeyError as e:
         raise HDETConfigError(f"{where} {e}") from None
     if not isinstance(value, dict):
-        raise HDETConfigError(f"{where} must hold a JSON object ({{\"hdet\": {{...}}, ...}}), got a JSON "
-                              f"{type(value).__name__}")
+        # JSON's own names (tester round 65: "got a JSON NoneType", "a JSON str")
+        kind = {type(None): "null", str: "string", list: "array", bool: "true/false", int: "number",
+                float: "number"}.get(type(value), type(value).__name__)
+        raise HDETConfigError(f"{where} must hold a JSON object ({{\"hdet\": {{...}}, ...}}), got a JSON {kind}")
     return value
 
 

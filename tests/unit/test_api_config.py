@@ -53,7 +53,9 @@ def test_prepare_names_a_config_that_is_neither_a_path_nor_a_dict(config, line):
 
 
 def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
-    for text, line in (("[1, 2]", "must hold a JSON object"), ("{nope", "is not valid JSON")):
+    # tester round 65: JSON's own names for what the file holds, not Python's ("NoneType")
+    for text, line in (("[1, 2]", "must hold a JSON object ({\"hdet\": {...}, ...}), got a JSON array"),
+                       ("null", "got a JSON null"), ('"x"', "got a JSON string"), ("{nope", "is not valid JSON")):
         path = tmp_path / "ds.json"
         path.write_text(text)
         with pytest.raises(HDETConfigError) as e:
