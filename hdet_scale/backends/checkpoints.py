@@ -293,7 +293,10 @@ def check_optimizer_class(rdir: str, topology: Topology, optimizer: Any) -> None
         HDETStateError: the classes differ (both named, and what to do).
     """
     path = _hdet_state_path(rdir, topology)
-    saved = load_entries(path, ("scheduler",), weights_only=False).get("optimizer_class")
+    try:
+        saved = load_entries(path, ("scheduler",), weights_only=False).get("optimizer_class")
+    except HDETStateError:
+        return  # another program's file in its place: the load names it, after the model's files
     mine = type(optimizer).__name__
     if saved is not None and saved != mine:
         raise HDETStateError(f"checkpoint {rdir}: its optimizer state was saved from torch {saved}, and this run's "

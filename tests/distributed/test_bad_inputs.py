@@ -152,6 +152,14 @@ def _ckpt(layout=None, latest="global_step10", damage=None, record=None):
     return make
 
 
+def _copy_tag(ckpt, tag: str, to: str) -> None:
+    """Every replica's folder of ``tag`` copied as ``to`` (an older complete checkpoint)."""
+    import shutil
+
+    for r in range(2):
+        shutil.copytree(ckpt / f"replica_{r}" / tag, ckpt / f"replica_{r}" / to)
+
+
 def _ddp_ckpt_with_foreign_file(run) -> None:
     """A DDP checkpoint whose every file is a complete archive (the CRC check passes), but
     whose ``model_optim.pt`` holds an empty dict: another program's file in its place."""
@@ -372,8 +380,15 @@ CASES = [
      _ckpt(damage=lambda c: cut(c / "hdet_layout.json", 30))),
     ("resume_layout_list", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
      _ckpt(damage=lambda c: (c / "hdet_layout.json").write_text("[4, 2, 2]"))),
+    # the older checkpoint the layout lists is offered as the way on only where its folders are
+    # (tester round 64: two incomplete tags were offered as the way on from each other)
     ("resume_model_states_cut", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", "truncated", "global_step5 (step 5)"],
+     _ckpt(damage=lambda c: (_copy_tag(c, "global_step10", "global_step5"),
+                             cut(c / "replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", 300)))),
+    ("resume_model_states_cut_older_gone", ["run_dir={run}", "train.resume=true"], {}, 2,
+     ["replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", "truncated",
+      "restore them from a copy, or start a new run_dir"],
      _ckpt(damage=lambda c: cut(c / "replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", 300))),
     ("resume_optim_states_empty", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["replica_0/global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt", "empty"],
