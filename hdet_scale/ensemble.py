@@ -423,9 +423,11 @@ class HDETScheduler:
             self.controller.update(scored, self.permutations, self.applied,
                                    lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k))
         self.permutations = self._draw_permutations()
-        # The base of the next step; after the last step there is none (tester round 38:
-        # OneCycleLR's formula one step past its end logged ~13x the last LR).
-        for a in sorted(self.config.axes) if self.step_count < self.last_step else ():
+        # The base of the next step; after total_steps there is none (tester round 38:
+        # OneCycleLR's formula one step past its end logged ~13x the last LR). A run stopped
+        # before it logs it: its resume takes that step (tester round 66: the resumed
+        # metrics lacked the uninterrupted run's base at the stop's sync).
+        for a in sorted(self.config.axes) if self.step_count < self.total_steps else ():
             for g in self.axis_groups(a):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
         if self.step_count >= self.total_steps:  # what _settle_model_axes sets once step() applies
