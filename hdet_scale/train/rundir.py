@@ -295,12 +295,15 @@ def _broken_link(path: str) -> str | None:
     return None
 
 
-def truncate_metrics(path: str, step: int) -> int:
+def truncate_metrics(path: str, step: int, every: int = 1) -> int:
     """Drop the records of ``path`` (JSONL) past optimizer step ``step`` (those of the run
     that died after its checkpoint), the end-of-run converge at ``step`` itself (a record
     with ``hdet/final_converge`` and no ``hdet/sync``: a run stopped before total_steps
     averaged after saving each replica, and the resume goes on from those, not from the
-    average), and a torn last line, atomically. Returns how many records were dropped."""
+    average), the per-step record of ``step`` when ``logging.every`` (``every``) would not
+    have written it (the stopped run's last step is always logged; tester round 66: the
+    resumed metrics then held a record the uninterrupted run's lack), and a torn last
+    line, atomically. Returns how many records were dropped."""
     if not os.path.exists(path):
         return 0
     kept, dropped = [], 0
@@ -314,8 +317,9 @@ def truncate_metrics(path: str, step: int) -> int:
                 dropped += 1
                 continue
             at = record.get("step")
-            if at is not None and (at > step or (at == step and "hdet/final_converge" in record
-                                                 and "hdet/sync" not in record)):
+            end_only = at == step and "hdet/sync" not in record and (
+                "hdet/final_converge" in record or step % max(1, every) != 0)
+            if at is not None and (at > step or end_only):
                 dropped += 1
             else:
                 kept.append(line if line.endswith("\n") else line + "\n")
@@ -366,7 +370,7 @@ def trim_for_resume(run: dict, step: int, every: int = 1) -> None:
     records are gone: the resumed run appends after them (tester round 64: a silent gap)."""
     run_dir = run["run_dir"]
     path = os.path.join(run_dir, "metrics.jsonl")
-    truncate_metrics(path, step)
+    truncate_metrics(path, step, every)
     _remove(os.path.join(run_dir, "summary.json"))
     expected = step - step % max(1, every)
     last = last_record_step(path)

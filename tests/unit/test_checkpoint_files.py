@@ -104,6 +104,11 @@ def test_the_end_converge_of_a_run_stopped_before_total_steps_is_dropped_at_its_
     path.write_text(kept + '{"step": 8, "hdet/step": 8, "hdet/final_converge": 1, "hdet/converge_s": 0.1}\n')
     assert rundir.truncate_metrics(str(path), 8) == 1
     assert path.read_text() == kept
+    # tester round 66: logging.every 3, stopped at 8 (its last step, always logged): the
+    # uninterrupted run has no per-step record at 8; its sync record there stays
+    path.write_text('{"step": 6, "hdet/loss": 1.0}\n{"step": 8, "hdet/loss": 0.9}\n{"step": 8, "hdet/sync": 2}\n')
+    assert rundir.truncate_metrics(str(path), 8, every=3) == 1
+    assert path.read_text() == '{"step": 6, "hdet/loss": 1.0}\n{"step": 8, "hdet/sync": 2}\n'
 
 
 def test_a_resume_whose_metrics_were_deleted_or_cut_notes_the_gap(tmp_path, capsys):
