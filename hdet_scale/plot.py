@@ -128,7 +128,7 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         metrics, run_dir = run_dir, os.path.dirname(run_dir) or "."
         if os.path.basename(metrics) == "metrics.jsonl":
             metrics = None  # an hdet-train run_dir's own: plotted as that run_dir
-    path = metrics or os.path.join(run_dir, "metrics.jsonl")
+    path = source = metrics or os.path.join(run_dir, "metrics.jsonl")
     if metrics is None and os.path.isdir(run_dir) and not os.path.lexists(path):
         # "No such file or directory" said nothing of why
         raise HDETConfigError(f"{run_dir} has no metrics.jsonl yet ({path}): a run that has not logged its first "
@@ -206,8 +206,9 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         if not existed:  # and leave no empty folder made for it (tester round 43)
             with contextlib.suppress(OSError):
                 os.rmdir(folder.path)
-        raise HDETConfigError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no record of an hdet-train run in it "
-                              "(no hdet/* values per step): nothing to plot")
+        # the file given (tester round 66: a JSONL's error named ./metrics.jsonl)
+        raise HDETConfigError(f"{source}: no record of an hdet-train run in it (no hdet/* values in records with "
+                              "an integer \"step\"): nothing to plot")
     for path in folder.finish():
         log(f"removed {path}: an earlier plotting's, not drawn this time")
     return written

@@ -135,9 +135,17 @@ def resume_advice(run: dict[str, Any]) -> str:
         if ck_step is not None and ck_step >= run["train"]["steps"]:
             # tester round 56: a stop between the final checkpoint and summary.json was told to
             # resume, which is refused (nothing is left to do at train.steps)
+            sched = ((run.get("deepspeed") or {}).get("hdet") or {}).get("schedule") or {}
+            total = sched.get("total_steps") if isinstance(sched, dict) else None
+            # tester round 66: "continue with a larger train.steps" was refused when the
+            # schedule ends at train.steps (a resume keeps total_steps)
+            on = (f"to train on, continue with a larger train.steps (up to deepspeed.hdet.schedule.total_steps="
+                  f"{total}) and train.resume=true" if isinstance(total, int) and total > ck_step else
+                  "the schedule ends there, so a resume has nothing left to train: the checkpoint holds the trained "
+                  "model, without the final validation loss")
             return (f"Last checkpoint: {folder}{of}, the final one (train.steps={run['train']['steps']}): the "
                     f"training is done, but summary.json and the plots were not written (hdet-plot {run_dir} "
-                    "draws the plots); to train on, continue with a larger train.steps and train.resume=true.")
+                    f"draws the plots); {on}.")
         return (f"Last checkpoint: {folder}{of}; continue with train.resume=true and the same run_dir "
                 f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0

@@ -988,9 +988,15 @@ def test_a_stop_after_the_final_checkpoint_before_the_summary_advises_no_refused
     (run_dir / "metrics.jsonl").write_text('{"step": 20}\n')
     run = load_run_config(None, [f"run_dir={run_dir}", "train.steps=20", "train.resume=true"])
     msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", 20)
+    # tester round 66: "a larger train.steps" was refused where the schedule ends at train.steps
     assert (f"global_step20 (step 20), the final one (train.steps=20): the training is done, but summary.json and "
-            f"the plots were not written (hdet-plot {run_dir} draws the plots); to train on, continue with a larger "
-            "train.steps and train.resume=true.") in msg, msg
+            f"the plots were not written (hdet-plot {run_dir} draws the plots); the schedule ends there, so a resume "
+            "has nothing left to train: the checkpoint holds the trained model, without the final validation "
+            "loss.") in msg, msg
+    longer = load_run_config(None, [f"run_dir={run_dir}", "train.steps=20", "train.resume=true",
+                                    "deepspeed.hdet.schedule.total_steps=50"])
+    assert ("to train on, continue with a larger train.steps (up to deepspeed.hdet.schedule.total_steps=50) and "
+            "train.resume=true.") in stop_message(signal.SIGINT, longer, "all 2 ranks ended", 20)
     (ckpt / "latest").write_text("global_step10")
     assert "continue with train.resume=true and the same run_dir" in stop_message(signal.SIGINT, run, "x", 12)
 

@@ -324,6 +324,10 @@ def test_a_metrics_file_is_plotted_as_its_run_and_a_library_jsonl_beside_itself(
     logs.mkdir()
     (logs / "hdet.jsonl").write_text((run / "metrics.jsonl").read_text())
     (logs / "notes.txt").write_text("mine")
+    (logs / "one.jsonl").write_text('{"hdet/step": 1, "hdet/loss": 1.0}\n')  # no "step": nothing to draw
+    assert main([str(logs / "one.jsonl")]) == 2
+    assert f"{logs / 'one.jsonl'}: no record of an hdet-train run in it (no hdet/* values in records with an " \
+           'integer "step")' in capsys.readouterr().err  # tester round 66: it named ./metrics.jsonl
     for _ in range(2):
         assert main([str(logs / "hdet.jsonl")]) == 0, capsys.readouterr().err
         assert sorted(os.listdir(logs / "hdet_plots")) == drawn
