@@ -256,15 +256,18 @@ class HDETScheduler:
         temperature, so an evaluation mixed them). Returns ``{"hdet/<axis>/group_0/final":
         value}`` for the end's record: no file of the model holds it (a module
         attribute, not a weight)."""
-        out = {}
-        for axis in sorted(self.config.axes):
-            if specs.is_model_axis(axis):
-                value = self.base_value(axis, 0)
-                for r in self.model_values:
-                    self.model_values[r][axis] = value
-                out[f"hdet/{axis}/group_0/final"] = value
+        out = self._final_model_values()
+        for key, value in out.items():
+            axis = key.split("/")[1]
+            for r in self.model_values:
+                self.model_values[r][axis] = value
         self._set_models()
         return out
+
+    def _final_model_values(self) -> dict[str, float]:
+        """``{"hdet/<axis>/group_0/final": base}`` for each model-side axis (the end's record)."""
+        return {f"hdet/{a}/group_0/final": self.base_value(a, 0) for a in sorted(self.config.axes)
+                if specs.is_model_axis(a)}
 
     def _set_models(self) -> None:
         for r, setters in self.model_setters.items():
@@ -431,8 +434,7 @@ class HDETScheduler:
             for g in self.axis_groups(a):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
         if self.step_count >= self.total_steps:  # what _settle_model_axes sets once step() applies
-            record.update({f"hdet/{a}/group_0/final": self.base_value(a, 0) for a in sorted(self.config.axes)
-                           if specs.is_model_axis(a)})
+            record.update(self._final_model_values())
         self.last_sync = record
         if self.logger is not None:
             self.logger.log(record, step=self.step_count)

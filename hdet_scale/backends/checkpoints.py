@@ -223,8 +223,7 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}; "
                              f"{_ways_on(load_dir, saved, tag, replicas, shard)}")
     # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
-    lost = [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
-            if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
+    lost = _lost_state_files(load_dir, tag, replicas, shard)
     if lost:
         raise HDETStateError(f"checkpoint {load_dir} is incomplete: missing {', '.join(lost)}; "
                              f"{_ways_on(load_dir, saved, tag, replicas, shard)}")
@@ -252,17 +251,18 @@ def _ways_on(load_dir: str, saved: dict, tag: str, replicas: int, shard: int) ->
     run_dir (tester round 51: with no other checkpoint the advice was "; or start a new
     run_dir" alone). Reads the folder listing only, not the files."""
     older = {t: s for t, s in checkpoint_index(saved, tag).items()
-             if t != tag and _files_present(load_dir, t, replicas, shard)}
+             if t != tag and not _lost_state_files(load_dir, t, replicas, shard)}
     listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
     other = f"resume from another complete checkpoint by writing its tag into {LATEST_FILE} ({listed}), " if older else ""
     return f"restore them from a copy, {other}or start a new run_dir"
 
 
-def _files_present(load_dir: str, tag: str, replicas: int, shard: int) -> bool:
-    """Whether every replica's folder of ``tag`` holds every rank's HDET state file (the
-    last files a save writes in it)."""
-    return all(os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))
-               for r in range(replicas) for s in range(shard))
+def _lost_state_files(load_dir: str, tag: str, replicas: int, shard: int) -> list[str]:
+    """The HDET state files (every rank writes one, the last file of its save) that the
+    folders of ``tag`` lack, as ``replica_<r>/<tag>/hdet_shard_<s>.pt``: a partial save, or
+    a replica folder gone."""
+    return [f"replica_{r}/{tag}/hdet_shard_{s}.pt" for r in range(replicas) for s in range(shard)
+            if not os.path.exists(os.path.join(load_dir, f"replica_{r}", tag, f"hdet_shard_{s}.pt"))]
 
 
 def _hdet_state_path(rdir: str, topology: Topology) -> str:

@@ -72,6 +72,11 @@ def _wandb_folder(path: str) -> bool:
     return bool(names) and all(n.startswith(_WANDB_NAMES) for n in names)
 
 
+def _listing(names: list[str]) -> tuple[int, str]:
+    """``(how many, the first few joined, "..." when there are more)`` for a note."""
+    return len(names), ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
+
+
 def foreign_files_note(run: dict) -> str | None:
     """One note when ``run_dir`` already holds entries of the user's and no run of ours
     (tester round 59: run_dir=/ or a folder of one's own files trained and wrote beside
@@ -81,8 +86,7 @@ def foreign_files_note(run: dict) -> str | None:
     entries = foreign_entries(run_dir)
     if not entries:
         return None
-    n = len(entries)
-    shown = ", ".join(entries[:_SHOWN]) + (", ..." if n > _SHOWN else "")
+    n, shown = _listing(entries)
     return (f"run_dir: {run_dir} already holds {n} entr{'y' if n == 1 else 'ies'} ({shown}) and no earlier run "
             f"of hdet-train; this run writes {', '.join(writes(run))} beside {'it' if n == 1 else 'them'} (and "
             "removes none of them): give a new or empty run_dir to keep the run's files apart")
@@ -109,8 +113,7 @@ def kept_wandb_note(run: dict) -> str | None:
         return None
     if not kept:
         return None
-    n = len(kept)
-    shown = ", ".join(kept[:_SHOWN]) + (", ..." if n > _SHOWN else "")
+    n, shown = _listing(kept)
     return (f"train.overwrite=true replaces the run in {run_dir} (metrics.jsonl, summary.json, checkpoint/, plots/) "
             f"but keeps its W&B folder {folder}: {n} run folder{'' if n == 1 else 's'} ({shown}) of earlier runs "
             f"stay{'s' if n == 1 else ''} beside this run's; sync them (wandb sync {folder}/offline-run-*) or delete them")

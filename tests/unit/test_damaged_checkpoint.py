@@ -276,6 +276,19 @@ def test_an_index_whose_step_disagrees_with_its_tag_is_damaged(tmp_path):
     assert read_layout(str(tmp_path))["step"] == 15
 
 
+def _saved_and_another(lib, tmp_path, width: int, make_optimizer):
+    """A trained run of ``lib`` (``_trained``: Linear(32, 32) + Linear(32, 4), AdamW) and
+    its checkpoint, then a new ``initialize`` of Linear(32, width) + Linear(width, 4) with
+    ``make_optimizer``: ``(engine, checkpoint folder, (model, optimizer, scheduler))``."""
+    engine = _trained(lib, tmp_path)
+    ckpt = tmp_path / f"checkpoint_{lib.__name__.rsplit('.', 1)[1]}"
+    lib.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
+    torch.manual_seed(1)
+    cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
+    module = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Linear(width, 4))
+    return engine, ckpt, lib.initialize(module, cfg, make_optimizer)
+
+
 def test_a_checkpoint_of_another_optimizer_class_is_refused_before_anything_loads(tmp_path):
     """Tester round 64: an AdamW checkpoint loaded into an SGD run (the library's DDP and
     FSDP2 backends, gloo world 1) loaded, and the first step raised ``KeyError:
@@ -292,13 +305,8 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_before_anything_load
     _world_of_one(tmp_path)
     try:
         for lib in (ddp, fsdp2):
-            engine = _trained(lib, tmp_path)
-            ckpt = tmp_path / f"checkpoint_{lib.__name__.rsplit('.', 1)[1]}"
-            lib.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
-            torch.manual_seed(1)
-            cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
-            model, sgd, sched = lib.initialize(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)),
-                                               cfg, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9))
+            engine, ckpt, (model, sgd, sched) = _saved_and_another(
+                lib, tmp_path, 32, lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9))
             probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
             probe.load_state_dict({"state": {}, "param_groups": [
                 {**engine.optimizer.state_dict()["param_groups"][0], "params": [0]}]})  # torch: no error
@@ -328,12 +336,8 @@ def test_a_checkpoint_of_another_model_is_refused_by_the_librarys_ddp_and_fairsc
     _world_of_one(tmp_path)
     try:
         for lib in (ddp, fairscale):
-            engine = _trained(lib, tmp_path)
-            ckpt = tmp_path / f"checkpoint_{lib.__name__.rsplit('.', 1)[1]}"
-            lib.save_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
-            cfg = {"replicas": 1, "sync_interval": 2, "schedule": {"total_steps": 10}}
-            model, opt, sched = lib.initialize(torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 4)),
-                                               cfg, lambda p: torch.optim.AdamW(p, lr=1e-3))
+            _, ckpt, (model, opt, sched) = _saved_and_another(lib, tmp_path, 16,
+                                                              lambda p: torch.optim.AdamW(p, lr=1e-3))
             before = [p.detach().clone() for p in model.parameters()]
             with pytest.raises(HDETStateError) as err:
                 lib.load_checkpoint(model, opt, sched, str(ckpt))
