@@ -418,15 +418,6 @@ class HDETTrainer(Trainer):
             return self._prepare_fsdp(cfg, max_steps, train_dataloader, resume_from_checkpoint)
         with self._hdet_engine():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
-        if self.hdet_scheduler is None:
-            # tester round 65: evaluate() (or predict()) before train() built DeepSpeed's
-            # inference engine, which train() reuses without HDET's (and without an
-            # optimizer: the plain Trainer fails at its first backward)
-            raise HDETConfigError("HDETTrainer.train: the DeepSpeed engine was built before train() (evaluate() or "
-                                  "predict() before the first train() builds an inference engine, which train() "
-                                  "reuses: the plain Trainer fails the same way, at its first backward); call "
-                                  "train() first (TrainingArguments(eval_on_start=True) evaluates at its start), "
-                                  "or train a new HDETTrainer")
         self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.deepspeed import load_checkpoint
