@@ -201,6 +201,7 @@ class Ensemble:
         self._micro = 0  # micro-batches since the last optimizer step
         self._loss = 0.0  # their losses' sum
         self._backward_done = False  # a backward since the last step() call
+        self._eval_mode: Any = None  # the scheduler's eval_mode() entered by eval(), left by train()
         if scheduler is not None:
             scheduler.driver = "the Ensemble of hdet_scale.prepare (ens.step())"
 
@@ -272,6 +273,7 @@ class Ensemble:
         if not self._backward_done:
             raise HDETConfigError("Ensemble.step: no backward since the last step(); call ens.backward(loss) once "
                                   "per micro-batch, then ens.step() once")
+        self._refuse_in_eval_mode("step")
         if self._micro + 1 == self.grad_accum:
             # before any engine moves a weight (tester round 57: DeepSpeed and the torch
             # engines stepped the optimizer, then the scheduler refused the step)
@@ -308,6 +310,14 @@ class Ensemble:
                                  f"(gradient_accumulation_steps): {why} when ens.step() returned True (the step's "
                                  "last micro-batch)")
 
+    def _refuse_in_eval_mode(self, call: str) -> None:
+        """Raise HDETStateError between :meth:`eval` and :meth:`train` when the optimizer
+        moved the parameters to its evaluation point: a step would train from there, a
+        checkpoint would hold it instead of the training point. Every rank alike."""
+        if self._eval_mode is not None and self.scheduler.has_eval_point():
+            raise HDETStateError(f"Ensemble.{call}: the parameters hold the optimizer's evaluation point (ens.eval() "
+                                 "on a schedule-free optimizer); call ens.train() first")
+
     def converge(self) -> None:
         """Average the replicas now, between optimizer steps: one model from here on (e.g.
         a loop that stops before ``hdet.schedule.total_steps``, where :meth:`step`
@@ -322,10 +332,25 @@ class Ensemble:
         self.scheduler.converge()
 
     def train(self) -> None:
+        """The module in train mode, and the parameters back at the optimizer's training
+        point when :meth:`eval` had moved them (schedule-free's y)."""
+        if self._eval_mode is not None:
+            ctx, self._eval_mode = self._eval_mode, None
+            ctx.__exit__(None, None, None)
         self.model.train()
 
     def eval(self) -> None:
+        """The module in eval mode and, for an optimizer with an evaluation point
+        (schedule-free AdamW: its averaged iterate x, :mod:`hdet_scale.iterates`), the
+        parameters moved there until :meth:`train`, as Hugging Face's Trainer does around
+        evaluation. Evaluate and export the model in between; checkpoints hold the
+        training point, so call :meth:`train` before :meth:`save_checkpoint`. Collective
+        on the shard group for sharded engines (every rank calls it)."""
         self.model.eval()
+        if self._eval_mode is None and self.scheduler is not None:
+            ctx = self.scheduler.eval_mode()
+            ctx.__enter__()
+            self._eval_mode = ctx
 
     def _backend(self) -> Any:
         import importlib
@@ -346,6 +371,7 @@ class Ensemble:
                 same micro-batches, so every rank raises alike.
         """
         self._refuse_mid_step("save_checkpoint", "their gradients are in no checkpoint; save")
+        self._refuse_in_eval_mode("save_checkpoint")
         lib = self._backend()
         if self.backend == "deepspeed":
             return lib.save_checkpoint(self.model, self.scheduler, save_dir, tag)

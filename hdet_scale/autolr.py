@@ -249,15 +249,19 @@ class Controller:
 
     def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
                current: Callable[[Key], float], record: dict[str, Any],
-               raw: Callable[[Key], float] | None = None) -> None:
+               raw: Callable[[Key], float] | None = None, noise: float | None = None) -> None:
         """One meta-update from the replicas' ``fitness`` (length R, lower is better,
         non-finite allowed). ``permutations`` and ``applied`` are those the interval ran
         with; ``current(key)`` the shared value now. Writes ``hdet/weight/replica_<r>``,
-        ``hdet/temperature`` and per key ``hypergradient``, ``velocity`` (and
-        ``multiplier`` or ``floored``) into ``record``."""
+        ``hdet/temperature`` (and ``hdet/fitness_noise`` when measured) and per key
+        ``hypergradient``, ``velocity`` (and ``multiplier`` or ``floored``) into
+        ``record``. ``noise``: the standard error of the fitness gaps
+        (``controller.fitness_noise``), which an automatic temperature takes in."""
         auto = self.auto
         temp = auto.resolved("temperature")
-        temp = ctl.auto_temperature(fitness) if temp == "auto" else float(temp)
+        temp = ctl.auto_temperature(fitness, noise, auto.noise_scale) if temp == "auto" else float(temp)
+        if noise is not None:
+            record["hdet/fitness_noise"] = noise
         weights = ctl.softmax_weights(fitness, temp)
         if not any(weights.finite):
             # tester round 55: a probe that returned NaN at every sync moved nothing, without a word

@@ -101,8 +101,12 @@ class AutoConfig:
     ratios between parameter groups are kept) or ``"independent"`` (the paper: each group
     explored on its own). ``max_factor``: ``"log"``: bound of ``m`` to
     ``[1/max_factor, max_factor]``; ``"paper"``: the base LR stays at or above
-    ``min(schedule floor, peak / max_factor)``. ``None`` values take the controller's default
-    (:data:`CONTROLLER_DEFAULTS`).
+    ``min(schedule floor, peak / max_factor)``. ``noise_scale``: with ``temperature``
+    ``"auto"`` and a probe that returns per-example losses, the temperature is
+    ``sqrt(std(fitness)^2 + (noise_scale * noise)^2)`` with ``noise`` the standard error
+    of the replicas' fitness gaps (``controller.fitness_noise``), so a gap inside the
+    noise moves the multiplier by little; 0 ignores the noise (z-scores alone). ``None``
+    values take the controller's default (:data:`CONTROLLER_DEFAULTS`).
     """
 
     enabled: bool = False
@@ -115,6 +119,7 @@ class AutoConfig:
     decay: float | str = "auto"
     groups: str = "tied"
     max_factor: float = 100.0
+    noise_scale: float = 3.0
 
     def resolved(self, name: str) -> Any:
         """``temperature`` / ``momentum`` / ``step_size`` with ``None`` replaced by the

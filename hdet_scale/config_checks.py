@@ -139,6 +139,8 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
            f"must be finite and >= 0, got {a.step_size}")
     _check(errors, a.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0 (optimizer steps), got {a.warmup_steps}")
     _check(errors, 1 <= a.max_factor < math.inf, f"{k}.max_factor", f"must be finite and >= 1, got {a.max_factor}")
+    _check(errors, 0 <= a.noise_scale < math.inf, f"{k}.noise_scale",
+           f"must be finite and >= 0, got {a.noise_scale}")
     pinned = [n for n, ax in cfg.axes.items()
               if ax.kind == "multiplicative" and cfg.axis_auto(n)]
     if a.enabled and a.controller == "log" and a.max_factor == 1 and pinned:  # tester round 53: silent

@@ -21,8 +21,12 @@ the largest value)::
     v     <- beta v + (1 - beta) g
     log m <- clip(log m + step_size * v, -log(max_factor), log(max_factor))
 
-``sigma`` is a fixed temperature in nats, or the replicas' fitness standard deviation
-(z-scores; :func:`auto_temperature`), which makes ``g`` independent of the loss scale.
+``sigma`` is a fixed temperature in nats, or automatic (:func:`auto_temperature`): the
+replicas' fitness standard deviation (z-scores, independent of the loss scale) combined
+with ``c`` times the measurement noise of the fitness gaps when the probe gives
+per-example losses (:func:`fitness_noise`): a gap inside the noise then moves the
+multiplier by little, where z-scores alone make every sync a full step (with R = 2 they
+are always +-1).
 """
 
 from __future__ import annotations
@@ -44,13 +48,35 @@ class Weights:
     finite: list[bool]
 
 
-def auto_temperature(losses: list[float]) -> float:
-    """Population standard deviation of the finite losses (0.0 with fewer than two): the
-    temperature that turns scores into z-scores."""
+def auto_temperature(losses: list[float], noise: float | None = None, noise_scale: float = 0.0) -> float:
+    """``sqrt(std(L)^2 + (noise_scale * noise)^2)``: the population standard deviation of
+    the finite losses (0.0 with fewer than two; alone, the temperature that turns scores
+    into z-scores), widened by the fitness noise (:func:`fitness_noise`, nats; ``None``:
+    not measured)."""
     kept = [x for x in losses if math.isfinite(x)]
-    if len(kept) < 2:
-        return 0.0
-    return float(torch.tensor(kept, dtype=torch.float64).std(unbiased=False))
+    spread = float(torch.tensor(kept, dtype=torch.float64).std(unbiased=False)) if len(kept) >= 2 else 0.0
+    if noise is None or not math.isfinite(noise) or noise_scale == 0:
+        return spread
+    return math.hypot(spread, noise_scale * noise)
+
+
+def fitness_noise(per_example: torch.Tensor) -> float | None:
+    """The standard error of a replica's fitness gap to the replicas' mean, from the
+    probe's per-example losses ``per_example`` (shape ``(R, N)``: replica r's loss on
+    example i, the same N examples for every replica; nats).
+
+    Each replica's gap on example i, ``e_ri = l_ri - mean_r' l_r'i``, is paired: the
+    examples' own difficulty cancels, what is left is how much the replicas' ranking
+    would change on other examples. Returns ``sqrt(mean_r var_i(e_ri) / N)`` over the
+    replicas whose losses are all finite, or ``None`` with fewer than two such replicas
+    or fewer than two examples.
+    """
+    x = per_example.to(torch.float64)
+    x = x[torch.isfinite(x).all(dim=1)]
+    if x.dim() != 2 or x.shape[0] < 2 or x.shape[1] < 2:
+        return None
+    e = x - x.mean(dim=0, keepdim=True)
+    return float((e.var(dim=1, unbiased=True).mean() / x.shape[1]).sqrt())
 
 
 def softmax_weights(losses: list[float], temperature: float) -> Weights:

@@ -15,6 +15,48 @@ from hdet_scale.ds_values import batch_errors, flag_errors
 from hdet_scale.errors import HDETConfigError
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
+try:  # optional ([schedulefree] extra): HDET averages its z with the weights (hdet_scale.iterates)
+    from schedulefree import AdamWScheduleFree
+except ImportError:
+    AdamWScheduleFree = None
+else:
+    OPTIMIZERS["AdamWScheduleFree"] = AdamWScheduleFree
+
+#: ``optimizer.type`` names that DeepSpeed does not know and that hdet_scale builds itself
+#: and hands DeepSpeed as a client optimizer (``backends.deepspeed.initialize``).
+CLIENT_BUILT = ("AdamWScheduleFree",)
+
+
+def client_built(ds: dict) -> str | None:
+    """The :data:`CLIENT_BUILT` name of the config's ``optimizer.type`` (any case), or
+    ``None`` when DeepSpeed builds it (or there is no optimizer block)."""
+    opt = ds.get("optimizer")
+    kind = opt.get("type") if isinstance(opt, dict) else None
+    if isinstance(kind, str):
+        for name in CLIENT_BUILT:
+            if name.lower() == kind.lower():
+                return name
+    return None
+
+
+def build_client_optimizer(name: str, params: Any, ds: dict) -> tuple[torch.optim.Optimizer, dict]:
+    """The :data:`CLIENT_BUILT` optimizer ``name`` over ``params`` with the block's
+    ``optimizer.params``, and the DeepSpeed config without the block (DeepSpeed would
+    refuse the name) and with ``zero_allow_untested_optimizer`` (ZeRO steps it as any
+    torch optimizer; HDET's DeepSpeed backend steps one group at a time for it).
+
+    Raises:
+        HDETConfigError: the optimizer's library is not installed.
+    """
+    if name not in OPTIMIZERS:
+        raise HDETConfigError(f"optimizer.type: {name} needs the schedulefree package: pip install "
+                              "\"hdet-scale[schedulefree]\"")
+    kwargs = dict(ds["optimizer"].get("params") or {})
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    rest = {k: v for k, v in ds.items() if k != "optimizer"}
+    rest["zero_allow_untested_optimizer"] = True
+    return OPTIMIZERS[name](params, **kwargs), rest
 
 
 def optimizer_class_name(name: Any) -> Any:
@@ -47,8 +89,9 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
     opt = ds.get("optimizer") or {}
     kind, params = optimizer_class_name(opt.get("type")), opt.get("params", {}) or {}
     if kind not in OPTIMIZERS:
+        missing = "" if AdamWScheduleFree is not None else " (AdamWScheduleFree: pip install schedulefree)"
         errors.append(f"{prefix}optimizer.type: the {backend} backend builds a torch optimizer: one of "
-                      f"{', '.join(OPTIMIZERS)} (any case), got {opt.get('type')!r}")
+                      f"{', '.join(OPTIMIZERS)} (any case){missing}, got {opt.get('type')!r}")
     else:
         accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
         unknown = sorted(set(params) - accepted)

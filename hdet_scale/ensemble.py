@@ -13,6 +13,7 @@ the simulator's for R replicas in one process); the arithmetic here is the same 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -156,6 +157,24 @@ class HDETScheduler:
 
     def attach(self, sync: Sync) -> None:
         self.sync_obj = sync
+
+    def has_eval_point(self) -> bool:
+        """The optimizer moves the parameters to another point for evaluation
+        (schedule-free; :meth:`eval_mode`)."""
+        has = getattr(getattr(self, "sync_obj", None), "has_eval_point", None)
+        return bool(has is not None and has())
+
+    def eval_mode(self) -> Any:
+        """A context manager: inside, the model holds its optimizer's evaluation point
+        (schedule-free's averaged iterate x; :mod:`hdet_scale.iterates`) on every replica
+        this process holds, with the engine's working copies refreshed; on exit the
+        training point. Use it around validation, ``save_model`` and exports (not around
+        checkpoints, which hold the training point and the optimizer's ``z``). Does
+        nothing for an optimizer with one iterate (AdamW, SGD) or before a sync is
+        attached. Every rank of a sharded replica enters it together (the refresh of
+        ZeRO-3 / OSS communicates inside the shard group)."""
+        enter = getattr(getattr(self, "sync_obj", None), "eval_mode", None)
+        return enter() if enter is not None else contextlib.nullcontext()
 
     def set_probe(self, probe: Any) -> None:
         """The probe that ``auto.fitness = "probe"`` scores replicas with: called at each
@@ -423,8 +442,10 @@ class HDETScheduler:
         if meta:
             scored = [f if ok else float("nan") for f, ok in zip(fitness, finite)]
             # Before the first update, the paper controller starts from the schedule's value now.
+            noise = getattr(self.sync_obj, "probe_noise", None) if fitness is not losses else None
             self.controller.update(scored, self.permutations, self.applied,
-                                   lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k))
+                                   lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k),
+                                   noise=noise)
         self.permutations = self._draw_permutations()
         # The base of the next step; after total_steps there is none (tester round 38:
         # OneCycleLR's formula one step past its end logged ~13x the last LR). A run stopped

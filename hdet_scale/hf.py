@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from hdet_scale import hf_fsdp
+from hdet_scale import hf_fsdp, iterates
 from hdet_scale.backends.common import (
     attach_sync,
     check_probe,
@@ -302,6 +302,10 @@ class HDETTrainer(Trainer):
             holder["s"] = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: opt}), logger=logger)
             return holder["s"]
 
+        if iterates.spec_for(kwargs.get("optimizer")) is not None:
+            # TrainingArguments(optim="schedule_free_adamw"): Trainer's own optimizer, which
+            # ZeRO steps like any torch optimizer (and HDET's backend group by group)
+            ds["zero_allow_untested_optimizer"] = True
         kwargs.update(config=ds, mpu=topology.mpu(), lr_scheduler=make_scheduler)
         engine, optimizer, loader, scheduler = real(**kwargs)
         # attach_sync first gives every replica replica 0's partitions: transformers
@@ -419,6 +423,7 @@ class HDETTrainer(Trainer):
         with self._hdet_engine():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
+        self._route_optimizer_modes()
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.deepspeed import load_checkpoint
 
@@ -435,6 +440,7 @@ class HDETTrainer(Trainer):
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, None)
         self.hdet_scheduler = hf_fsdp.attach(self, cfg, topology, self._hdet_probe)
         self.hdet_scheduler.last_step = min(max_steps, self.hdet_scheduler.total_steps)  # Trainer's last step
+        self._route_optimizer_modes()
         self._record_losses()
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.fsdp2 import load_checkpoint
@@ -442,6 +448,31 @@ class HDETTrainer(Trainer):
             load_checkpoint(self.model_wrapped, self._inner_optimizer(), self.hdet_scheduler, resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader
+
+    def _route_optimizer_modes(self) -> None:
+        """``Trainer`` calls ``optimizer.train()`` before each training step and
+        ``optimizer.eval()`` before evaluating, for schedule-free optimizers. Under ZeRO-3
+        the client optimizer's groups are empty between steps, so those calls would flip
+        its flags and move no weight (evaluating y, not x); route both to the scheduler's
+        :meth:`~hdet_scale.ensemble.HDETScheduler.eval_mode`, which moves this rank's
+        master partitions (or FSDP2 shards) and refreshes the working copy. A
+        ``train()`` in train mode does nothing, so the per-step call costs nothing."""
+        scheduler = self.hdet_scheduler
+        if not scheduler.has_eval_point():
+            return
+        entered: list[Any] = []
+
+        def eval_() -> None:
+            if not entered:
+                ctx = scheduler.eval_mode()
+                ctx.__enter__()
+                entered.append(ctx)
+
+        def train_() -> None:
+            if entered:
+                entered.pop().__exit__(None, None, None)
+
+        self.optimizer.eval, self.optimizer.train = eval_, train_
 
     def _inner_optimizer(self) -> Any:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's AcceleratedOptimizer
@@ -464,6 +495,13 @@ class HDETTrainer(Trainer):
         """On FSDP2 under HDET: replica 0's weights, gathered whole (``FULL_STATE_DICT``,
         the default; every rank calls it). A checkpoint under ``SHARDED_STATE_DICT``
         writes none: its ``replica_<r>/`` folders hold every replica's shards."""
+        scheduler = getattr(self, "hdet_scheduler", None) if self._hdet_enabled else None
+        # schedule-free: the exported weights are the evaluation point x (the checkpoint's
+        # replica folders hold y and z for the resume)
+        with scheduler.eval_mode() if scheduler is not None else contextlib.nullcontext():
+            self._save_model(output_dir, _internal_call)
+
+    def _save_model(self, output_dir: str | None, _internal_call: bool) -> None:
         if not (self._hdet_enabled and self._hdet_fsdp):
             return super().save_model(output_dir, _internal_call)
         if _internal_call and "SHARDED_STATE_DICT" in hf_fsdp.state_dict_type(self):

@@ -130,7 +130,7 @@ def attach(trainer: Any, cfg: HDETConfig, topology: Topology, probe: Callable[[A
     fsdp = {k: v for k, v in trainer.args.fsdp_config.items() if k != "hdet"}
     logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "fsdp": fsdp})
     scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
-    attach_sync(scheduler, topology, backend, model, probe)
+    attach_sync(scheduler, topology, backend, model, probe, optimizer=optimizer)
     return scheduler
 
 

@@ -54,8 +54,26 @@ def check_callable(fn: Any, name: str, signature: str, nargs: int) -> None:
         pass
 
 
+def probe_examples(loss: Any) -> torch.Tensor | None:
+    """A probe's per-example losses as a 1-D float64 CPU tensor, when it returned a 1-D
+    tensor of two or more (one loss per probe sequence, nats: what lets auto-LR measure
+    the noise of the fitness gaps, ``controller.fitness_noise``); ``None`` for a number
+    or a one-element tensor (its mean alone).
+
+    Raises:
+        HDETConfigError: a tensor of more than one dimension, or an empty one.
+    """
+    if not isinstance(loss, torch.Tensor) or loss.numel() == 1:
+        return None
+    if loss.dim() != 1 or loss.numel() == 0:
+        raise HDETConfigError(f"probe: must return this rank's mean probe loss (a number or a one-element tensor) "
+                              f"or its per-example losses (a 1-D tensor), got a tensor of shape {tuple(loss.shape)}")
+    return loss.detach().to(device="cpu", dtype=torch.float64)
+
+
 def probe_value(loss: Any) -> float:
-    """A probe's result as a float: a Python number or a one-element tensor.
+    """A probe's result as a float: a Python number or a one-element tensor, or the mean
+    of a 1-D tensor of per-example losses (:func:`probe_examples`).
 
     Raises:
         HDETConfigError: anything else (a list, a string, a batch of losses), naming the
@@ -63,6 +81,9 @@ def probe_value(loss: Any) -> float:
     """
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return float(loss.detach().double().reshape(()))
+    examples = probe_examples(loss)
+    if examples is not None:
+        return float(examples.mean())
     if isinstance(loss, (int, float)) and not isinstance(loss, bool):
         return float(loss)
     what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)[:80]

@@ -42,17 +42,20 @@ may use it; the scheduler's permutations come from its own seeded generator).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from hdet_scale import iterates
 from hdet_scale import warm_init as wi
 from hdet_scale.averaging import accumulate_dtype, persistent_float_buffers
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
-from hdet_scale.probe import probe_value, require_probe
+from hdet_scale.controller import fitness_noise
+from hdet_scale.probe import probe_examples, probe_value, require_probe
 
 __all__ = ["SimulatedSync", "Simulator"]
 
@@ -117,6 +120,7 @@ class SimulatedSync:
                 raise ValueError(f"replica {r} has different parameters/buffers (shapes or dtypes) than replica 0")
         self._sum: list[torch.Tensor | float] = [0.0] * self.replicas
         self._count = [0] * self.replicas
+        self.probe_noise: float | None = None  # of the last probe_losses (controller.fitness_noise)
 
     # ---- losses -------------------------------------------------------------------------
     def add_loss(self, loss: Sequence[Any]) -> None:
@@ -152,11 +156,31 @@ class SimulatedSync:
 
     def probe_losses(self, probe: Callable[[nn.Module, int], Any]) -> list[float]:
         """Fitness of every replica: ``probe(model_r, r)`` (a scalar tensor or float,
-        nats) under ``torch.no_grad``, for r = 0 .. R-1. It must score every replica on
+        nats, or a 1-D tensor of per-example losses whose mean is the fitness and whose
+        spread sets ``probe_noise``) under ``torch.no_grad``, for r = 0 .. R-1. It must score every replica on
         the same batches; on real ranks that is the mean over the replica's S shard ranks
         of their probe slices (``DistributedSync.probe_losses``)."""
-        with torch.no_grad():
-            return [probe_value(probe(model, r)) for r, model in enumerate(self.models)]
+        raw = []
+        for r, (model, opt) in enumerate(zip(self.models, self.optimizers)):
+            with torch.no_grad(), iterates.eval_mode(opt):  # schedule-free: score the evaluated point x
+                raw.append(probe(model, r))
+        examples = [probe_examples(x) for x in raw]
+        same = all(e is not None for e in examples) and len({e.numel() for e in examples}) == 1
+        self.probe_noise = fitness_noise(torch.stack(examples)) if same else None
+        return [probe_value(x) for x in raw]
+
+    def has_eval_point(self) -> bool:
+        """The optimizers have train / eval modes (:mod:`hdet_scale.iterates`)."""
+        return iterates.has_modes(self.optimizers[0])
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Every replica at its optimizer's evaluation point inside
+        (:func:`hdet_scale.iterates.eval_mode`); nothing for one-iterate optimizers."""
+        with contextlib.ExitStack() as stack:
+            for opt in self.optimizers:
+                stack.enter_context(iterates.eval_mode(opt))
+            yield
 
     @torch.no_grad()
     def add_noise(self, nu: float, seed: int) -> None:
@@ -192,7 +216,9 @@ class SimulatedSync:
     def converge(self, finite: list[bool]) -> None:
         """Average every parameter and persistent floating buffer over the replicas with
         ``finite[r]`` (all of them if none is finite) and write the mean into every
-        replica, so the next forward pass uses it.
+        replica, so the next forward pass uses it. An optimizer with more than one
+        iterate (schedule-free's ``z``: :mod:`hdet_scale.iterates`) has those state
+        tensors and its group scalars averaged the same way.
 
         The mean is a sum in replica order (fp16/bf16 accumulated in float32), then a
         division by the number of contributors: the arithmetic of
@@ -205,9 +231,14 @@ class SimulatedSync:
         if len(finite) != self.replicas:
             raise ValueError(f"converge: expected {self.replicas} flags, got {len(finite)}")
         keep = list(finite) if any(finite) else [True] * self.replicas
-        per_replica = [_converge_tensors(m) for m in self.models]
+        per_replica = [_converge_tensors(m) + iterates.state_tensors(o) for m, o in zip(self.models, self.optimizers)]
         for tensors in zip(*per_replica):
             _mean_into_all(tensors, keep)
+        scalars = [torch.tensor(iterates.group_scalars(o), dtype=torch.float64) for o in self.optimizers]
+        if scalars[0].numel():
+            _mean_into_all(scalars, keep)
+            for o, t in zip(self.optimizers, scalars):
+                iterates.set_group_scalars(o, t.tolist())
 
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -233,7 +264,10 @@ class Simulator:
         optimizer_fn: ``(params) -> Optimizer``, called once per replica with
             ``list(model_r.parameters())``. Its ``lr`` is the peak LR when
             ``hdet.schedule.max_lr`` is null. Every optimizer must have the same number
-            of parameter groups.
+            of parameter groups. A schedule-free optimizer (:mod:`hdet_scale.iterates`)
+            is put in train mode here; the probe runs in its eval mode, and converge
+            averages its ``z`` too. Evaluate or save a replica inside
+            ``iterates.eval_mode(optimizers[r])``.
         config: an :class:`HDETConfig` or an ``"hdet"`` block (dict, parsed with
             :meth:`HDETConfig.from_dict`). ``replicas`` is R.
         probe_fn: ``(model_r, r) -> loss`` on fixed probe batches, the same for every r
@@ -266,6 +300,8 @@ class Simulator:
         for m in self.models[1:]:
             m.load_state_dict(state0)
         self.optimizers = [optimizer_fn(list(m.parameters())) for m in self.models]
+        for opt in self.optimizers:
+            iterates.train_mode_(opt)  # schedule-free optimizers start in eval mode
         ngroups = {len(o.param_groups) for o in self.optimizers}
         if len(ngroups) != 1:
             raise ValueError(f"optimizer_fn returned optimizers with different numbers of parameter groups: "

@@ -7,15 +7,18 @@ collective.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hdet_scale import iterates
 from hdet_scale import warm_init as wi
 from hdet_scale.averaging import BucketBuffer, mean_all_reduce_
-from hdet_scale.errors import HDETStepMismatchError
-from hdet_scale.probe import probe_value
+from hdet_scale.controller import fitness_noise
+from hdet_scale.errors import HDETConfigError, HDETStepMismatchError
+from hdet_scale.probe import probe_examples, probe_value
 from hdet_scale.topology import Topology
 
 
@@ -55,6 +58,9 @@ class Backend(Protocol):
     # gradients overlapped with the backward pass instead of install_grad_hook (None: cannot).
     # noise_parts() -> (sharded, full): the masters that are this rank's shard of its
     # replica, and those it holds whole like every rank of the replica (warm init).
+    # local_optimizer() -> context manager yielding the torch optimizer whose state is
+    # keyed by master_tensors() (optional: engines that wrap the user's optimizer, ZeRO-3
+    # and fairscale OSS; others pass the optimizer to DistributedSync).
 
 
 def check_steps(steps: Sequence[int]) -> None:
@@ -129,13 +135,16 @@ class DistributedSync(LossAccumulator):
     """
 
     def __init__(self, topology: Topology, backend: Backend, bucket_bytes: int, gradient_sharing: str,
-                 overlap_gradients: bool = False) -> None:
+                 overlap_gradients: bool = False,
+                 local_optimizer: Callable[[], ContextManager[Any]] | None = None) -> None:
         self.topology = topology
+        self.local_optimizer = local_optimizer or (lambda: contextlib.nullcontext(None))
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.bucket = BucketBuffer()
         self.replicas = topology.replicas
         self.local_replicas = [topology.replica_index]
+        self.probe_noise: float | None = None  # of the last probe_losses
         super().__init__()
         self.overlapped = None  # the backend's overlapped sharing, when it installed one
         if gradient_sharing == "global" and topology.replicas > 1 and not backend.shares_gradients:
@@ -179,14 +188,46 @@ class DistributedSync(LossAccumulator):
         loss (0-dim tensor or float, nats) on its slice of the probe batches, run under
         ``torch.no_grad``. Every replica must evaluate the same batches (shard rank s of
         every replica takes slice s) so that the losses differ by the weights alone.
-        Collective on the world group (one all-reduce of R float64 values); the forward
-        passes inside ``probe`` may issue the engine's own collectives."""
-        with torch.no_grad():
-            value = probe_value(probe())
-        t = torch.zeros(self.replicas, dtype=torch.float64, device=self.backend.device)
-        t[self.topology.replica_index] = value / self.topology.shard_size
+        A probe may instead return its per-example losses (a 1-D tensor, the same length
+        on every rank): the fitness is then their mean over the replica's examples, and
+        ``probe_noise`` the standard error of the replicas' gaps
+        (``controller.fitness_noise``), else ``None``.
+
+        Collective on the world group: one all-reduce of 2 values (every rank's number
+        of per-example losses, checked equal), then one of R values or of R x S x n
+        per-example losses; the forward passes inside ``probe`` may issue the engine's
+        own collectives. An optimizer with an evaluation point (schedule-free) is probed
+        there (:meth:`eval_mode`).
+
+        Raises:
+            HDETConfigError: ranks returned different numbers of per-example losses
+                (every rank, after the size all-reduce, before the losses' one).
+        """
+        with torch.no_grad(), self.eval_mode():
+            loss = probe()
+        examples = probe_examples(loss)
+        value = probe_value(loss)
+        dev = self.backend.device
+        n = 0 if examples is None else examples.numel()
+        sizes = torch.tensor([n, -n], dtype=torch.float64, device=dev)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.topology.world_group)
+        most, least = int(sizes[0]), -int(sizes[1])
+        if most != least:
+            raise HDETConfigError(f"probe: the ranks returned between {least} and {most} per-example losses (0: one "
+                                  "mean); every rank must return the same number, or each one mean")
+        R, S = self.replicas, self.topology.shard_size
+        if n == 0:
+            t = torch.zeros(R, dtype=torch.float64, device=dev)
+            t[self.topology.replica_index] = value / S
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
+            self.probe_noise = None
+            return t.cpu().tolist()
+        t = torch.zeros(R, S, n, dtype=torch.float64, device=dev)
+        t[self.topology.replica_index, self.topology.shard_index] = examples.to(dev)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.topology.world_group)
-        return t.cpu().tolist()
+        per_example = t.cpu().reshape(R, S * n)
+        self.probe_noise = fitness_noise(per_example)
+        return per_example.mean(dim=1).tolist()
 
     def add_noise(self, nu: float, seed: int) -> None:
         """Warm noisy initialisation (:mod:`hdet_scale.warm_init`): add
@@ -220,11 +261,48 @@ class DistributedSync(LossAccumulator):
     def converge(self, finite: list[bool]) -> None:
         """Average the local masters and buffers over the replica group, leaving out the
         replicas with a non-finite interval loss (all, if none is finite), then refresh
-        the working copies so the next forward pass sees the averaged weights."""
+        the working copies so the next forward pass sees the averaged weights. An
+        optimizer's other iterates (schedule-free's ``z``) and group scalars are averaged
+        in the same collectives (:mod:`hdet_scale.iterates`)."""
         n = sum(finite)
         keep = finite[self.topology.replica_index] if n else True
         n = n or self.replicas
         tensors = list(self.backend.master_tensors()) + list(self.backend.buffers())
-        mean_all_reduce_(tensors, self.topology.replica_group, self.bucket_bytes, contribute=keep, contributors=n,
-                         buffer=self.bucket)
+        with self.local_optimizer() as opt:
+            tensors += iterates.state_tensors(opt) if opt is not None else []
+            values = iterates.group_scalars(opt) if opt is not None else []
+            scalars = torch.tensor(values, dtype=torch.float64, device=self.backend.device)
+            mean_all_reduce_(tensors + ([scalars] if values else []), self.topology.replica_group, self.bucket_bytes,
+                             contribute=keep, contributors=n, buffer=self.bucket)
+            if values:
+                iterates.set_group_scalars(opt, scalars.cpu().tolist())
         self.backend.refresh()
+
+    def has_eval_point(self) -> bool:
+        """This rank's optimizer has train / eval modes (:mod:`hdet_scale.iterates`)."""
+        with self.local_optimizer() as opt:
+            return opt is not None and iterates.has_modes(opt)
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Inside, this rank's parameters hold the optimizer's evaluation point (x of a
+        schedule-free optimizer: :func:`hdet_scale.iterates.eval_mode`), with the
+        engine's working copies refreshed; on exit the training point again. Nothing for
+        an optimizer with one iterate. Not collective itself, but the refresh of a
+        sharded engine is (ZeRO-3's persistent parameters, OSS's broadcast): every rank
+        of the replica enters it together."""
+        with self.local_optimizer() as opt:
+            switch = opt is not None and iterates.has_modes(opt) and iterates.in_train_mode(opt)
+            if switch:
+                self.backend.refresh()  # FSDP2: the optimizer's DTensors back on the module first
+                iterates.switch_(opt, to_eval=True)
+        if not switch:
+            yield
+            return
+        self.backend.refresh()
+        try:
+            yield
+        finally:
+            with self.local_optimizer() as opt:
+                iterates.switch_(opt, to_eval=False)
+            self.backend.refresh()

@@ -9,6 +9,7 @@ where its local tensors live and how it shares gradients; the HDET arithmetic is
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale import iterates
 from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import BLOCK_EXAMPLE, HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups, check_config
@@ -136,21 +138,28 @@ def start_from_replica_0(backend: Any, topology: Topology) -> None:
 
 
 def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, model: Any, probe: Any,
-                start_equal: bool = True) -> None:
+                start_equal: bool = True, optimizer: Any = None) -> None:
     """Attach this rank's :class:`~hdet_scale.sync.DistributedSync` (installs the
     gradient-sharing hook), bind the model-side axes and ``probe`` to ``model`` (the object the user's forward
     runs on: the DeepSpeed engine, the FSDP2 / DDP module), and apply the warm noisy
     initialisation when configured. ``start_equal``: first give every replica replica
     0's weights (:func:`start_from_replica_0`; false where the engine's wrap already
-    broadcast them over the world). Collective (the replica groups, then warm init's
-    shard group)."""
+    broadcast them over the world). ``optimizer``: the torch optimizer over the
+    backend's master tensors, for a backend without ``local_optimizer()`` (DDP, FSDP2):
+    an optimizer with several iterates (schedule-free) is put in train mode, and
+    converge and the probe handle its iterates (:mod:`hdet_scale.iterates`). Collective
+    (the replica groups, then warm init's shard group)."""
     cfg = scheduler.config
     if start_equal:
         start_from_replica_0(backend, topology)
     if model is not None:
         scheduler.bind_model(model)  # model-side axes (dropout, temperature) reach this rank's module
+    local = getattr(backend, "local_optimizer", None) or (lambda: contextlib.nullcontext(optimizer))
+    with local() as opt:
+        if opt is not None:
+            iterates.train_mode_(opt)  # schedule-free optimizers start in eval mode and refuse to step there
     scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing,
-                                     cfg.overlap_gradient_sharing))
+                                     cfg.overlap_gradient_sharing, local_optimizer=local))
     scheduler.set_probe(None if probe is None else (lambda: probe(model)))
     scheduler.warm_init()
 
@@ -161,7 +170,7 @@ def build_scheduler(cfg: HDETConfig, topology: Topology, optimizer: Any, backend
     """The scheduler of this rank (its replica's param groups, read live) with its
     :class:`~hdet_scale.sync.DistributedSync` attached (:func:`attach_sync`)."""
     scheduler = HDETScheduler(cfg, LiveParamGroups({topology.replica_index: optimizer}), logger=logger)
-    attach_sync(scheduler, topology, backend, model, probe, start_equal)
+    attach_sync(scheduler, topology, backend, model, probe, start_equal, optimizer)
     return scheduler
 
 

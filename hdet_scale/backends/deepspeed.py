@@ -15,12 +15,14 @@ deepspeed 0.19 (see ``_check_zero3``), and the tests compare the result with
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from hdet_scale import iterates
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.ds_machine import check_accelerator
@@ -32,6 +34,7 @@ from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_setti
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.backends.ds_shared import link_tool_files, name_shared_params_everywhere
+from hdet_scale.engine_config import build_client_optimizer, client_built
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.ds_values import check_client_optimizer
@@ -70,6 +73,8 @@ class DeepSpeedBackend:
         # DeepSpeed's CPU Adam keeps beta**t outside every checkpoint: without this a resumed
         # run's updates differ in the last bit from the uninterrupted run's (ds_adam.py).
         stateless_bias_correction(self.optimizer.optimizer)
+        if iterates.spec_for(self.optimizer.optimizer) is not None:
+            self._step_filled_groups_only()
         name_shared_params_everywhere(engine)  # zero_to_fp32.py on replica_1 keeps tied weights
 
     def _count_skipped_steps(self) -> None:
@@ -112,6 +117,54 @@ class DeepSpeedBackend:
 
     def master_tensors(self) -> Sequence[torch.Tensor]:
         return list(self.optimizer.fp32_partitioned_groups_flat)
+
+    @contextlib.contextmanager
+    def local_optimizer(self) -> Iterator[Any]:
+        """The client optimizer (``engine.optimizer.optimizer``) with each param group
+        holding this rank's fp32 master partitions of it. ZeRO-3 leaves the groups empty
+        between steps and fills one at a time inside its step, so its state (keyed by
+        the partitions) and its ``train()`` / ``eval()`` reach the partitions only while
+        they are filled; emptied again on exit."""
+        opt = self.optimizer
+        inner = opt.optimizer
+        saved = [g["params"] for g in inner.param_groups]
+        for g in inner.param_groups:
+            g["params"] = []
+        for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
+            inner.param_groups[opt.sub_group_to_group_id[sub]]["params"].append(flat)
+        try:
+            yield inner
+        finally:
+            for g, params in zip(inner.param_groups, saved):
+                g["params"] = params
+
+    def _step_filled_groups_only(self) -> None:
+        """ZeRO-3 steps its client optimizer once per sub-group with only that group
+        filled. An optimizer that counts steps per group (schedule-free's ``k``,
+        ``weight_sum``) would count every group at every call: hide the empty groups
+        from it during the call. Each param group must then be one sub-group, else its
+        count would advance once per sub-group.
+
+        Raises:
+            HDETConfigError: a param group split into several sub-groups.
+        """
+        opt, inner = self.optimizer, self.optimizer.optimizer
+        groups = list(opt.sub_group_to_group_id.values())
+        if len(groups) != len(set(groups)):
+            raise HDETConfigError(f"zero_optimization.sub_group_size: {type(inner).__name__} counts its steps per "
+                                  "parameter group, and ZeRO-3 split a group into several sub-groups (stepped one "
+                                  "after another): raise sub_group_size above the largest group's parameter count")
+        original = inner.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            groups = inner.param_groups
+            inner.param_groups = [g for g in groups if g["params"]]
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inner.param_groups = groups
+
+        inner.step = step
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.engine.module)
@@ -366,6 +419,11 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
                                                           training_data=training_data, collate_fn=collate_fn,
                                                           **kwargs)
         return engine, opt, loader, sched
+    name = client_built(ds) if optimizer is None else None
+    if name is not None:  # an optimizer DeepSpeed does not know (schedule-free AdamW): built here
+        params = model_parameters if model_parameters is not None else model.parameters()
+        optimizer, ds = build_client_optimizer(name, params, ds)
+        model_parameters = None
     topology = use_topology(cfg, topology, _init_distributed(dist_backend))
     if logger is None:
         logger = make_logger(cfg, topology, {"hdet": cfg.to_dict(), "deepspeed": ds})

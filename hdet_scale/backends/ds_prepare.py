@@ -18,6 +18,7 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.ds_json import loads_json_object
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.ds_values import batch_errors, check_deepspeed_values
+from hdet_scale.engine_config import client_built
 from hdet_scale.ensemble import check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
@@ -80,7 +81,7 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
                           "would fight over the LR); remove it and set hdet.schedule (name: onecycle, cosine or "
                           "constant; see docs/config.md)")
         opt_type, unknown = (ds.get("optimizer") or {}).get("type"), False
-        if opt_type is not None:
+        if opt_type is not None and not client_built(ds):  # a name hdet_scale builds (engine_config.CLIENT_BUILT)
             # DeepSpeed's own test (engine._supported_optimizer): its names, case-insensitive,
             # or a torch.optim class; otherwise it asserts inside initialize, on every rank.
             # Checked only where DeepSpeed is installed (hdet-dryrun runs without it).

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hdet_scale.engine_config import client_built
+
 #: The ``optimizer.type`` names whose optimizer DeepSpeed's ZeRO accepts without
 #: ``zero_allow_untested_optimizer`` (deepspeed 0.19: ``runtime/zero/utils.py``'s
 #: ZERO_SUPPORTED_OPTIMIZERS: torch's and DeepSpeed's Adam / AdamW, Adagrad, Lion, Muon).
@@ -25,7 +27,8 @@ def zero3_errors(ds: dict, cfg: Any) -> list[str]:
         # tester round 14: FusedAdam / DeepSpeedCPUAdam raise on it in every rank
         errors.append("optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad "
                       "variant; remove it, or use a torch.optim class as optimizer.type")
-    if isinstance(kind, str) and kind.lower() not in ZERO_TESTED and not ds.get("zero_allow_untested_optimizer"):
+    if isinstance(kind, str) and kind.lower() not in ZERO_TESTED and not ds.get("zero_allow_untested_optimizer") \
+            and not client_built(ds):  # built by hdet_scale, which allows it itself
         # tester round 20: SGD / RMSprop asserted in every rank ("untested ZeRO Optimizer")
         errors.append(f"optimizer.type: DeepSpeed's ZeRO refuses {kind!r}, an optimizer it has not tested with "
                       f"ZeRO ({', '.join(ZERO_TESTED)} are), unless zero_allow_untested_optimizer is true: set it "

@@ -35,9 +35,10 @@ arXiv 2604.24708.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -168,6 +169,18 @@ class OSSBackend(FullParamsBackend):
         the shard group) and ``refresh`` broadcasts them; the rest is whole on every
         rank and must get the same noise on all of them."""
         return self._owned_buckets(), self._outside_buckets()
+
+    @contextlib.contextmanager
+    def local_optimizer(self) -> Iterator[Optimizer]:
+        """The optimizer over this rank's partition (``OSS.optim``), its group values
+        synced from OSS's on entry and back on exit, as ``OSS.step`` does (a value set on
+        one side alone would be overwritten by the other at the next step)."""
+        sync = type(self.optimizer)._sync_param_groups  # OSS is imported lazily (fairscale is optional)
+        sync(self.optimizer.param_groups, self.optimizer.optim.param_groups)
+        try:
+            yield self.optimizer.optim
+        finally:
+            sync(self.optimizer.optim.param_groups, self.optimizer.param_groups)
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from hdet_scale import iterates
 from hdet_scale.errors import HDETResumeWarning
 
 # HDET's schedule sets the LR every step (initial_lr: torch schedulers'); DeepSpeed's CPU
@@ -43,7 +44,9 @@ def kept_settings(before: list[dict[str, Any]], optimizer: Any, axes: Any) -> li
     the load replaced and HDET does not set again: not the LR, not an explored axis
     (``axes``: the names in ``hdet.axes``; ``beta2`` leaves ``betas[0]`` compared)."""
     after = group_settings(optimizer)
-    skip = set(_NOT_SETTINGS) | {a for a in axes if a != "beta2"}
+    # ZeRO's optimizer shows its client optimizer's groups: the client's spec
+    spec = iterates.spec_for(getattr(optimizer, "optimizer", optimizer))
+    skip = set(_NOT_SETTINGS) | {a for a in axes if a != "beta2"} | set(spec.group_state if spec else ())
     out = []
     for g, (mine, saved) in enumerate(zip(before, after)):
         for key in sorted(set(mine) | set(saved)):

@@ -31,7 +31,7 @@ from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, fingerprint, unigram_entropy
 from hdet_scale.train.engines import build_engine
 from hdet_scale.train.memory import every_rank, peak_device_mb, peak_host_mb
-from hdet_scale.train.model import ModelConfig, loss_fn
+from hdet_scale.train.model import ModelConfig, loss_fn, sequence_losses
 from hdet_scale.train.startup import watch_op_locks
 from hdet_scale.train.stopping import attempt_step, note_step, resume_advice
 from hdet_scale.train.validate import _in_trainer_terms, validate  # validate: re-exported (cli, tests)
@@ -102,12 +102,14 @@ class Probe:
 
     @torch.no_grad()
     def __call__(self, model: Any) -> torch.Tensor:
+        """This rank's per-sequence losses (``probe_batches x micro`` of them, float64,
+        nats): their spread lets auto-LR tell a real fitness gap from noise."""
         was_training = model.training
         model.eval()
         device = next(iter(model.parameters())).device
-        total = sum(loss_fn(model, x.to(device), y.to(device)).double() for x, y in self.batches)
+        losses = torch.cat([sequence_losses(model, x.to(device), y.to(device)).double() for x, y in self.batches])
         model.train(was_training)
-        return total / len(self.batches)
+        return losses
 
 
 def progress_bar(total: int, initial: int) -> Any:

@@ -152,6 +152,16 @@ def loss_fn(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     )
 
 
+def sequence_losses(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy of each sequence, in nats: shape ``(B,)``, float32
+    (the arguments as :func:`loss_fn`'s, no label smoothing). Their mean is
+    :func:`loss_fn`'s value up to float32 summation order."""
+    logits = model(input_ids=inputs, use_cache=False).logits
+    per_token = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(torch.int64),
+                                reduction="none")
+    return per_token.view(targets.shape).mean(dim=1)
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, cfg: ModelConfig) -> torch.nn.Module:
     """Turn on Hugging Face activation checkpointing of every decoder layer when
     ``cfg.activation_checkpointing`` (otherwise leave ``model`` as it is); returns ``model``.

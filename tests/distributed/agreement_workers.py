@@ -45,6 +45,8 @@ CONTROLLERS = ("paper", "log")
 TEMPERATURE = {"spread_ratio": 0.2, "auto": True}  # the "temperature" runs: "log" plus this model-side axis
 NU, WARM_SEED = 0.05, 11  # warm init: noise std nu * RMS(model)
 WARM_MODE = "replica"  # the warm-init runs: no gradient sharing, so only converge equalises
+SF_WARMUP = 2  # the schedule-free runs: the optimizer's own warm-up (HDET's schedule is constant)
+SAVE_AT = 7  # the schedule-free runs save here (mid-interval); a second run resumes from it
 
 
 class TinyNet(torch.nn.Module):
@@ -112,17 +114,19 @@ def hdet_block(mode: str, controller: str = "paper", warm: bool = False) -> dict
     permutation for both groups ("tied"), automatic temperature. ``warm``: warm noisy
     initialisation with nu = ``NU``."""
     auto: dict[str, Any] = {"enabled": True, "warmup_steps": WARMUP}
+    schedule = {"name": "onecycle", "total_steps": STEPS, "pct_start": 0.25, "final_div_factor": 10.0}
     if controller == "paper":
         auto.update(controller="paper", fitness="train_loss", groups="independent", temperature=0.01)
+    elif controller == "schedulefree":  # the "log" path on schedule-free AdamW, which warms up itself
+        auto.update(step_size=0.5)
+        schedule = {"name": "constant", "total_steps": STEPS}
     else:
         # Pinned (not the default): the fitness gaps this trajectory produces were measured
         # with it, and must stay well above the fitness tolerance for the sign to be stable.
         auto.update(step_size=0.5)
     block = {"replicas": REPLICAS, "sync_interval": SYNC, "gradient_sharing": mode, "seed": 7,
              "axes": {"lr": {"spread_ratio": 0.3}},
-             "schedule": {"name": "onecycle", "total_steps": STEPS, "pct_start": 0.25,
-                          "final_div_factor": 10.0},
-             "auto": auto}
+             "schedule": schedule, "auto": auto}
     if warm:
         block["warm_init"] = {"enabled": True, "nu": NU, "seed": WARM_SEED}
     if controller == "temperature":
@@ -140,6 +144,19 @@ def param_groups(params: Any) -> list[dict]:
 
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(params), lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+
+
+SF_KWARGS = {"lr": LR, "weight_decay": WEIGHT_DECAY, "warmup_steps": SF_WARMUP, "foreach": False}
+
+
+def sf_adamw(params) -> torch.optim.Optimizer:
+    import schedulefree
+
+    return schedulefree.AdamWScheduleFree(param_groups(params), **SF_KWARGS)
+
+
+def optimizer_for(controller: str) -> Callable[[Any], torch.optim.Optimizer]:
+    return sf_adamw if controller == "schedulefree" else adamw
 
 
 def sync_record(sched: Any) -> dict:
@@ -213,10 +230,41 @@ def _init_record(model: Any, full: Callable[[], np.ndarray]) -> dict:
     return {"params": params, "forward": out}
 
 
+class Checkpoints:
+    """The schedule-free runs' mid-run checkpoint: ``save(step)`` writes one at
+    ``SAVE_AT`` into ``root`` when ``root`` is set; ``load()`` restores it and returns the
+    first step to run (1 without a ``resume`` root)."""
+
+    def __init__(self, save: Callable[[str], Any], load: Callable[[str], Any], root: str | None,
+                 resume: str | None) -> None:
+        self._save, self._load, self.root, self.resume = save, load, root, resume
+
+    def save(self, step: int) -> None:
+        if self.root is not None and step == SAVE_AT:
+            self._save(self.root)
+
+    def load(self) -> int:
+        if self.resume is None:
+            return 1
+        self._load(self.resume)
+        return SAVE_AT + 1
+
+
+def _finish(rec: Recorder, sched: Any, full: Callable[[], np.ndarray], init: dict) -> dict:
+    """The record, with the evaluation point x of a schedule-free optimizer (the same
+    as the parameters for AdamW)."""
+    out = rec.result(full(), init)
+    with sched.eval_mode():
+        out["x"] = full()
+    out["y_after_eval"] = full()  # back at the training point
+    return out
+
+
 def _run_torch(model: Any, opt: Any, sched: Any, data: Any, full: Any, calls: list, init: dict,
-               steps: int) -> dict:
+               steps: int, ckpt: Checkpoints | None = None) -> dict:
     rec = Recorder(sched, lambda: opt.param_groups, calls, full if steps < STEPS else None, model)
-    for step in range(1, steps + 1):
+    start = ckpt.load() if ckpt else 1
+    for step in range(start, steps + 1):
         x, y = data(step)
         loss = loss_of(model, x, y)
         loss.backward()
@@ -224,7 +272,9 @@ def _run_torch(model: Any, opt: Any, sched: Any, data: Any, full: Any, calls: li
         opt.zero_grad(set_to_none=True)
         sched.step(loss.detach())
         rec.after_step()
-    return rec.result(full(), init)
+        if ckpt:
+            ckpt.save(step)
+    return _finish(rec, sched, full, init)
 
 
 def _fsdp2_full(model: Any) -> np.ndarray:
@@ -237,11 +287,12 @@ def _fsdp2_full(model: Any) -> np.ndarray:
     return flat_numpy(p.full_tensor() for p in model.parameters())
 
 
-def run_fsdp2(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
+def run_fsdp2(mode: str, controller: str, warm: bool = False, steps: int = STEPS, root: str | None = None,
+              resume: str | None = None) -> dict:
     from hdet_scale.backends import fsdp2
 
     calls: list = []
-    model, opt, sched = fsdp2.initialize(build_model(), hdet_block(mode, controller, warm), adamw,
+    model, opt, sched = fsdp2.initialize(build_model(), hdet_block(mode, controller, warm), optimizer_for(controller),
                                          shard_modules=lambda m: [m.fc1, m.fc2, m.head],
                                          probe=_probe(calls, SHARDS))
     g = rank()
@@ -250,18 +301,26 @@ def run_fsdp2(mode: str, controller: str, warm: bool = False, steps: int = STEPS
         return _fsdp2_full(model)
 
     init = _init_record(model, full)
-    return _run_torch(model, opt, sched, lambda t: batch(g, t), full, calls, init, steps)
+    ckpt = Checkpoints(lambda d: fsdp2.save_checkpoint(model, opt, sched, d),
+                       lambda d: fsdp2.load_checkpoint(model, opt, sched, d), root, resume)
+    return _run_torch(model, opt, sched, lambda t: batch(g, t), full, calls, init, steps, ckpt)
 
 
-def run_fairscale(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
+def run_fairscale(mode: str, controller: str, warm: bool = False, steps: int = STEPS, root: str | None = None,
+                  resume: str | None = None) -> dict:
     from hdet_scale.backends import fairscale
 
     calls: list = []
     model = build_model()
     if warm:  # a frozen parameter: in no OSS bucket, whole on every rank (warm init's other path)
         model.norm.bias.requires_grad_(False)
-    ddp, opt, sched = fairscale.initialize(model, hdet_block(mode, controller, warm), torch.optim.AdamW,
-                                           {"lr": LR, "weight_decay": WEIGHT_DECAY, "foreach": False},
+    if controller == "schedulefree":
+        import schedulefree
+
+        optim, kwargs = schedulefree.AdamWScheduleFree, dict(SF_KWARGS)
+    else:
+        optim, kwargs = torch.optim.AdamW, {"lr": LR, "weight_decay": WEIGHT_DECAY, "foreach": False}
+    ddp, opt, sched = fairscale.initialize(model, hdet_block(mode, controller, warm), optim, kwargs,
                                            params=param_groups(model.parameters()), probe=_probe(calls, SHARDS))
     g = rank()
 
@@ -269,14 +328,17 @@ def run_fairscale(mode: str, controller: str, warm: bool = False, steps: int = S
         return flat_numpy(ddp.module.parameters())
 
     init = _init_record(ddp, full)
-    return _run_torch(ddp, opt, sched, lambda t: batch(g, t), full, calls, init, steps)
+    ckpt = Checkpoints(lambda d: fairscale.save_checkpoint(ddp, opt, sched, d),
+                       lambda d: fairscale.load_checkpoint(ddp, opt, sched, d), root, resume)
+    return _run_torch(ddp, opt, sched, lambda t: batch(g, t), full, calls, init, steps, ckpt)
 
 
-def run_ddp(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
+def run_ddp(mode: str, controller: str, warm: bool = False, steps: int = STEPS, root: str | None = None,
+            resume: str | None = None) -> dict:
     from hdet_scale.backends import ddp
 
     calls: list = []
-    model, opt, sched = ddp.initialize(build_model(), hdet_block(mode, controller, warm), adamw,
+    model, opt, sched = ddp.initialize(build_model(), hdet_block(mode, controller, warm), optimizer_for(controller),
                                        probe=_probe(calls, 1))
     r = rank()
 
@@ -284,10 +346,13 @@ def run_ddp(mode: str, controller: str, warm: bool = False, steps: int = STEPS) 
         return flat_numpy(model.module.parameters())
 
     init = _init_record(model, full)
-    return _run_torch(model, opt, sched, lambda t: replica_batch(r, t), full, calls, init, steps)
+    ckpt = Checkpoints(lambda d: ddp.save_checkpoint(model, opt, sched, d),
+                       lambda d: ddp.load_checkpoint(model, opt, sched, d), root, resume)
+    return _run_torch(model, opt, sched, lambda t: replica_batch(r, t), full, calls, init, steps, ckpt)
 
 
-def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = STEPS) -> dict:
+def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = STEPS, root: str | None = None,
+                  resume: str | None = None) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -305,7 +370,8 @@ def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = S
            "gradient_clipping": 0.0, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
            "hdet": hdet_block(mode, controller, warm)}
     calls: list = []
-    engine, _, _, sched = initialize(model, cfg, optimizer=adamw(model.parameters()), probe=_probe(calls, SHARDS))
+    engine, _, _, sched = initialize(model, cfg, optimizer=optimizer_for(controller)(model.parameters()),
+                                     probe=_probe(calls, SHARDS))
     g = rank()
     params = list(engine.module.parameters())
 
@@ -316,21 +382,35 @@ def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = S
     init = _init_record(engine, full)
     init["master"] = flat_numpy(safe_get_full_fp32_param(p) for p in params)  # fp32 masters
     rec = Recorder(sched, lambda: engine.optimizer.param_groups, calls, full if steps < STEPS else None, engine)
-    for step in range(1, steps + 1):
+    from hdet_scale.backends import deepspeed as ds_backend
+
+    ckpt = Checkpoints(lambda d: ds_backend.save_checkpoint(engine, sched, d),
+                       lambda d: ds_backend.load_checkpoint(engine, sched, d), root, resume)
+    for step in range(ckpt.load(), steps + 1):
         x, y = batch(g, step)
         loss = loss_of(engine, x, y)
         engine.backward(loss)
         engine.step(lr_kwargs={"loss": loss.detach()})
         rec.after_step()
-    return rec.result(full(), init)
+        ckpt.save(step)
+    return _finish(rec, sched, full, init)
 
 
 SHARDED = {"fsdp2": run_fsdp2, "fairscale": run_fairscale, "deepspeed": run_deepspeed}
 
 
-def launch_sharded(modes: list[str]) -> dict:
+def _schedule_free_runs(fn: Callable, name: str, root: str, out: dict) -> None:
+    """Schedule-free AdamW under HDET ("global" mode): the uninterrupted run (saving at
+    ``SAVE_AT`` into ``root/<name>``), then a run resumed from that checkpoint."""
+    ckpt = f"{root}/{name}"
+    out[(name, "schedulefree", "global")] = fn("global", "schedulefree", root=ckpt)
+    out[(name, "schedulefree-resumed", "global")] = fn("global", "schedulefree", resume=ckpt)
+
+
+def launch_sharded(modes: list[str], root: str) -> dict:
     """4 ranks: FSDP2, fairscale OSS and DeepSpeed ZeRO-3 (2 x 2), each controller and
-    gradient mode (12 steps), then a warm-init run of each (to the first converge)."""
+    gradient mode (12 steps), then a warm-init run of each (to the first converge), and
+    the schedule-free runs (checkpoints under ``root``)."""
     warnings.filterwarnings("ignore")
     out = {}
     for controller in CONTROLLERS:
@@ -340,14 +420,16 @@ def launch_sharded(modes: list[str]) -> dict:
     for name, fn in SHARDED.items():
         out[(name, "warm", WARM_MODE)] = fn(WARM_MODE, "log", warm=True, steps=SYNC)
         out[(name, "temperature", "global")] = fn("global", "temperature")
+        _schedule_free_runs(fn, name, root, out)
     return out
 
 
-def launch_ddp(modes: list[str]) -> dict:
+def launch_ddp(modes: list[str], root: str) -> dict:
     """2 ranks: DDP, one replica per rank, each controller and gradient mode, and a
     warm-init run to the first converge."""
     warnings.filterwarnings("ignore")
     out = {("ddp", c, m): run_ddp(m, c) for c in CONTROLLERS for m in modes}
     out[("ddp", "warm", WARM_MODE)] = run_ddp(WARM_MODE, "log", warm=True, steps=SYNC)
     out[("ddp", "temperature", "global")] = run_ddp("global", "temperature")
+    _schedule_free_runs(run_ddp, "ddp", root, out)
     return out

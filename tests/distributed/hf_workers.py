@@ -80,10 +80,10 @@ def hdet_block(spread: float, auto: bool, sync_interval: int = 2) -> dict:
             "logging": {"jsonl": None, "wandb": {"enabled": False}}}
 
 
-def args(out: str, ds: dict, max_steps: int, save_steps: int | None = None) -> Any:
+def args(out: str, ds: dict | None, max_steps: int, save_steps: int | None = None, **more: Any) -> Any:
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    return TrainingArguments(**more,
         output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=max_steps,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -234,4 +234,64 @@ def run(tmp: str) -> dict:
     stopped.train()
     out["stopped"] = {"final": flat_params(stopped.model_wrapped), "step": stopped.hdet_scheduler.step_count,
                       "record": dict(stopped.hdet_scheduler.last_sync)}
+    out["schedule_free"] = schedule_free(tmp, data)
+    return out
+
+
+def _plain_flat(model: Any) -> np.ndarray:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()]).numpy().copy()
+
+
+def schedule_free(tmp: str, data: Any) -> dict:
+    """HDETTrainer with ``optim="schedule_free_adamw"`` (Trainer's own optimizer, no
+    DeepSpeed optimizer block), spread 0 and auto-LR off, on ZeRO-3; and the plain
+    ``Trainer`` with the same optimizer on DDP over the 4 ranks from the same weights.
+    Each: the weights after ``train()`` (y), after ``optimizer.eval()`` (x) and after
+    ``optimizer.train()`` again; HDETTrainer's ``save_model`` file (rank 0)."""
+    from transformers import Trainer, TrainerCallback
+
+    from hdet_scale.hf import HDETTrainer
+
+    ds = ds_config(hdet_block(0.0, False))
+    del ds["optimizer"]
+    sf_args = args(f"{tmp}/sf", ds, 4, optim="schedule_free_adamw")
+    trainer = HDETTrainer(model=build_model(sf_args), args=sf_args, train_dataset=data)
+    out: dict[str, Any] = {}
+
+    class Start(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            out["start"] = flat_params(trainer.model_wrapped)
+
+    trainer.add_callback(Start())
+    trainer.train()
+    out["y"] = flat_params(trainer.model_wrapped)
+    trainer.optimizer.eval()
+    out["x"] = flat_params(trainer.model_wrapped)
+    trainer.optimizer.train()
+    out["y_again"] = flat_params(trainer.model_wrapped)
+    trainer.save_model(f"{tmp}/sf/model")
+    import deepspeed
+
+    named = list(trainer.model_wrapped.module.named_parameters())
+    trainer.optimizer.eval()
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):  # collective on the shard group
+        x = {n: p.detach().float().clone() for n, p in named}
+    trainer.optimizer.train()
+    if int(os.environ["RANK"]) == 0:
+        from safetensors.torch import load_file
+
+        saved = load_file(f"{tmp}/sf/model/model.safetensors")
+        y = dict(zip(x, torch.from_numpy(out["y"]).split([t.numel() for t in x.values()])))
+        out["saved_minus_x"] = max(float((saved[n].float() - x[n]).abs().max()) for n in x if n in saved)
+        out["saved_minus_y"] = max(float((saved[n].float().flatten() - y[n]).abs().max()) for n in x if n in saved)
+    whole = build_model()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(torch.from_numpy(out["start"]), whole.parameters())
+    plain = Trainer(model=whole, args=args(f"{tmp}/sf_plain", None, 4, optim="schedule_free_adamw"),
+                    train_dataset=data)
+    plain.train()
+    out["plain_y"] = _plain_flat(whole)
+    plain.optimizer.eval()
+    out["plain_x"] = _plain_flat(whole)
+    plain.optimizer.train()
     return out
