@@ -85,6 +85,22 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
     Raises:
         HDETConfigError: every problem at once, each naming its ``deepspeed.*`` key.
     """
+    errors = optimizer_errors(ds, backend, prefix)
+    if "scheduler" in ds:
+        errors.append(f"{prefix}scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
+    # the keys left out derived as DeepSpeed derives them (tester round 26: a file with only
+    # train_batch_size was read as a micro-batch of 1 and refused)
+    errors += batch_errors(ds, prefix, world_size)
+    errors += flag_errors(ds, prefix)
+    errors += _precision_errors(ds, backend, prefix)
+    if errors:
+        raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))
+
+
+def optimizer_errors(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str]:
+    """The ``optimizer`` block of an optimizer hdet_scale builds (every non-DeepSpeed
+    engine's; on DeepSpeed the :data:`CLIENT_BUILT` ones): its type and its arguments
+    against the class' signature, one line per problem naming the key. Pure."""
     errors = []
     opt = ds.get("optimizer") or {}
     kind, params = optimizer_class_name(opt.get("type")), opt.get("params", {}) or {}
@@ -104,23 +120,21 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
                     errors.append(f"{prefix}optimizer.params.{name}: must be true or false"
                                   f"{' (or null)' if param.default is None else ''}, got {value!r}")
         if unknown:
-            errors.append(f"{prefix}optimizer.params: {unknown} are not arguments of torch.optim.{kind} "
+            where = "torch.optim" if OPTIMIZERS[kind].__module__.startswith("torch") else "schedulefree"
+            errors.append(f"{prefix}optimizer.params: {unknown} are not arguments of {where}.{kind} "
                           f"(accepted: {', '.join(sorted(accepted))})")
-    if "scheduler" in ds:
-        errors.append(f"{prefix}scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
-    # the keys left out derived as DeepSpeed derives them (tester round 26: a file with only
-    # train_batch_size was read as a micro-batch of 1 and refused)
-    errors += batch_errors(ds, prefix, world_size)
-    errors += flag_errors(ds, prefix)
+    return errors
+
+
+def _precision_errors(ds: dict, backend: str, prefix: str) -> list[str]:
+    errors = []
     if (ds.get("bf16") or {}).get("enabled") is True and backend != "fsdp2":
         errors.append(f"{prefix}bf16.enabled: the {backend} backend trains in float32; bf16 mixed precision "
                       "is available with backend deepspeed or fsdp2")
     if (ds.get("fp16") or {}).get("enabled") is True:
         errors.append(f"{prefix}fp16.enabled: fp16 loss scaling is DeepSpeed's; the {backend} backend does not "
                       "support it (use bf16 with fsdp2, or backend deepspeed)")
-    errors += _deepspeed_only(ds, backend, prefix)
-    if errors:
-        raise HDETConfigError(f"{title}:\n  " + "\n  ".join(errors))
+    return errors + _deepspeed_only(ds, backend, prefix)
 
 
 #: How much each non-DeepSpeed engine shards, as the ZeRO stage that shards as much:

@@ -69,13 +69,13 @@ KNOWN: dict[str, IterateSpec] = {
 
 
 def spec_for(optimizer: Any) -> IterateSpec | None:
-    """The optimizer's :class:`IterateSpec`: its ``hdet_iterates`` attribute, else the
-    entry of :data:`KNOWN` for its class (or a base class) name; ``None`` for an
-    optimizer with one iterate (AdamW, SGD...)."""
+    """The optimizer's (an instance or a class) :class:`IterateSpec`: its
+    ``hdet_iterates`` attribute, else the entry of :data:`KNOWN` for its class (or a base
+    class) name; ``None`` for an optimizer with one iterate (AdamW, SGD...)."""
     declared = getattr(optimizer, "hdet_iterates", None)
     if declared is not None:
         return declared
-    for cls in type(optimizer).__mro__:
+    for cls in (optimizer if isinstance(optimizer, type) else type(optimizer)).__mro__:
         if cls.__name__ in KNOWN:
             return KNOWN[cls.__name__]
     return None
@@ -122,7 +122,8 @@ def set_group_scalars(optimizer: Any, values: list[float]) -> None:
 
 
 def has_modes(optimizer: Any) -> bool:
-    """The optimizer switches its parameters between train and eval points."""
+    """The optimizer (an instance or a class) switches its parameters between train and
+    eval points."""
     spec = spec_for(optimizer)
     return bool(spec is not None and spec.modes)
 
@@ -173,3 +174,18 @@ def eval_mode(optimizer: Any, refresh: Callable[[], None] | None = None) -> Iter
         switch_(optimizer, to_eval=False)
         if refresh is not None:
             refresh()
+
+
+def schedule_warning(optimizer: Any, schedule: str) -> str | None:
+    """A message when an optimizer (instance or class) with an evaluation point
+    (schedule-free) runs under an
+    HDET schedule that warms up or decays (``schedule``: ``hdet.schedule.name``): it
+    warms up itself (its ``warmup_steps``) and needs no decay, so the two would compound;
+    ``None`` otherwise."""
+    if not has_modes(optimizer) or schedule == "constant":
+        return None
+    name = (optimizer if isinstance(optimizer, type) else type(optimizer)).__name__
+    return (f"hdet.schedule.name: {schedule!r} under {name}, which warms up itself (its "
+            "warmup_steps) and needs no decay: the LR it reads would be shaped twice; set hdet.schedule.name="
+            "'constant' (with no warmup_steps of its own)")
+

@@ -43,6 +43,7 @@ may use it; the scheduler's permutations come from its own seeded generator).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
@@ -302,6 +303,9 @@ class Simulator:
         self.optimizers = [optimizer_fn(list(m.parameters())) for m in self.models]
         for opt in self.optimizers:
             iterates.train_mode_(opt)  # schedule-free optimizers start in eval mode
+        msg = iterates.schedule_warning(self.optimizers[0], self.config.schedule.name)
+        if msg:
+            warnings.warn(msg, UserWarning, stacklevel=2)
         ngroups = {len(o.param_groups) for o in self.optimizers}
         if len(ngroups) != 1:
             raise ValueError(f"optimizer_fn returned optimizers with different numbers of parameter groups: "

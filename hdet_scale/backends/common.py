@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Sequence
 
@@ -158,6 +159,9 @@ def attach_sync(scheduler: HDETScheduler, topology: Topology, backend: Any, mode
     with local() as opt:
         if opt is not None:
             iterates.train_mode_(opt)  # schedule-free optimizers start in eval mode and refuse to step there
+            msg = iterates.schedule_warning(opt, cfg.schedule.name)
+            if msg:
+                warnings.warn(msg, UserWarning, stacklevel=3)
     scheduler.attach(DistributedSync(topology, backend, cfg.bucket_bytes, cfg.gradient_sharing,
                                      cfg.overlap_gradient_sharing, local_optimizer=local))
     scheduler.set_probe(None if probe is None else (lambda: probe(model)))

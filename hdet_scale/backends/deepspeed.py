@@ -74,7 +74,7 @@ class DeepSpeedBackend:
         # run's updates differ in the last bit from the uninterrupted run's (ds_adam.py).
         stateless_bias_correction(self.optimizer.optimizer)
         if iterates.spec_for(self.optimizer.optimizer) is not None:
-            self._step_filled_groups_only()
+            self._step_groups_once()
         name_shared_params_everywhere(engine)  # zero_to_fp32.py on replica_1 keeps tied weights
 
     def _count_skipped_steps(self) -> None:
@@ -138,33 +138,39 @@ class DeepSpeedBackend:
             for g, params in zip(inner.param_groups, saved):
                 g["params"] = params
 
-    def _step_filled_groups_only(self) -> None:
-        """ZeRO-3 steps its client optimizer once per sub-group with only that group
-        filled. An optimizer that counts steps per group (schedule-free's ``k``,
-        ``weight_sum``) would count every group at every call: hide the empty groups
-        from it during the call. Each param group must then be one sub-group, else its
-        count would advance once per sub-group.
-
-        Raises:
-            HDETConfigError: a param group split into several sub-groups.
-        """
+    def _step_groups_once(self) -> None:
+        """ZeRO-3 steps its client optimizer once per sub-group, with only that sub-group's
+        parameter group filled. An optimizer that counts its steps per group
+        (schedule-free's ``k``, ``weight_sum``, ``lr_max``: :attr:`IterateSpec.group_state`)
+        would count every group at every call, and a group split into several sub-groups
+        (``zero_optimization.sub_group_size``) once per sub-group. Each call therefore
+        sees only the filled group, and a group's later sub-groups start from the values
+        its first sub-group started from, so every sub-group takes the same step and the
+        group counts one step per optimizer step."""
         opt, inner = self.optimizer, self.optimizer.optimizer
-        groups = list(opt.sub_group_to_group_id.values())
-        if len(groups) != len(set(groups)):
-            raise HDETConfigError(f"zero_optimization.sub_group_size: {type(inner).__name__} counts its steps per "
-                                  "parameter group, and ZeRO-3 split a group into several sub-groups (stepped one "
-                                  "after another): raise sub_group_size above the largest group's parameter count")
-        original = inner.step
+        keys = iterates.spec_for(inner).group_state
+        start: dict[int, dict[str, Any]] = {}  # id(group) -> its values before this optimizer step
+        inner_step, outer_step = inner.step, opt.step
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step_filled(*args: Any, **kwargs: Any) -> Any:
             groups = inner.param_groups
-            inner.param_groups = [g for g in groups if g["params"]]
+            filled = [g for g in groups if g["params"]]
+            for g in filled:
+                if id(g) in start:
+                    g.update(start[id(g)])
+                else:
+                    start[id(g)] = {k: g[k] for k in keys if k in g}
+            inner.param_groups = filled
             try:
-                return original(*args, **kwargs)
+                return inner_step(*args, **kwargs)
             finally:
                 inner.param_groups = groups
 
-        inner.step = step
+        def step(*args: Any, **kwargs: Any) -> Any:
+            start.clear()
+            return outer_step(*args, **kwargs)
+
+        inner.step, opt.step = step_filled, step
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.engine.module)

@@ -25,7 +25,9 @@ from hdet_scale.train.data import ByteBatches, load_corpus
 from hdet_scale.train.data_place import check_apart, holding_part
 from hdet_scale.train.run_dir_place import refuse_root
 from hdet_scale.autolr import build_schedule, check_additive_floors
-from hdet_scale.engine_config import check_optimizer_axes, optimizer_axis_errors
+from hdet_scale import iterates
+from hdet_scale.engine_config import (OPTIMIZERS, check_optimizer_axes, client_built, optimizer_axis_errors,
+                                      optimizer_class_name, optimizer_errors)
 from hdet_scale.train.engines import axis_bases, check_engine_config
 from hdet_scale.train.model import ModelConfig, check_buildable
 from hdet_scale.train.run_notes import eval_overlap_note, split_note
@@ -131,6 +133,15 @@ def validate(run: dict, world_size: int, build_model: bool = True):
         raise _in_trainer_terms(e) from None
     if backend != "deepspeed":
         check_engine_config(run["deepspeed"], backend, world_size)
+    elif client_built(run["deepspeed"]):  # built by hdet_scale, not DeepSpeed: its arguments checked here
+        errors = optimizer_errors(run["deepspeed"], backend)
+        if errors:
+            raise HDETConfigError("invalid run config:\n  " + "\n  ".join(errors))
+    kind = optimizer_class_name(((run["deepspeed"].get("optimizer") or {}).get("type")))
+    if hcfg.enabled and kind in OPTIMIZERS:
+        msg = iterates.schedule_warning(OPTIMIZERS[kind], hcfg.schedule.name)
+        if msg:
+            warnings.warn(f"hdet_scale: deepspeed.{msg}", UserWarning, stacklevel=1)  # printed once
     elif not run["deepspeed"].get("optimizer"):  # the trainer builds it from the block (tester round 27)
         raise HDETConfigError("deepspeed.optimizer: hdet-train builds the optimizer from this block, and "
                               f"{run['deepspeed_config'] or 'the DeepSpeed JSON'} has none; add one, e.g. "

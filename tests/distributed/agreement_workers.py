@@ -352,7 +352,7 @@ def run_ddp(mode: str, controller: str, warm: bool = False, steps: int = STEPS, 
 
 
 def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = STEPS, root: str | None = None,
-                  resume: str | None = None) -> dict:
+                  resume: str | None = None, sub_group_size: int | None = None) -> dict:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -366,6 +366,8 @@ def run_deepspeed(mode: str, controller: str, warm: bool = False, steps: int = S
     zero: dict[str, Any] = {"stage": 3}
     if warm:
         zero["stage3_param_persistence_threshold"] = 100
+    if sub_group_size is not None:
+        zero["sub_group_size"] = sub_group_size
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
            "gradient_clipping": 0.0, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
            "hdet": hdet_block(mode, controller, warm)}
@@ -421,6 +423,8 @@ def launch_sharded(modes: list[str], root: str) -> dict:
         out[(name, "warm", WARM_MODE)] = fn(WARM_MODE, "log", warm=True, steps=SYNC)
         out[(name, "temperature", "global")] = fn("global", "temperature")
         _schedule_free_runs(fn, name, root, out)
+    # ZeRO-3 splitting each parameter group into sub-groups of at most 100 elements
+    out[("deepspeed", "schedulefree-subgroups", "global")] = run_deepspeed("global", "schedulefree", sub_group_size=100)
     return out
 
 

@@ -179,4 +179,22 @@ def run(tmp: str) -> dict:
     resumed.add_callback(r_recorder)
     resumed.train(resume_from_checkpoint=f"{tmp}/hdet/checkpoint-2")
     out["resumed"] = {"steps": r_steps, "final": flat_params(resumed.model_wrapped)}
+    out["schedule_free"] = schedule_free(tmp, data)
     return out
+
+
+def schedule_free(tmp: str, data: Any) -> dict:
+    """``optim="schedule_free_adamw"``: the plain FSDP2 ``Trainer`` and HDETTrainer (spread 0,
+    auto-LR off), 4 steps each from the same weights: the training point y after
+    ``train()``, the evaluation point x after ``optimizer.eval()``."""
+    PlainFSDP, HDETFSDP = trainer_classes()
+    res = {}
+    for name, cls, hdet in (("plain", PlainFSDP, None), ("hdet", HDETFSDP, HW.hdet_block(0.0, False))):
+        trainer = cls(model=HW.build_model(), args=args(f"{tmp}/sf_{name}", hdet, 4, optim="schedule_free_adamw"),
+                      train_dataset=data)
+        trainer.train()
+        y = flat_params(trainer.model_wrapped)
+        trainer.optimizer.eval()
+        res[name] = {"y": y, "x": flat_params(trainer.model_wrapped)}
+        trainer.optimizer.train()
+    return res

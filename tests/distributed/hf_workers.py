@@ -245,7 +245,7 @@ def _plain_flat(model: Any) -> np.ndarray:
 def schedule_free(tmp: str, data: Any) -> dict:
     """HDETTrainer with ``optim="schedule_free_adamw"`` (Trainer's own optimizer, no
     DeepSpeed optimizer block), spread 0 and auto-LR off, on ZeRO-3; and the plain
-    ``Trainer`` with the same optimizer on DDP over the 4 ranks from the same weights.
+    ``Trainer`` with the same optimizer on ZeRO-3 over the 4 ranks from the same weights.
     Each: the weights after ``train()`` (y), after ``optimizer.eval()`` (x) and after
     ``optimizer.train()`` again; HDETTrainer's ``save_model`` file (rank 0)."""
     from transformers import Trainer, TrainerCallback
@@ -284,14 +284,32 @@ def schedule_free(tmp: str, data: Any) -> dict:
         y = dict(zip(x, torch.from_numpy(out["y"]).split([t.numel() for t in x.values()])))
         out["saved_minus_x"] = max(float((saved[n].float() - x[n]).abs().max()) for n in x if n in saved)
         out["saved_minus_y"] = max(float((saved[n].float().flatten() - y[n]).abs().max()) for n in x if n in saved)
+    # The oracle: the plain Trainer on ZeRO-3 (data parallel over the 4 ranks) from the same
+    # weights, with schedule-free AdamW as one parameter group (Trainer's two groups would
+    # have ZeRO-3 step it once per group, each call counting a step in both: HDET's backend
+    # hides the empty groups; Trainer's weight decay is 0, so one group is the same method).
+    import schedulefree
+
     whole = build_model()
     with torch.no_grad():
         torch.nn.utils.vector_to_parameters(torch.from_numpy(out["start"]), whole.parameters())
-    plain = Trainer(model=whole, args=args(f"{tmp}/sf_plain", None, 4, optim="schedule_free_adamw"),
-                    train_dataset=data)
+    opt = schedulefree.AdamWScheduleFree(whole.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    plain_ds = {**ds_config(None), "zero_allow_untested_optimizer": True}
+    del plain_ds["optimizer"]
+    class OneGroup(Trainer):  # Trainer's optimizers=(opt, None) is not used under DeepSpeed
+        def create_optimizer(self, model: Any = None) -> Any:
+            self.optimizer = opt
+            return opt
+
+    plain = OneGroup(model=whole, args=args(f"{tmp}/sf_plain", plain_ds, 4), train_dataset=data)
     plain.train()
-    out["plain_y"] = _plain_flat(whole)
-    plain.optimizer.eval()
-    out["plain_x"] = _plain_flat(whole)
-    plain.optimizer.train()
+    out["plain_y"] = flat_params(plain.model_wrapped)
+    # x of the plain run: schedule-free's own eval() on ZeRO-3's fp32 partitions, then
+    # the working copy refreshed (plain ZeRO-3's eval() moves nothing: its groups are empty)
+    from hdet_scale.backends.deepspeed import DeepSpeedBackend
+    from hdet_scale.iterates import eval_mode
+
+    backend = DeepSpeedBackend(plain.model_wrapped)
+    with backend.local_optimizer() as inner, eval_mode(inner, backend.refresh):
+        out["plain_x"] = flat_params(plain.model_wrapped)
     return out

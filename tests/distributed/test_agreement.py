@@ -342,6 +342,21 @@ def test_schedule_free_matches_the_simulator_and_resumes_exactly(runs, backend):
         np.testing.assert_array_equal(np.array(mine["lrs"][-1]), np.array(ref["lrs"][-1]))
 
 
+def test_schedule_free_on_zero3_sub_groups_matches_the_simulator(runs):
+    """ZeRO-3 with ``sub_group_size`` 100 splits each parameter group into sub-groups (this
+    model: 499 elements in 2 groups, so 6 sub-groups on each rank) and steps the client
+    optimizer once per sub-group; every sub-group takes its group's one step, so the run
+    equals the simulator as the one-sub-group run does (atol ``PARAM_ATOL``), and equals
+    that run bit for bit."""
+    sim = runs[("sim", "schedulefree", "global")]
+    split = runs[("deepspeed", "schedulefree-subgroups", "global")]
+    whole = runs[("deepspeed", "schedulefree", "global")]
+    for mine, ref in zip(split, whole):
+        np.testing.assert_allclose(mine["x"], sim["x"], rtol=0, atol=PARAM_ATOL)
+        np.testing.assert_array_equal(mine["params"], ref["params"])
+        np.testing.assert_array_equal(mine["x"], ref["x"])
+
+
 # ---- the probe -------------------------------------------------------------------------------
 
 LOG_CASES = [(b, m) for m in MODES for b in BACKENDS]

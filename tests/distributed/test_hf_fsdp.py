@@ -139,3 +139,16 @@ def test_trainer_resume_from_checkpoint_continues_bit_for_bit(runs):
                                       err_msg=f"rank {rank}: resumed run differs")
         resumed = [(row["step"], row["lr"]) for row in out["resumed"]["steps"]]
         assert resumed == [(row["step"], row["lr"]) for row in out["hdet"]["steps"]][2:]
+
+
+def test_schedule_free_equals_the_plain_fsdp2_trainer(runs):
+    """``optim="schedule_free_adamw"`` under HDETTrainer on FSDP2 (2 x 2, spread 0, auto-LR
+    off) ends where the plain FSDP2 ``Trainer`` with the same optimizer does, at the
+    training point y and at the evaluation point x (``trainer.optimizer.eval()``; HDET
+    averages schedule-free's z with the weights at every sync), rtol 1e-5 / atol 1e-6 as
+    above. Teeth: x and y differ by > 1e-4."""
+    for rank, out in enumerate(runs):
+        sf = out["schedule_free"]
+        np.testing.assert_allclose(sf["hdet"]["y"], sf["plain"]["y"], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}: y")
+        np.testing.assert_allclose(sf["hdet"]["x"], sf["plain"]["x"], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}: x")
+        assert np.abs(sf["hdet"]["x"] - sf["hdet"]["y"]).max() > 1e-4

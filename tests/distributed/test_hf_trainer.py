@@ -153,16 +153,16 @@ def test_a_run_stopped_by_a_callback_between_syncs_ends_with_the_replicas_averag
                                    atol=1e-7, err_msg=f"rank {rank}")
 
 
-def test_schedule_free_on_zero3_equals_the_plain_trainer_on_ddp_and_saves_x(runs):
+def test_schedule_free_equals_the_plain_trainer_and_saves_x(runs):
     """``TrainingArguments(optim="schedule_free_adamw")`` under HDETTrainer (ZeRO-3, 2 x 2,
     spread 0, auto-LR off) computes what the plain ``Trainer`` computes with the same
-    optimizer on DDP over the 4 ranks: the training point y and the evaluation point x
-    (``trainer.optimizer.eval()``), rtol 1e-5 / atol 1e-6 as the AdamW comparison above
-    (the same gradients summed in another order). Teeth: x and y differ by > 1e-4, so an
+    optimizer on ZeRO-3 over the 4 ranks (one parameter group: ``hf_workers.schedule_free``):
+    the training point y and the evaluation point x (``trainer.optimizer.eval()``),
+    rtol 1e-5 / atol 1e-6 as the AdamW comparison above (the same gradients summed in
+    another order). Teeth: x and y differ by > 1e-4, so an
     ``eval()`` that moved nothing would fail (as ZeRO-3 alone does: its client optimizer's
     groups are empty between steps). ``train()`` puts y back up to the two lerps'
-    rounding (atol 1e-7 on weights < 1); ``save_model`` writes x (exact: the same
-    gathered float32 values), not y."""
+    rounding (atol 1e-7 on weights < 1); ``save_model`` writes x, not y."""
     for rank, out in enumerate(runs):
         sf = out["schedule_free"]
         np.testing.assert_allclose(sf["y"], sf["plain_y"], rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}: y")
@@ -170,5 +170,7 @@ def test_schedule_free_on_zero3_equals_the_plain_trainer_on_ddp_and_saves_x(runs
         np.testing.assert_allclose(sf["y_again"], sf["y"], rtol=0, atol=1e-7)
         assert np.abs(sf["x"] - sf["y"]).max() > 1e-4
         np.testing.assert_array_equal(sf["x"], runs[0]["schedule_free"]["x"])  # every replica the same x
-    assert runs[0]["schedule_free"]["saved_minus_x"] == 0.0
+    # x read again after save_model's own eval()/train() round trip: y moved in its last
+    # bits (each round trip, as above), x by ~1e-11. Measured: 2.9e-11.
+    assert runs[0]["schedule_free"]["saved_minus_x"] < 1e-9
     assert runs[0]["schedule_free"]["saved_minus_y"] > 1e-4
