@@ -199,3 +199,31 @@ def test_simulator_records_the_fitness_noise_and_widens_the_temperature():
     assert rec["hdet/fitness_noise"] > 0
     assert rec["hdet/temperature"] == pytest.approx(math.hypot(abs(fit[0] - fit[1]) / 2, 3 * rec["hdet/fitness_noise"]),
                                                     rel=1e-12)
+
+
+def test_ensemble_eval_moves_to_x_and_refuses_a_step_or_checkpoint_until_train(tmp_path):
+    """``Ensemble.eval()`` enters the scheduler's eval mode (x), ``train()`` leaves it;
+    in between a step or a checkpoint is refused (``HDETStateError``) before anything
+    moves. A Simulator of one replica stands for the engine (the same scheduler calls)."""
+    from hdet_scale.api import Ensemble
+    from hdet_scale.errors import HDETStateError
+
+    sim = Simulator(model, sf, block(replicas=1, spread=0.0, auto=False), probe_fn=None)
+    for _ in range(6):
+        sim.step(loss)
+    m, opt = sim.models[0], sim.optimizers[0]
+    ens = Ensemble("ddp", m, opt, sim.scheduler, grad_accum=1, clip=0.0)
+    y = flat(m).clone()
+    ens.eval()
+    assert not m.training and not iterates.in_train_mode(opt)
+    x = flat(m).clone()
+    assert (x - y).abs().max() > 1e-3
+    with pytest.raises(HDETStateError, match=r"Ensemble.save_checkpoint: .*call ens.train\(\) first"):
+        ens.save_checkpoint(str(tmp_path / "ckpt"))
+    ens.backward(loss(m, 0))
+    with pytest.raises(HDETStateError, match=r"Ensemble.step: the parameters hold the optimizer's evaluation point"):
+        ens.step()
+    assert torch.equal(flat(m), x) and not (tmp_path / "ckpt").exists()
+    ens.train()
+    assert m.training and iterates.in_train_mode(opt)
+    torch.testing.assert_close(flat(m), y, rtol=0, atol=1e-6)
