@@ -3,12 +3,16 @@ finds, at the cost of one run? (docs/quality.md)
 
     OMP_NUM_THREADS=1 python -m benchmarks.quality --jobs 2          # runs + report
     python -m benchmarks.quality --report-only                        # report from results
+    OMP_NUM_THREADS=1 python -m benchmarks.quality --jobs 1 --only schedule-free/ --only prodigy/
+    python -m benchmarks.quality --device cuda --model-size large --steps 1000   # a GPU
 
 Every run is the ``Simulator`` on the default model and corpus (``quality_runs.py``):
 4 replicas x 8 sequences, 200 optimizer steps, sync every 25, 3 seeds per point. Results
 go to ``benchmarks/results/quality.jsonl`` (one line per run; finished runs are skipped
-when the command is repeated), the table and plots to docs/quality.md and
-docs/quality_*.png. About 45 runs of 60-90 s on one core each.
+when the command is repeated), the table and plots to docs/quality_table.md and
+docs/quality_*.png. 117 runs of 60-100 s on one core each. Another ``--device``,
+``--model-size`` or ``--steps`` writes to ``benchmarks/results/quality-<device>-<size>-<steps>steps``
+(``.jsonl``, ``_table.md``, ``_*.png``) instead, so its runs never mix with these.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import argparse
 import math
 import os
 import statistics
+import sys
 from collections import defaultdict
 
 from benchmarks.pool import load, run_all
-from benchmarks.quality_runs import run
+from benchmarks.quality_runs import DEFAULT_LR, MICRO, MODEL_SIZES, REPLICAS, merge, run
 
 SEEDS = (0, 1, 2)
 GRID = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
@@ -43,9 +48,16 @@ DROPOUT_START = 0.1
 DROPOUT_AXIS = {"auto": {"step_size": 0.5},
                 "axes": {"lr": {"spread_ratio": 0.111},
                          "dropout": {"spread_ratio": 0.05, "kind": "additive", "value": DROPOUT_START, "auto": True}}}
+# The optimizers users pick instead of tuning AdamW's LR, at their libraries' defaults
+# (schedule-free also 3x below and 10x above), and HDET's defaults on schedule-free.
+SF_LR = DEFAULT_LR["schedulefree"]
+SF_STARTS = {"default": SF_LR, "3x low": SF_LR / 3, "10x high": SF_LR * 10}
+SF_SLOW = merge(SLOW, {"schedule": {"name": "constant"}})  # schedule-free warms up itself
+PEERS = ("schedule-free AdamW", "Prodigy")
 
 
-def specs() -> list[dict]:
+def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") -> list[dict]:
+    """Every run; ``steps``, ``device`` and ``model_size`` go into each spec."""
     out = []
     for lr in GRID:
         for s in SEEDS:
@@ -96,7 +108,20 @@ def specs() -> list[dict]:
                         "kind": "plain", "lr": lr, "seed": s, "clip": 0.0})
             out.append({"name": f"noclip hdet/lr{lr:g}/s{s}", "group": "no clipping: HDET full",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": FULL, "clip": 0.0})
-    return out
+    # Names chosen so that "--only schedule-free/ --only prodigy/" selects the plain peers.
+    for where, lr in SF_STARTS.items():
+        for s in SEEDS:
+            out.append({"name": f"schedule-free/lr{lr:.3g}/s{s}", "group": "schedule-free AdamW", "kind": "plain",
+                        "optimizer": "schedulefree", "lr": lr, "seed": s})
+    for s in SEEDS:
+        out.append({"name": f"prodigy/lr1/s{s}", "group": "Prodigy", "kind": "plain", "optimizer": "prodigy",
+                    "lr": DEFAULT_LR["prodigy"], "seed": s})
+    for where, lr in SF_STARTS.items():
+        for s in SEEDS:
+            out.append({"name": f"hdet defaults + schedule-free AdamW/{where}/s{s}",
+                        "group": f"HDET defaults + schedule-free, start {where}", "kind": "hdet",
+                        "optimizer": "schedulefree", "lr": lr, "seed": s, "hdet": SF_SLOW})
+    return [{**o, "steps": steps, "device": device, "model_size": model_size} for o in out]
 
 
 def _stats(xs: list[float]) -> tuple[float, float]:
@@ -109,17 +134,27 @@ def _final_lr(r: dict) -> float | None:
     return r["lr"] * mult[-1] if mult else None
 
 
-def report(results: list[dict], out_md: str, plot_dir: str) -> str:
+def _settings(r: dict) -> tuple:
+    return r.get("device", "cpu"), r.get("model_size", "default"), r.get("steps", 200)
+
+
+def _cost(r: dict) -> float:
+    """Sequence passes relative to one plain run of the same length."""
+    return r["passes"] / (3 * r.get("steps", 200) * REPLICAS * MICRO)
+
+
+def report(results: list[dict], plot_prefix: str) -> str:
+    """The table (returned) and the plots ``<plot_prefix>_grid.png`` / ``_multiplier.png``."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for r in results:
         groups[r["group"]].append(r)
-    plain_cost = 3 * 200 * 32  # sequence passes of one plain run
     grid = {lr: _stats([r["val_loss"] for r in groups.get("plain", []) if r["lr"] == lr and r["val_loss"]])
             for lr in GRID if any(r["lr"] == lr for r in groups.get("plain", []))}
     best_lr = min(grid, key=lambda k: grid[k][0]) if grid else None
     lines = ["| run | start LR | val loss (mean +- std, nats/byte) | seeds | diverged | final peak LR (mean) | "
              "compute vs one plain run |", "|---|---|---|---|---|---|---|"]
-    for name in sorted(groups, key=lambda g: (g != "plain", g)):
+    order = ("plain",) + PEERS  # the peers beside the AdamW grid
+    for name in sorted(groups, key=lambda g: (order.index(g) if g in order else len(order), g)):
         rs = groups[name]
         by_lr = defaultdict(list)
         for r in rs:
@@ -129,26 +164,26 @@ def report(results: list[dict], out_md: str, plot_dir: str) -> str:
             m, s = _stats(ok) if ok else (math.nan, math.nan)
             finals = [f for f in (_final_lr(r) for r in rr) if f]
             fin = f"{statistics.fmean(finals):.2e}" if finals else "-"
-            cost = statistics.fmean(r["passes"] for r in rr) / plain_cost
+            cost = statistics.fmean(_cost(r) for r in rr)
             lines.append(f"| {name} | {lr:g} | {m:.3f} +- {s:.3f} | {len(rr)} | {sum(r['diverged'] for r in rr)} | "
                          f"{fin} | {cost:.3f} |")
     table = "\n".join(lines)
     if best_lr is not None:
         table += (f"\n\nBest grid point: lr {best_lr:g}, {grid[best_lr][0]:.3f} +- {grid[best_lr][1]:.3f}. "
                   f"The plain grid ({len(grid)} points x {len(SEEDS)} seeds) costs {len(grid)}x one run per seed.")
-    _plots(groups, grid, plot_dir)
+    _plots(groups, grid, plot_prefix, results[0].get("steps", 200) if results else 200)
     return table
 
 
-def _plots(groups: dict, grid: dict, plot_dir: str) -> None:
+def _plots(groups: dict, grid: dict, plot_prefix: str, steps: int) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    os.makedirs(plot_dir, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    os.makedirs(os.path.dirname(plot_prefix) or ".", exist_ok=True)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     lrs = sorted(grid)
     ax.errorbar(lrs, [grid[k][0] for k in lrs], yerr=[grid[k][1] for k in lrs], marker="o", color="k",
                 label="plain data parallelism (grid)")
@@ -163,13 +198,30 @@ def _plots(groups: dict, grid: dict, plot_dir: str) -> None:
                 ax.errorbar([statistics.fmean(finals)], [m], yerr=[s], marker=marker, markersize=12, color=c,
                             ls="none", label=f"HDET {variant} from {where} (x: final peak LR)")
                 ax.axvline(rs[0]["lr"], color=c, ls=":", lw=1)
+    sf = defaultdict(list)
+    for r in groups.get("schedule-free AdamW", []):
+        if r["val_loss"] is not None:
+            sf[r["lr"]].append(r["val_loss"])
+    if sf:
+        lrs_sf = sorted(sf)
+        ax.errorbar(lrs_sf, [_stats(sf[k])[0] for k in lrs_sf], yerr=[_stats(sf[k])[1] for k in lrs_sf],
+                    marker="s", color="tab:purple", label="schedule-free AdamW (x: its LR, no schedule)")
+    now = [r["val_loss"] for r in groups.get("plain, dropout 0", []) if r["val_loss"] is not None]
+    if now:  # the grid predates the current weight init; the peers were measured with it
+        ax.errorbar([BEST], [_stats(now)[0]], yerr=[_stats(now)[1]], marker="o", mfc="none", color="k", ls="none",
+                    label=f"plain at {BEST:g}, current weight init")
+    prodigy = [r["val_loss"] for r in groups.get("Prodigy", []) if r["val_loss"] is not None]
+    if prodigy:  # no LR to place it at: a band
+        m, s = _stats(prodigy)
+        ax.axhspan(m - s, m + s, color="tab:orange", alpha=0.2)
+        ax.axhline(m, color="tab:orange", lw=1.5, label="Prodigy, lr 1 x OneCycle (band: +- std)")
     ax.set_xscale("log")
     ax.set_xlabel("peak LR")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("200 steps, 4 x 8 sequences, 3 seeds (dotted: HDET start LR)")
-    ax.legend(fontsize=8)
+    ax.set_title(f"{steps} steps, 4 x 8 sequences, 3 seeds (dotted: HDET start LR)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: the points fill the axes
     fig.tight_layout()
-    fig.savefig(os.path.join(plot_dir, "quality_grid.png"), dpi=110)
+    fig.savefig(plot_prefix + "_grid.png", dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for where, c in colors.items():
@@ -187,7 +239,7 @@ def _plots(groups: dict, grid: dict, plot_dir: str) -> None:
     ax.set_title("Auto-LR multiplier per sync, HDET defaults (one line per seed)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(plot_dir, "quality_multiplier.png"), dpi=110)
+    fig.savefig(plot_prefix + "_multiplier.png", dpi=110)
     plt.close(fig)
 
 
@@ -217,15 +269,34 @@ def dropout_report(results: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--jobs", type=int, default=2, help="worker processes (one thread each)")
-    p.add_argument("--results", default=RESULTS)
+    p.add_argument("--results", help=f"JSONL of the runs (default {RESULTS} for the default settings)")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--out", default="docs/quality_table.md", help="where the table is written")
+    p.add_argument("--out", help="where the table is written, the plots beside it "
+                                 "(default docs/quality_table.md for the default settings)")
+    p.add_argument("--only", action="append", metavar="SUBSTRING",
+                   help="run only the specs whose name contains it (repeatable; the report covers every result)")
+    p.add_argument("--device", default="cpu", help="torch device of the runs, e.g. cuda")
+    p.add_argument("--model-size", default="default", choices=list(MODEL_SIZES))
+    p.add_argument("--steps", type=int, default=200)
     a = p.parse_args()
+    mine = (a.device, a.model_size, a.steps)
+    tag = "" if mine == ("cpu", "default", 200) else f"-{a.device}-{a.model_size}-{a.steps}steps"
+    results_path = a.results or (RESULTS if not tag else f"benchmarks/results/quality{tag}.jsonl")
+    out = a.out or ("docs/quality_table.md" if not tag else f"benchmarks/results/quality{tag}_table.md")
+    if os.path.exists(results_path):
+        other = {_settings(r) for r in load(results_path)} - {mine}
+        if other:  # run names do not say the settings: skipping by name would mix them
+            sys.exit(f"{results_path} holds runs of other (device, model size, steps): {sorted(other)}; "
+                     "pass --results of their own")
     if not a.report_only:
-        run_all(specs(), run, a.results, a.jobs)
-    results = load(a.results)
-    table = report(results, a.out, os.path.dirname(a.out) or ".") + "\n\n" + dropout_report(results)
-    with open(a.out, "w") as f:
+        todo = [s for s in specs(a.steps, a.device, a.model_size) if not a.only or any(o in s["name"] for o in a.only)]
+        run_all(todo, run, results_path, a.jobs)
+    if not os.path.exists(results_path):
+        sys.exit(f"no results in {results_path}: run without --report-only first")
+    results = load(results_path)
+    prefix = os.path.join(os.path.dirname(out), "quality" + tag)
+    table = report(results, prefix) + "\n\n" + dropout_report(results)
+    with open(out, "w") as f:
         f.write(table + "\n")
     print(table)
 
