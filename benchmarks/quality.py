@@ -121,6 +121,15 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
             out.append({"name": f"hdet defaults + schedule-free AdamW/{where}/s{s}",
                         "group": f"HDET defaults + schedule-free, start {where}", "kind": "hdet",
                         "optimizer": "schedulefree", "lr": lr, "seed": s, "hdet": SF_SLOW})
+    # HDET's defaults on AdamW again with the current weight init (the rows above predate
+    # it), and the controller before auto.noise_scale (the probe's mean alone: z-scores)
+    for where, lr in (("best", BEST), ("3x low", BEST / 3)):
+        for s in SEEDS:
+            out.append({"name": f"hdet defaults ci/{where}/s{s}", "group": f"HDET defaults, current init, start {where}",
+                        "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW})
+            out.append({"name": f"hdet z-scores ci/{where}/s{s}",
+                        "group": f"HDET defaults without the noise term, current init, start {where}",
+                        "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW, "probe_examples": False})
     return [{**o, "steps": steps, "device": device, "model_size": model_size} for o in out]
 
 

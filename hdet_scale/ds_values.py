@@ -72,7 +72,12 @@ def optimizer_accepts(ds: Mapping) -> tuple[str, set[str]] | None:
         elif getattr(torch.optim, name, None) is not None and lname != "muon":
             classes = [getattr(torch.optim, name)]
         else:
-            return None
+            from hdet_scale.optimizers import OPTIMIZERS, client_built
+
+            built = client_built(ds)  # schedule-free AdamW: hdet_scale builds it (when installed)
+            if built is None or built not in OPTIMIZERS:
+                return None
+            classes = [OPTIMIZERS[built]]
     except ImportError as e:
         if e.name != "deepspeed":
             return None  # mup, or a part of an installed DeepSpeed: nothing to compare with

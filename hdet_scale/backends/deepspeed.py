@@ -34,7 +34,7 @@ from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_setti
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
 from hdet_scale.backends.ds_shared import link_tool_files, name_shared_params_everywhere
-from hdet_scale.engine_config import build_client_optimizer, client_built
+from hdet_scale.optimizers import build_client_optimizer, client_built
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.ds_values import check_client_optimizer

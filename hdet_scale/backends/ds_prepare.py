@@ -18,7 +18,7 @@ from hdet_scale.config import HDETConfig
 from hdet_scale.ds_json import loads_json_object
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.ds_values import batch_errors, check_deepspeed_values
-from hdet_scale.engine_config import client_built
+from hdet_scale.optimizers import client_built
 from hdet_scale.ensemble import check_config
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular

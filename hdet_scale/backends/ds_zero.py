@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hdet_scale.engine_config import client_built
+from hdet_scale.optimizers import client_built
 
 #: The ``optimizer.type`` names whose optimizer DeepSpeed's ZeRO accepts without
 #: ``zero_allow_untested_optimizer`` (deepspeed 0.19: ``runtime/zero/utils.py``'s

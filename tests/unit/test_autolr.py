@@ -581,7 +581,8 @@ def test_simulator_probe_signature_checked_at_construction(probe_fn, needle):
         Simulator(_tiny, _sgd, _sim_block(), probe_fn=probe_fn)
 
 
-@pytest.mark.parametrize("bad", [[1.0, 2.0], "1.0", None, torch.ones(2)])
+# a 1-D tensor is per-example losses (test_iterates); two dimensions or none are refused
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "1.0", None, torch.ones(2, 2), torch.ones(0)])
 def test_bad_probe_result_is_a_config_error_naming_the_probe(bad):
     from hdet_scale import Simulator
 

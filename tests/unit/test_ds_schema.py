@@ -55,7 +55,7 @@ CASES = {
     "zero_nested_typo": _packaged(zero_optimization__offload_param__devicee="cpu"),
     "bf16_typo": _packaged(bf16__enabledd=True),
     "wandb_typo": _packaged(wandb__projectt="x"),
-    "optimizer_params": _packaged(optimizer__params__learning_rate=1e-3),
+    "optimizer_params": _packaged(optimizer={"type": "AdamW", "params": {"lr": 1e-3, "learning_rate": 1e-3}}),
     "key_by_key_blocks": _packaged(activation_checkpointing__partition_activationss=True,
                                    checkpoint__tag_validationn="Warn", optimizer__typ="AdamW"),
     "blocks_as_values": _packaged(bf16=True, fp16=[1], activation_checkpointing=True,

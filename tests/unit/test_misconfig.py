@@ -43,9 +43,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PACKAGED = os.path.join(ROOT, "hdet_scale", "train", "configs", "deepspeed.json")
 
 
-def packaged() -> dict:
-    """The trainer's DeepSpeed JSON, with the run length hdet-train would fill in."""
-    with open(PACKAGED) as f:
+ADAMW = os.path.join(ROOT, "configs", "deepspeed_cpu_2x2_adamw.json")  # the same job on AdamW + OneCycle
+
+
+def packaged(path: str = PACKAGED) -> dict:
+    """The trainer's DeepSpeed JSON (or ``path``), with the run length hdet-train would fill in."""
+    with open(path) as f:
         ds = json.load(f)
     ds["hdet"]["schedule"]["total_steps"] = 100
     return ds
@@ -114,6 +117,7 @@ def test_nested_typos_and_optimizer_arguments_all_named_at_once(ds_keys):
     FusedAdam / DeepSpeedCPUAdam do not take (DeepSpeed would fail inside initialize
     with a TypeError), in one strict error; the closest valid key is named."""
     ds = packaged()
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3}}  # DeepSpeed's own Adam
     ds["activation_checkpointing"] = {"partition_activationss": True}
     ds["checkpoint"] = {"tag_validationn": "Warn"}
     ds["optimizer"]["params"]["learning_rate"] = ds["optimizer"]["params"].pop("lr")
@@ -964,7 +968,7 @@ def test_schedule_keys_another_schedule_reads_are_named(capsys):
     defaults, as every ``to_dict()`` round trip lists them, are not."""
     from hdet_scale.dryrun import describe
 
-    ds = packaged()
+    ds = packaged(ADAMW)
     ds["hdet"]["schedule"]["name"] = "cosine"
     cfg = HDETConfig.from_dict(ds["hdet"])
     want = ("hdet.schedule: schedule.name 'cosine' does not read final_div_factor=10.0 (onecycle), pct_start=0.2 "
@@ -1334,7 +1338,7 @@ def test_values_read_otherwise_than_given_get_a_note(tmp_path, monkeypatch):
     assert got == ["deepspeed.optimizer.params.lr=0.001 has no effect on the LR: deepspeed.hdet.schedule.max_lr=0.01 "
                    "sets the peak of the schedule, which sets the LR of every step (change max_lr, or leave it out to "
                    "peak at optimizer.params.lr)"]
-    assert notes("deepspeed.hdet.schedule.max_lr=0.003") == []  # equal to the packaged lr: nothing lost
+    assert notes("deepspeed.hdet.schedule.max_lr=0.0025") == []  # equal to the packaged lr: nothing lost
     assert notes("train.eval_batches=19") == ["train.eval_batches=19: the validation loss reads 16 micro-batches (4 on "
                                               "each of the 4 ranks: a multiple of the ranks)"]
     assert notes("train.eval_batches=2") == ["train.eval_batches=2: the validation loss reads 4 micro-batches (1 on "
@@ -1460,16 +1464,17 @@ def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():
     from hdet_scale.train.start_notes import switch_notes as _switch_notes
     from hdet_scale.train.config import load_run_config
 
-    run = load_run_config(None, ["deepspeed.hdet.schedule.name=constant"])
+    run = load_run_config(None, [f"deepspeed_config={ADAMW}", "deepspeed.hdet.schedule.name=constant"])
     assert run["deepspeed"]["hdet"]["schedule"] == {"name": "constant", "total_steps": 300}
     assert HDETConfig.from_dict(run["deepspeed"]["hdet"]).schedule_unused_warning is None
-    assert _switch_notes(run) == ["deepspeed.hdet.schedule.name=constant replaces the packaged deepspeed.json's "
+    assert _switch_notes(run) == [f"deepspeed.hdet.schedule.name=constant replaces {ADAMW}'s "
                                   "onecycle schedule: its pct_start, final_div_factor are onecycle's and left out"]
-    run = load_run_config(None, ["deepspeed.hdet.schedule.name=constant", "deepspeed.hdet.schedule.pct_start=0.25"])
+    run = load_run_config(None, [f"deepspeed_config={ADAMW}", "deepspeed.hdet.schedule.name=constant",
+                                 "deepspeed.hdet.schedule.pct_start=0.25"])
     assert run["deepspeed"]["hdet"]["schedule"]["pct_start"] == 0.25  # the user's own: kept, and warned about
     assert "pct_start=0.25" in HDETConfig.from_dict(run["deepspeed"]["hdet"]).schedule_unused_warning
     for same in ([], ["deepspeed.hdet.schedule.name=onecycle"], ["deepspeed.hdet.schedule.pct_start=0.25"]):
-        run = load_run_config(None, same)
+        run = load_run_config(None, [f"deepspeed_config={ADAMW}", *same])
         assert "final_div_factor" in run["deepspeed"]["hdet"]["schedule"] and _switch_notes(run) == [], same
 
 
@@ -1570,8 +1575,8 @@ def test_hdet_train_prints_the_paper_controllers_decay_warning_before_the_ranks_
 
     monkeypatch.delenv("RANK", raising=False)
     for controller, warned in (("paper", True), ("log", False)):
-        run = load_run_config(None, [f"deepspeed.hdet.auto.controller={controller}", "train.steps=40",
-                                     "wandb.enabled=false"])
+        run = load_run_config(None, [f"deepspeed_config={ADAMW}", f"deepspeed.hdet.auto.controller={controller}",
+                                     "train.steps=40", "wandb.enabled=false"])
         capsys.readouterr()
         _validate_once(lambda r, w: validate(r, w, build_model=False), run, 4, True)
         err = capsys.readouterr().err

@@ -368,16 +368,18 @@ def test_hdet_train_names_model_dropout_the_value_type_and_switches_optimizer_ty
     with pytest.raises(HDETConfigError, match=r"deepspeed.hdet.axes.dropout.value: expected float \| None, got '0.05'"):
         validate(typed, 4, build_model=False)
     sgd = load_run_config(None, ["deepspeed.optimizer.type=SGD", "deepspeed.optimizer.params.momentum=0.9"])
-    assert sgd["deepspeed"]["optimizer"]["params"] == {"lr": 0.003, "weight_decay": 0.1, "momentum": 0.9}
-    adam = load_run_config(None, ["deepspeed.optimizer.type=adamw"])  # the same type in other letters: nothing dropped
-    assert set(adam["deepspeed"]["optimizer"]["params"]) == {"lr", "betas", "eps", "weight_decay"}
+    assert sgd["deepspeed"]["optimizer"]["params"] == {"lr": 0.0025, "weight_decay": 0.1, "momentum": 0.9}
+    # the same type in other letters: nothing dropped
+    adam = load_run_config(None, ["deepspeed.optimizer.type=adamwschedulefree"])
+    assert set(adam["deepspeed"]["optimizer"]["params"]) == {"lr", "betas", "eps", "weight_decay", "warmup_steps"}
     given = load_run_config(None, ["deepspeed.optimizer.type=SGD", "deepspeed.optimizer.params.eps=1e-8"])
     with pytest.raises(HDETConfigError, match=r"deepspeed.optimizer.params.eps: not an argument of torch.SGD"):
         validate(given, 4, build_model=False)  # a key the user set next to the type is theirs: still refused
     from hdet_scale.train.start_notes import switch_notes as _switch_notes
 
-    assert _switch_notes(sgd) == ["deepspeed.optimizer.type=SGD replaces the packaged deepspeed.json's AdamW: its "
-                                  "optimizer.params betas, eps are not SGD's and are left out (lr, weight_decay kept)"]
+    assert _switch_notes(sgd) == ["deepspeed.optimizer.type=SGD replaces the packaged deepspeed.json's "
+                                  "AdamWScheduleFree: its optimizer.params betas, eps, warmup_steps are not SGD's and "
+                                  "are left out (lr, weight_decay kept)"]
     assert _switch_notes(adam) == []
 
 
@@ -396,11 +398,11 @@ def test_a_torch_engine_switches_to_sgd_in_any_letters(backend, spelling):
     run = load_run_config(None, [f"backend={backend}", "wandb.enabled=false", f"deepspeed.optimizer.type={spelling}"])
     upper = load_run_config(None, [f"backend={backend}", "wandb.enabled=false", "deepspeed.optimizer.type=SGD"])
     assert run["deepspeed"]["optimizer"]["params"] == upper["deepspeed"]["optimizer"]["params"] == {
-        "lr": 0.003, "weight_decay": 0.1}
+        "lr": 0.0025, "weight_decay": 0.1}
     validate(run, 4, build_model=False)
-    assert _switch_notes(run) == [f"deepspeed.optimizer.type={spelling} replaces the packaged deepspeed.json's AdamW: "
-                                  f"its optimizer.params betas, eps are not {spelling}'s and are left out (lr, "
-                                  "weight_decay kept)"]
+    assert _switch_notes(run) == [f"deepspeed.optimizer.type={spelling} replaces the packaged deepspeed.json's "
+                                  f"AdamWScheduleFree: its optimizer.params betas, eps, warmup_steps are not "
+                                  f"{spelling}'s and are left out (lr, weight_decay kept)"]
     ds = load_run_config(None, ["backend=deepspeed", "wandb.enabled=false", f"deepspeed.optimizer.type={spelling}"])
     with pytest.raises(HDETConfigError, match=rf"deepspeed.optimizer.type: '{spelling}' is neither a DeepSpeed "
                                               r"optimizer .* nor a torch.optim class; DeepSpeed looks torch.optim "

@@ -9,6 +9,8 @@ tests/distributed/test_bad_inputs.py (``resume_*_changed`` rows).
 
 from __future__ import annotations
 
+import os
+
 import json
 import math
 
@@ -23,9 +25,14 @@ from hdet_scale.train import resume_config, rundir
 from hdet_scale.train.config import load_run_config
 
 
+# AdamW under OneCycle (the packaged job before schedule-free AdamW): what these tests change
+ADAMW = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                     "deepspeed_cpu_2x2_adamw.json")
+
+
 def run_config(run_dir, *overrides) -> dict:
     wandb = [] if any(o.startswith("wandb.enabled=") for o in overrides) else ["wandb.enabled=false"]
-    return load_run_config(None, [f"run_dir={run_dir}", *wandb, *overrides])
+    return load_run_config(None, [f"deepspeed_config={ADAMW}", f"run_dir={run_dir}", *wandb, *overrides])
 
 
 def save(ckpt, step: int, run: dict | None) -> None:
