@@ -15,9 +15,8 @@ deepspeed 0.19 (see ``_check_zero3``), and the tests compare the result with
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from hdet_scale.backends.checkpoint_shapes import refuse_other_model
 from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.ds_adam import stateless_bias_correction
 from hdet_scale.backends.ds_gather import gather_persistent
+from hdet_scale.backends.ds_iterates import filled_client, step_groups_once
 from hdet_scale.backends.ds_shared import link_tool_files, name_shared_params_everywhere
 from hdet_scale.optimizers import build_client_optimizer, client_built
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
@@ -74,7 +74,7 @@ class DeepSpeedBackend:
         # run's updates differ in the last bit from the uninterrupted run's (ds_adam.py).
         stateless_bias_correction(self.optimizer.optimizer)
         if iterates.spec_for(self.optimizer.optimizer) is not None:
-            self._step_groups_once()
+            step_groups_once(self.optimizer)
         name_shared_params_everywhere(engine)  # zero_to_fp32.py on replica_1 keeps tied weights
 
     def _count_skipped_steps(self) -> None:
@@ -118,59 +118,10 @@ class DeepSpeedBackend:
     def master_tensors(self) -> Sequence[torch.Tensor]:
         return list(self.optimizer.fp32_partitioned_groups_flat)
 
-    @contextlib.contextmanager
-    def local_optimizer(self) -> Iterator[Any]:
-        """The client optimizer (``engine.optimizer.optimizer``) with each param group
-        holding this rank's fp32 master partitions of it. ZeRO-3 leaves the groups empty
-        between steps and fills one at a time inside its step, so its state (keyed by
-        the partitions) and its ``train()`` / ``eval()`` reach the partitions only while
-        they are filled; emptied again on exit."""
-        opt = self.optimizer
-        inner = opt.optimizer
-        saved = [g["params"] for g in inner.param_groups]
-        for g in inner.param_groups:
-            g["params"] = []
-        for sub, flat in enumerate(opt.fp32_partitioned_groups_flat):
-            inner.param_groups[opt.sub_group_to_group_id[sub]]["params"].append(flat)
-        try:
-            yield inner
-        finally:
-            for g, params in zip(inner.param_groups, saved):
-                g["params"] = params
-
-    def _step_groups_once(self) -> None:
-        """ZeRO-3 steps its client optimizer once per sub-group, with only that sub-group's
-        parameter group filled. An optimizer that counts its steps per group
-        (schedule-free's ``k``, ``weight_sum``, ``lr_max``: :attr:`IterateSpec.group_state`)
-        would count every group at every call, and a group split into several sub-groups
-        (``zero_optimization.sub_group_size``) once per sub-group. Each call therefore
-        sees only the filled group, and a group's later sub-groups start from the values
-        its first sub-group started from, so every sub-group takes the same step and the
-        group counts one step per optimizer step."""
-        opt, inner = self.optimizer, self.optimizer.optimizer
-        keys = iterates.spec_for(inner).group_state
-        start: dict[int, dict[str, Any]] = {}  # id(group) -> its values before this optimizer step
-        inner_step, outer_step = inner.step, opt.step
-
-        def step_filled(*args: Any, **kwargs: Any) -> Any:
-            groups = inner.param_groups
-            filled = [g for g in groups if g["params"]]
-            for g in filled:
-                if id(g) in start:
-                    g.update(start[id(g)])
-                else:
-                    start[id(g)] = {k: g[k] for k in keys if k in g}
-            inner.param_groups = filled
-            try:
-                return inner_step(*args, **kwargs)
-            finally:
-                inner.param_groups = groups
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            start.clear()
-            return outer_step(*args, **kwargs)
-
-        inner.step, opt.step = step_filled, step
+    def local_optimizer(self) -> Any:
+        """A context manager yielding the client optimizer with its groups holding this
+        rank's fp32 master partitions (:func:`ds_iterates.filled_client`)."""
+        return filled_client(self.optimizer)
 
     def buffers(self) -> Sequence[torch.Tensor]:
         return persistent_float_buffers(self.engine.module)
