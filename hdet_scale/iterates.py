@@ -19,7 +19,8 @@ An optimizer of the user's declares the same by an attribute::
         hdet_iterates = IterateSpec(state_keys=("z",), group_keys=(), modes=True)
 
 Covered by name (``KNOWN``): schedulefree's ``AdamWScheduleFree``, ``SGDScheduleFree``,
-``RAdamScheduleFree``, their ``...Closure`` and ``...Reference`` variants. Adam(W), SGD,
+``RAdamScheduleFree``, their ``...Closure`` forms (no modes) and the ``...Reference`` forms
+(which keep x and y as state too). Adam(W), SGD,
 Prodigy and DeepSpeed's optimizers keep one iterate (their moments are not iterates:
 with shared gradients they are equal across replicas already) and need nothing.
 
@@ -59,12 +60,17 @@ class IterateSpec:
     group_state: tuple[str, ...] = ()
 
 
+_GROUP_STATE = ("k", "weight_sum", "lr_max", "scheduled_lr", "train_mode")
 _SCHEDULE_FREE = IterateSpec(state_keys=("z",), group_keys=("weight_sum", "lr_max"), modes=True,
-                             group_state=("k", "weight_sum", "lr_max", "scheduled_lr", "train_mode"))
+                             group_state=_GROUP_STATE)
+# the closure forms have no train / eval modes; the reference forms keep y and x as state too
+_CLOSURE = IterateSpec(state_keys=("z",), group_keys=("weight_sum", "lr_max"), group_state=_GROUP_STATE)
+_REFERENCE = IterateSpec(state_keys=("z", "x", "y"), group_keys=("weight_sum", "lr_max"), modes=True,
+                         group_state=_GROUP_STATE)
 KNOWN: dict[str, IterateSpec] = {
-    name: _SCHEDULE_FREE
-    for base in ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")
-    for name in (base, base + "Closure", base + "Reference")
+    **{base: _SCHEDULE_FREE for base in ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")},
+    **{base + "Closure": _CLOSURE for base in ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")},
+    **{base + "Reference": _REFERENCE for base in ("AdamWScheduleFree", "SGDScheduleFree")},
 }
 
 

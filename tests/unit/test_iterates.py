@@ -74,12 +74,19 @@ def test_spec_by_class_name_subclass_or_declaration():
     assert iterates.spec_for(Mine(p, lr=0.1)).state_keys == ("avg",)
 
 
-def test_converge_averages_z_and_group_scalars_so_every_replica_has_the_same_x():
-    """After each sync every replica holds the same y (the weights), z and weight_sum /
-    lr_max, hence the same x. Teeth: between syncs the replicas' z differ (their LRs
-    differ), and with z left out of the average (``state_tensors`` patched to return
-    nothing) the replicas' x differ after the same sync."""
-    sim = Simulator(model, sf, block(), probe_fn=per_example_probe)
+def sf_reference(params) -> torch.optim.Optimizer:  # keeps y and x as state too
+    return schedulefree.AdamWScheduleFreeReference(params, lr=2e-2, betas=(BETA1, 0.99), weight_decay=0.01,
+                                                   warmup_steps=3)
+
+
+@pytest.mark.parametrize("make", [sf, sf_reference], ids=["AdamWScheduleFree", "AdamWScheduleFreeReference"])
+def test_converge_averages_z_and_group_scalars_so_every_replica_has_the_same_x(make):
+    """After each sync every replica holds the same y (the weights), the same iterate
+    state (z; the reference form's x and y too) and weight_sum / lr_max, hence the same x.
+    Teeth: between syncs the replicas' state differs (their LRs differ), and with it left
+    out of the average (``state_tensors`` patched to return nothing, next test) the
+    replicas' x differ after the same sync."""
+    sim = Simulator(model, make, block(), probe_fn=per_example_probe)
     for step in range(1, 21):
         sim.step(loss)
         zs = [iterates.state_tensors(o) for o in sim.optimizers]
