@@ -10,7 +10,7 @@ Every run is the ``Simulator`` on the default model and corpus (``quality_runs.p
 4 replicas x 8 sequences, 200 optimizer steps, sync every 25, 3 seeds per point. Results
 go to ``benchmarks/results/quality.jsonl`` (one line per run; finished runs are skipped
 when the command is repeated), the table and plots to docs/quality_table.md and
-docs/quality_*.png. 117 runs of 60-100 s on one core each. Another ``--device``,
+docs/quality_*.png. 132 runs of 60-100 s on one core each. Another ``--device``,
 ``--model-size`` or ``--steps`` writes to ``benchmarks/results/quality-<device>-<size>-<steps>steps``
 (``.jsonl``, ``_table.md``, ``_*.png``) instead, so its runs never mix with these.
 """
@@ -130,6 +130,10 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
             out.append({"name": f"hdet z-scores ci/{where}/s{s}",
                         "group": f"HDET defaults without the noise term, current init, start {where}",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW, "probe_examples": False})
+    # From 1e-2: the small model's best AdamW LR at 1000 steps (docs/quality.md, longer runs)
+    for s in SEEDS:
+        out.append({"name": f"hdet defaults ci/lr0.01/s{s}", "group": "HDET defaults, current init, start 1e-2",
+                    "kind": "hdet", "lr": 1e-2, "seed": s, "hdet": SLOW})
     return [{**o, "steps": steps, "device": device, "model_size": model_size} for o in out]
 
 

@@ -296,7 +296,8 @@ CASES = [
     ("decay_out_of_range", ["deepspeed.hdet.auto.decay=1.5"], {}, 2, ["hdet.auto.decay"], None),
     # the paper controller's derived gamma < 0 (the log controller derives none)
     ("paper_gamma_negative", ["deepspeed.hdet.auto.controller=paper", "deepspeed.hdet.auto.fitness=train_loss",
-                              "deepspeed.hdet.schedule.final_div_factor=0.01"], {}, 2, ["hdet.auto.decay"], None),
+                              "deepspeed.hdet.schedule.name=onecycle", "deepspeed.hdet.schedule.final_div_factor=0.01"],
+     {}, 2, ["hdet.auto.decay"], None),
     ("hdet_key_misspelled", ["deepspeed.hdet.sync_intervall=10"], {}, 2, ["hdet.sync_intervall"], None),
     ("ds_scheduler", ["deepspeed.scheduler.type=WarmupLR"], {}, 2, ["scheduler"], None),
     ("ds_optimizer_unknown", ["deepspeed.optimizer.type=AdamX"], {}, 2, ["deepspeed.optimizer.type"], None),
@@ -427,7 +428,8 @@ CASES = [
      _ckpt(record=[])),
     ("resume_state_settings_changed", ["run_dir={run}", "train.resume=true", "deepspeed.hdet.sync_interval=5",
                                        "deepspeed.optimizer.type=Adam"], {}, 2,
-     ["deepspeed.hdet.sync_interval: 25 -> 5", 'deepspeed.optimizer.type: "AdamW" -> "Adam"'], _ckpt(record=[])),
+     ["deepspeed.hdet.sync_interval: 25 -> 5", 'deepspeed.optimizer.type: "AdamWScheduleFree" -> "Adam"'],
+     _ckpt(record=[])),
     # environment: the fault-injection hook, a stale DeepSpeed op lock in a private extensions folder
     ("fault_hook_malformed", [], {"HDET_FAULT_KILL": "three"}, 2, ["HDET_FAULT_KILL"], None),
     ("fault_hook_rank_out_of_range", [], {"HDET_FAULT_KILL": "4:5"}, 2,
