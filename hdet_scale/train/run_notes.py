@@ -50,6 +50,12 @@ def never_notes(run: dict) -> list[str]:
     every = run["train"].get("checkpoint_every")
     if isinstance(every, int) and every >= steps:
         notes.append(f"train.checkpoint_every={every} >= train.steps={steps}: no checkpoint before the end of the run")
+    opt = run["deepspeed"].get("optimizer") if isinstance(run["deepspeed"].get("optimizer"), dict) else {}
+    warm = (opt.get("params") or {}).get("warmup_steps") if isinstance(opt.get("params"), dict) else None
+    if isinstance(warm, int) and not isinstance(warm, bool) and warm >= steps:
+        # schedule-free AdamW's own linear warm-up (the packaged job's 60 steps)
+        notes.append(f"deepspeed.optimizer.params.warmup_steps={warm} >= train.steps={steps}: the optimizer's "
+                     "warm-up never ends, so the LR never reaches its peak (set it to about a fifth of train.steps)")
     log_every = ((hdet.get("logging") or {}).get("every") if isinstance(hdet, dict) else None)
     if isinstance(log_every, int) and log_every > steps:
         notes.append(f"deepspeed.hdet.logging.every={log_every} > train.steps={steps}: metrics.jsonl gets one per-step "

@@ -497,9 +497,10 @@ CASES = [
      ["has an empty item between its commas"], None),
     # round 14: FusedAdam's AMSGrad refusal in every rank; torch flags taking any truthy value;
     # YAML 1.1 octal and booleans (train.steps=010 trained 8 steps; project: no named it "False")
-    ("amsgrad_on_deepspeed_adam", ["deepspeed.optimizer.params.amsgrad=true"], {}, 2,
+    ("amsgrad_on_deepspeed_adam", ["deepspeed.optimizer.type=AdamW", "deepspeed.optimizer.params.amsgrad=true"], {}, 2,
      ["deepspeed.optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad"], None),
-    ("torch_flag_not_a_boolean", ["backend=ddp", "deepspeed.optimizer.params.maximize=1"], {}, 2,
+    ("torch_flag_not_a_boolean", ["backend=ddp", "deepspeed.optimizer.type=AdamW", "deepspeed.optimizer.params.maximize=1"],
+     {}, 2,
      ["deepspeed.optimizer.params.maximize: must be true or false, got 1"], None),
     ("octal_override", ["train.steps=010"], {}, 2, ["override 'train.steps=010': an octal number in YAML 1.1 (010 = 8)"],
      None),

@@ -37,7 +37,8 @@ def test_ranks_name_a_stale_op_lock_instead_of_hanging(tmp_path):
     old = time.time() - 3600
     os.utime(lock, (old, old))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "train.progress=false", "train.plots=false"]
+           "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "train.progress=false", "train.plots=false",
+           "deepspeed.optimizer.type=AdamW"]  # DeepSpeed's own Adam: the fused_adam op is loaded
     rc, err, seconds, leftovers = run_cli(cmd, {"TORCH_EXTENSIONS_DIR": str(ext)}, timeout=120)
     assert rc != 0 and "exitcode  : 3" in err, (rc, err[-3000:])
     named = [line for line in err.splitlines() if line.startswith("hdet-train: error:") and str(lock) in line]
