@@ -307,7 +307,8 @@ def _optimizer_params(ds: Mapping, optimizer_params: bool, prefix: str, valid: f
     if not isinstance(params, Mapping):
         return []
     what, accepted = found
-    return [f"{prefix}optimizer.params.{k}: not an argument of {what} (the optimizer DeepSpeed builds for type "
+    who = "hdet_scale" if what.startswith("schedulefree.") else "DeepSpeed"  # a name DeepSpeed does not know
+    return [f"{prefix}optimizer.params.{k}: not an argument of {what} (the optimizer {who} builds for type "
             f"{ds['optimizer']['type']!r}); {_suggest(str(k), accepted)}" for k in params if k not in accepted]
 
 
