@@ -201,7 +201,6 @@ class Ensemble:
         self._micro = 0  # micro-batches since the last optimizer step
         self._loss = 0.0  # their losses' sum
         self._backward_done = False  # a backward since the last step() call
-        self._eval_mode: Any = None  # the scheduler's eval_mode() entered by eval(), left by train()
         if scheduler is not None:
             scheduler.driver = "the Ensemble of hdet_scale.prepare (ens.step())"
 
@@ -314,7 +313,7 @@ class Ensemble:
         """Raise HDETStateError between :meth:`eval` and :meth:`train` when the optimizer
         moved the parameters to its evaluation point: a step would train from there, a
         checkpoint would hold it instead of the training point. Every rank alike."""
-        if self._eval_mode is not None and self.scheduler.has_eval_point():
+        if self.scheduler is not None and self.scheduler.holds_eval_point:
             raise HDETStateError(f"Ensemble.{call}: the parameters hold the optimizer's evaluation point (ens.eval() "
                                  "on a schedule-free optimizer); call ens.train() first")
 
@@ -334,9 +333,8 @@ class Ensemble:
     def train(self) -> None:
         """The module in train mode, and the parameters back at the optimizer's training
         point when :meth:`eval` had moved them (schedule-free's y)."""
-        if self._eval_mode is not None:
-            ctx, self._eval_mode = self._eval_mode, None
-            ctx.__exit__(None, None, None)
+        if self.scheduler is not None:
+            self.scheduler.leave_eval_mode()
         self.model.train()
 
     def eval(self) -> None:
@@ -347,10 +345,8 @@ class Ensemble:
         training point, so call :meth:`train` before :meth:`save_checkpoint`. Collective
         on the shard group for sharded engines (every rank calls it)."""
         self.model.eval()
-        if self._eval_mode is None and self.scheduler is not None:
-            ctx = self.scheduler.eval_mode()
-            ctx.__enter__()
-            self._eval_mode = ctx
+        if self.scheduler is not None:
+            self.scheduler.enter_eval_mode()
 
     def _backend(self) -> Any:
         import importlib

@@ -72,6 +72,7 @@ class HDETScheduler:
         # every=7 over 20 steps left steps 15-20 without a record); hdet-train sets train.steps
         self.last_step = self.total_steps
         self.sync_obj = sync
+        self._held_eval: Any = None  # the eval_mode() context enter_eval_mode() holds
         self.logger = logger
         self.extra: dict[str, Any] = {}
         self.taken_lr: list[float] = []  # the LR per group the last step ran with (get_last_lr's then)
@@ -175,6 +176,28 @@ class HDETScheduler:
         ZeRO-3 / OSS communicates inside the shard group)."""
         enter = getattr(getattr(self, "sync_obj", None), "eval_mode", None)
         return enter() if enter is not None else contextlib.nullcontext()
+
+    def enter_eval_mode(self) -> None:
+        """:meth:`eval_mode` entered and held until :meth:`leave_eval_mode`, for loops that
+        switch by calls (``Ensemble.eval()`` / ``train()``, the Hugging Face Trainer's
+        ``optimizer.eval()`` / ``train()``); a second call while held does nothing."""
+        if self._held_eval is None:
+            ctx = self.eval_mode()
+            ctx.__enter__()
+            self._held_eval = ctx
+
+    def leave_eval_mode(self) -> None:
+        """Back to the training point after :meth:`enter_eval_mode`; nothing when not held
+        (so a per-step call costs nothing)."""
+        if self._held_eval is not None:
+            ctx, self._held_eval = self._held_eval, None
+            ctx.__exit__(None, None, None)
+
+    @property
+    def holds_eval_point(self) -> bool:
+        """The parameters hold the optimizer's evaluation point now (:meth:`enter_eval_mode`
+        on an optimizer that has one): a step or a checkpoint would use the wrong point."""
+        return self._held_eval is not None and self.has_eval_point()
 
     def set_probe(self, probe: Any) -> None:
         """The probe that ``auto.fitness = "probe"`` scores replicas with: called at each

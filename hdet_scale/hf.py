@@ -458,21 +458,8 @@ class HDETTrainer(Trainer):
         master partitions (or FSDP2 shards) and refreshes the working copy. A
         ``train()`` in train mode does nothing, so the per-step call costs nothing."""
         scheduler = self.hdet_scheduler
-        if not scheduler.has_eval_point():
-            return
-        entered: list[Any] = []
-
-        def eval_() -> None:
-            if not entered:
-                ctx = scheduler.eval_mode()
-                ctx.__enter__()
-                entered.append(ctx)
-
-        def train_() -> None:
-            if entered:
-                entered.pop().__exit__(None, None, None)
-
-        self.optimizer.eval, self.optimizer.train = eval_, train_
+        if scheduler.has_eval_point():
+            self.optimizer.eval, self.optimizer.train = scheduler.enter_eval_mode, scheduler.leave_eval_mode
 
     def _inner_optimizer(self) -> Any:
         return getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's AcceleratedOptimizer
