@@ -13,7 +13,7 @@ process). DeepSpeed and fairscale are imported only by their backends.
 """
 
 from hdet_scale.config import HDETConfig
-from hdet_scale.errors import HDETConfigError, HDETStateError, HDETStepMismatchError
+from hdet_scale.errors import HDETConfigError, HDETStateError, HDETStepMismatchError, HDETUntrustedFileError
 
 __version__ = "0.1.0"
 
@@ -75,5 +75,5 @@ def load_checkpoint(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["Ensemble", "HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "HDETStepMismatchError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
+__all__ = ["Ensemble", "HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "HDETStepMismatchError", "HDETUntrustedFileError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
            "build_topology", "initialize", "load_checkpoint", "prepare", "save_checkpoint", "zero_init"]

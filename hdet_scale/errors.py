@@ -15,6 +15,12 @@ class HDETStateError(RuntimeError):
     layout or configuration, or ranks at different steps (:class:`HDETStepMismatchError`)."""
 
 
+class HDETUntrustedFileError(HDETStateError):
+    """A checkpoint file that names code to run on load (a callable or a type outside the
+    data a checkpoint holds): refused before anything is loaded, on every rank, naming
+    the file and the reference (``backends/safe_load.py``)."""
+
+
 class HDETStepMismatchError(HDETStateError):
     """Ranks reached a sync at different HDET steps (``scheduler.step_count``).
 

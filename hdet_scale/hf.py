@@ -57,6 +57,7 @@ from hdet_scale.backends.common import (
     resolve_config,
     use_topology,
 )
+from hdet_scale.backends.safe_load import refuse_untrusted_trainer_files
 from hdet_scale.config import HDETConfig
 from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
@@ -427,6 +428,7 @@ class HDETTrainer(Trainer):
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.deepspeed import load_checkpoint
 
+            refuse_untrusted_trainer_files(resume_from_checkpoint)
             load_checkpoint(self.model_wrapped, self.hdet_scheduler, resume_from_checkpoint)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
@@ -445,6 +447,7 @@ class HDETTrainer(Trainer):
         if resume_from_checkpoint is not None:
             from hdet_scale.backends.fsdp2 import load_checkpoint
 
+            refuse_untrusted_trainer_files(resume_from_checkpoint)
             load_checkpoint(self.model_wrapped, self._inner_optimizer(), self.hdet_scheduler, resume_from_checkpoint)
             self._load_scaler(resume_from_checkpoint)
         return model, train_dataloader

@@ -244,10 +244,13 @@ def damaged_files(folder: str) -> list[str]:
 
 
 def _damaged_dcp(folder: str) -> list[str]:
-    from torch.distributed.checkpoint import FileSystemReader
+    from hdet_scale.backends.safe_load import dcp_metadata
+    from hdet_scale.errors import HDETUntrustedFileError
 
     try:
-        storage = FileSystemReader(folder).read_metadata().storage_data or {}
+        storage = dcp_metadata(folder).storage_data or {}
+    except HDETUntrustedFileError:
+        raise  # every rank reads the same .metadata here, before any collective: all refuse alike
     except Exception as e:  # unpickling a damaged file raises anything
         return [f"{os.path.join(folder, '.metadata')}: unreadable ({type(e).__name__}: {e})"]
     need: dict[str, int] = {}
@@ -283,13 +286,16 @@ def damaged_file(folder: str, part: int = 0, parts: int = 1) -> str | None:
     names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     slices: dict[str, list[tuple[int, int]]] = {}
     if ".metadata" in names:
-        try:
-            import torch.distributed.checkpoint as dcp
+        from hdet_scale.backends.safe_load import dcp_metadata
+        from hdet_scale.errors import HDETUntrustedFileError
 
-            storage = dcp.FileSystemReader(folder).read_metadata().storage_data or {}
+        try:
+            storage = dcp_metadata(folder).storage_data or {}
             for info in storage.values():
                 if not getattr(info, "transform_descriptors", None):  # compressed: not a plain archive
                     slices.setdefault(info.relative_path, []).append((info.offset, info.length))
+        except HDETUntrustedFileError:
+            return None  # not damage: safe_load.folder_problem names it, on the rank whose share holds it
         except Exception as e:  # noqa: BLE001 - an unreadable .metadata is the damaged file
             return f"{os.path.join(folder, '.metadata')} (unreadable: {type(e).__name__})"
     for name in names[part::parts]:
@@ -329,11 +335,17 @@ def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
     (:func:`damaged_file`: changed bytes only). Collective on the world group (every rank
     calls it), so all ranks raise alike rather than some entering the load's collectives.
 
+    Each rank also reads its share through ``safe_load.folder_problem`` (the pickles
+    parsed by a loader that runs no code, tensor bytes memory-mapped, not read).
+
     Raises:
+        HDETUntrustedFileError: a file names code to run on load (checked before the
+            checksums' verdict: a crafted file may come with a manifest that matches it).
         HDETStateError: a file fails its check; the message names it and why.
     """
     from hdet_scale.backends.manifest import manifest_problem
-    from hdet_scale.errors import HDETStateError
+    from hdet_scale.backends.safe_load import folder_problem
+    from hdet_scale.errors import HDETStateError, HDETUntrustedFileError
 
     folder = os.path.join(load_dir, f"replica_{topology.replica_index}", tag)
     mine, has_manifest = manifest_problem(folder, topology.shard_index, topology.shard_size)
@@ -343,9 +355,15 @@ def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
                           "hdet_scale): a file swapped or copied in from another save cannot be told from the "
                           "right one; only damaged bytes are checked", stacklevel=2)
         mine = damaged_file(folder, topology.shard_index, topology.shard_size)
-    found: list[str | None] = [None] * topology.world_size
-    dist.all_gather_object(found, mine, group=topology.world_group)
-    bad = [f for f in found if f]
+    # The same share of files read once more, by a loader that runs no code (safe_load):
+    # a crafted file arrives with a manifest that matches it, and the engines unpickle theirs.
+    unsafe = folder_problem(folder, topology.shard_index, topology.shard_size)
+    found: list[tuple[str | None, str | None]] = [(None, None)] * topology.world_size
+    dist.all_gather_object(found, (unsafe, mine), group=topology.world_group)
+    refused = [u for u, _ in found if u]
+    if refused:
+        raise HDETUntrustedFileError(refused[0])
+    bad = [f for _, f in found if f]
     if bad:
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has a damaged file: {bad[0]}. Restore it from a "
                              "copy, resume from an older checkpoint by writing its tag into "

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hdet_scale.backends.safe_load import dcp_metadata, load as safe_load
 from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
 
 _SHOWN = 3  # differing tensors named per kind
@@ -35,14 +36,12 @@ def saved_model_shapes(backend: str, folder: str) -> dict[str, tuple[int, ...]] 
         return path
 
     def archive(name: str) -> Any:
-        return torch.load(read(name), map_location="cpu", weights_only=True, mmap=True)
+        return safe_load(read(name), map_location="cpu", mmap=True)
 
     try:
         if backend == "fsdp2":
-            import torch.distributed.checkpoint as dcp
-
             read(".metadata")
-            meta = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+            meta = dcp_metadata(folder).state_dict_metadata
             return {k[len("model."):]: tuple(v.size) for k, v in meta.items()
                     if k.startswith("model.") and hasattr(v, "size")}
         if backend == "deepspeed":

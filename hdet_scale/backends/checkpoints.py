@@ -18,6 +18,7 @@ from hdet_scale.backends.checkpoint_io import (DEFAULT_TAG, LATEST_FILE, LAYOUT_
                                                damaged_files, latest_step, manifested, read_latest, retire_tag,
                                                rng_state, set_rng_state)
 from hdet_scale.backends.manifest import listing_problem, write_manifest
+from hdet_scale.backends.safe_load import load as safe_load
 from hdet_scale.ensemble import HDETScheduler
 from hdet_scale.errors import HDETStateError
 from hdet_scale.topology import Topology
@@ -294,7 +295,7 @@ def check_optimizer_class(rdir: str, topology: Topology, optimizer: Any) -> None
     """
     path = _hdet_state_path(rdir, topology)
     try:
-        saved = load_entries(path, ("scheduler",), weights_only=False).get("optimizer_class")
+        saved = load_entries(path, ("scheduler",)).get("optimizer_class")
     except HDETStateError:
         return  # another program's file in its place: the load names it, after the model's files
     mine = type(optimizer).__name__
@@ -305,15 +306,17 @@ def check_optimizer_class(rdir: str, topology: Topology, optimizer: Any) -> None
 
 
 def load_entries(path: str, keys: tuple[str, ...], **load_kwargs: Any) -> dict:
-    """``torch.load(path, **load_kwargs)``, which must be a dict holding ``keys``: a file
-    replaced by another archive (another backend's, another run's, an empty dict) is
-    named, instead of a bare ``KeyError`` deep in a load.
+    """``torch.load(path, weights_only=True, **load_kwargs)`` (``safe_load.load``: never
+    runs code from the file), which must be a dict holding ``keys``: a file replaced by
+    another archive (another backend's, another run's, an empty dict) is named, instead of
+    a bare ``KeyError`` deep in a load.
 
     Raises:
+        HDETUntrustedFileError: the file names code to run (``safe_load.load``).
         HDETStateError: the file holds something else (the path, the missing entries and
             the ones it has).
     """
-    state = torch.load(path, **load_kwargs)
+    state = safe_load(path, **load_kwargs)
     missing = [k for k in keys if not isinstance(state, dict) or k not in state]
     if missing:
         has = sorted(map(str, state))[:10] if isinstance(state, dict) else type(state).__name__
@@ -326,7 +329,7 @@ def load_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler) -> 
     """Restore what :func:`save_hdet_state` wrote; re-applies the current values and
     sets this process's torch RNG to the saved rank's (when the file has it), so dropout
     continues as if the run had not stopped. Backends call it last in a load."""
-    state = load_entries(_hdet_state_path(rdir, topology), ("scheduler",), weights_only=False)
+    state = load_entries(_hdet_state_path(rdir, topology), ("scheduler",))
     scheduler.load_state_dict(state["scheduler"])
     if "rng" in state:
         set_rng_state(state["rng"])

@@ -162,8 +162,7 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sc
     refuse_other_model("ddp", load_dir, tag, rdir, {k: tuple(v.shape) for k, v in module.state_dict().items()}, t)
     settings = group_settings(optimizer)
     device = next(module.parameters()).device
-    state = load_entries(os.path.join(rdir, MODEL_FILE), ("model", "optimizer"), map_location=device,
-                         weights_only=False)
+    state = load_entries(os.path.join(rdir, MODEL_FILE), ("model", "optimizer"), map_location=device)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     warn_kept_settings(settings, optimizer, scheduler.config.axes)

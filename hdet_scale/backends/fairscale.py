@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.checkpoint_shapes import refuse_other_model
+from hdet_scale.backends.safe_load import load as safe_load
 from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.checkpoints import (check_optimizer_class, check_resumable, checkpoint_target, finish_checkpoint, load_entries,
                                              load_hdet_state, replica_dir, save_hdet_state)
@@ -355,12 +356,12 @@ def load_checkpoint(model: nn.Module, optimizer: OSS, scheduler: HDETScheduler, 
     module = unwrap(model)
     device = next(module.parameters()).device
     shard = load_entries(os.path.join(rdir, f"oss_shard_{t.shard_index}.pt"), ("owned", "buffers", "optimizer"),
-                         map_location=device, weights_only=True)
+                         map_location=device)
     if shard["owned"] != _owned_indices(optimizer, module):
         raise HDETStateError(f"{rdir}: shard {t.shard_index} of the checkpoint owns other parameters than this "
                              "rank's OSS partition; resume with the same model and parameter groups")
     # load_state_dict copies in place, so parameters stay views of OSS's buckets.
-    module.load_state_dict(torch.load(os.path.join(rdir, "model.pt"), map_location=device, weights_only=True))
+    module.load_state_dict(safe_load(os.path.join(rdir, "model.pt"), map_location=device))
     module.load_state_dict(shard["buffers"], strict=False)
     optimizer.optim.load_state_dict(shard["optimizer"])
     # The inner groups hold the last step's values of every key; HDET re-applies its own.

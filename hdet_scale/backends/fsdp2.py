@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from hdet_scale.averaging import persistent_float_buffers
 from hdet_scale.backends.checkpoint_io import verify_checksums
 from hdet_scale.backends.checkpoint_shapes import refuse_other_model
+from hdet_scale.backends.safe_load import dcp_metadata
 from hdet_scale.backends.common import build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, use_topology
 from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.checkpoints import (check_optimizer_class, check_resumable, checkpoint_target, finish_checkpoint,
@@ -339,7 +340,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     # checkpoint without a word (tester round 28, through hdet-train)
     params, _ = _split_model_state(model)
     refuse_other_model(BACKEND_NAME, load_dir, tag, rdir, {k: tuple(v.shape) for k, v in params.items()}, t)
-    saved_keys = dcp.FileSystemReader(rdir).read_metadata().state_dict_metadata
+    saved_keys = dcp_metadata(rdir).state_dict_metadata
     with_optimizer = any(k.startswith("optim.") for k in saved_keys)
     state = _state(model, optimizer, t.shard_index, with_optimizer)
     dcp.load(state, checkpoint_id=rdir, process_group=t.shard_group)

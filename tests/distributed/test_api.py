@@ -66,6 +66,26 @@ def test_checkpoints_take_the_same_arguments_and_resume_on_every_engine(runs):
     assert sorted(lrs.values()) == pytest.approx([0.5 * A.LR, 1.5 * A.LR], rel=1e-9)
 
 
+def test_a_crafted_checkpoint_file_is_refused_on_every_rank_and_runs_nothing(runs):
+    """Each kind of file a resume reads, per engine (``api_workers.CRAFTED``: HDET's state,
+    DDP's model_optim.pt, fairscale's model.pt and OSS shard, DCP's .metadata and a
+    non-tensor item inside a .distcp, DeepSpeed's model and optimizer states), replaced by
+    a pickle whose load creates a folder, with the folder's manifest updated to match:
+    every rank refuses the load with one ``HDETUntrustedFileError`` naming the file and the
+    reference (``posix.mkdir``), and the folder is never created. The same ``Ensemble``
+    then loads the clean checkpoint and continues as the uninterrupted run
+    (``test_checkpoints_take_the_same_arguments_and_resume_on_every_engine``): nothing was
+    loaded by the refused attempts."""
+    for backend, kinds in A.CRAFTED.items():
+        for name, _ in kinds:
+            seen = [runs[r][backend]["crafted"][name] for r in range(4)]
+            assert all(kind == "HDETUntrustedFileError" for kind, _, _ in seen), (backend, name, seen)
+            assert len({msg for _, msg, _ in seen}) == 1, (backend, name, seen)  # one message, every rank
+            msg = seen[0][1]
+            assert f"/replica_1/global_step2/{name}" in msg and "posix.mkdir" in msg, msg
+            assert not any(ran for _, _, ran in seen), (backend, name)
+
+
 def test_replicas_start_from_one_model_when_ranks_build_other_weights(runs):
     """Each rank built TinyNet from its own seed (100 + rank) before ``prepare``. Every
     engine must start all 4 ranks from one model (exactly: a broadcast copies bits), and
