@@ -339,9 +339,9 @@ def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
     parsed by a loader that runs no code, tensor bytes memory-mapped, not read).
 
     Raises:
-        HDETUntrustedFileError: a file names code to run on load (checked before the
-            checksums' verdict: a crafted file may come with a manifest that matches it).
         HDETStateError: a file fails its check; the message names it and why.
+        HDETUntrustedFileError: every file passes its check, and one names code to run
+            on load (a crafted file comes with a manifest that matches it).
     """
     from hdet_scale.backends.manifest import manifest_problem
     from hdet_scale.backends.safe_load import folder_problem
@@ -360,14 +360,16 @@ def verify_checksums(load_dir: str, tag: str, topology: Any) -> None:
     unsafe = folder_problem(folder, topology.shard_index, topology.shard_size)
     found: list[tuple[str | None, str | None]] = [(None, None)] * topology.world_size
     dist.all_gather_object(found, (unsafe, mine), group=topology.world_group)
-    refused = [u for u, _ in found if u]
-    if refused:
-        raise HDETUntrustedFileError(refused[0])
+    # damage first: a file that is not what the save wrote is named as such, whatever its
+    # pickle holds; a crafted file with a matching manifest passes that and is refused here
     bad = [f for _, f in found if f]
     if bad:
         raise HDETStateError(f"checkpoint {load_dir} at tag {tag!r} has a damaged file: {bad[0]}. Restore it from a "
                              "copy, resume from an older checkpoint by writing its tag into "
                              f"{os.path.join(load_dir, LATEST_FILE)}, or start a new run_dir")
+    refused = [u for u, _ in found if u]
+    if refused:
+        raise HDETUntrustedFileError(refused[0])
 
 # ---- RNG ------------------------------------------------------------------------------
 # Dropout draws from the process's global torch RNG; a resumed rank restores its own so
