@@ -210,6 +210,33 @@ def run(tmp: str) -> dict:
                    "logged_lr": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h],
                    "layout": json.load(open(f"{tmp}/hdet/checkpoint-2/hdet_layout.json")) if rank == 0 else None}
 
+    # A crafted Trainer file (rank 0 replaces rank 1's RNG state with a pickle whose load
+    # creates a folder): every rank refuses the resume before HDET loads anything
+    import torch.distributed as dist
+
+    from api_workers import Payload
+
+    rng_file, marker = f"{tmp}/hdet/checkpoint-2/rng_state_1.pth", f"{tmp}/crafted_ran"
+    kept = open(rng_file, "rb").read()
+    dist.barrier()
+    if rank == 0:
+        torch.save({"python": Payload(marker)}, rng_file)
+    dist.barrier()
+    crafted = HDETTrainer(model=build_model(), args=args(f"{tmp}/hdet", ds_config(hdet_block(0.2, True)), 6,
+                                                         save_steps=2), train_dataset=data)
+    try:
+        crafted.train(resume_from_checkpoint=f"{tmp}/hdet/checkpoint-2")
+        out["crafted"] = ("trained", "")
+    except Exception as e:  # noqa: BLE001 - the test names what was raised
+        out["crafted"] = (type(e).__name__, str(e))
+    dist.barrier()
+    out["crafted_ran"] = os.path.exists(marker)
+    if rank == 0:
+        with open(rng_file, "wb") as f:
+            f.write(kept)
+    dist.barrier()
+    del crafted
+
     resumed = HDETTrainer(model=build_model(), args=args(f"{tmp}/hdet", ds_config(hdet_block(0.2, True)), 6,
                                                          save_steps=2), train_dataset=data)
     r_steps, r_recorder = _recorder(resumed, None)

@@ -133,6 +133,12 @@ def test_trainer_resume_from_checkpoint_continues_bit_for_bit(runs):
     for rank, out in enumerate(runs):
         np.testing.assert_array_equal(out["resumed"]["final"], out["hdet"]["final"],
                                       err_msg=f"rank {rank}: resumed run differs")
+        # a crafted Trainer file was refused first, on every rank, and ran nothing
+        # (hf_workers.run; the same Trainer objects then resumed bit-equal, above)
+        kind, msg = out["crafted"]
+        assert kind == "HDETUntrustedFileError" and "checkpoint-2/rng_state_1.pth holds a reference to posix.mkdir" \
+            in msg, out["crafted"]
+        assert not out["crafted_ran"]
         resumed = [(row["step"], row["lr"]) for row in out["resumed"]["steps"]]
         assert resumed == [(row["step"], row["lr"]) for row in out["hdet"]["steps"]][2:]
     layout = runs[0]["hdet"]["layout"]
