@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import sys
+import warnings
 import zipfile
 from typing import Any
 
@@ -74,18 +75,54 @@ def _extra_globals() -> list[Any]:
     return found
 
 
-def _refused(path: str, e: Exception) -> HDETUntrustedFileError | None:
+def _first_reference(source: Any) -> str | None:
+    """The first ``module.name`` that the pickle ``source`` (a path or a ``BytesIO``; a
+    ``torch.save`` archive's ``data.pkl``) names outside torch's restricted set, read
+    with ``pickletools`` (no object is built). For the message only: torch refuses some
+    files by an opcode (a plain ``pickle.dump`` file's FRAME) before it reaches a global."""
+    import pickletools
+
+    try:
+        if isinstance(source, io.BytesIO):
+            data = source.getvalue()
+        elif zipfile.is_zipfile(source):
+            with zipfile.ZipFile(source) as z:
+                data = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+        else:
+            with open(source, "rb") as f:
+                data = f.read()
+        from torch._weights_only_unpickler import _get_allowed_globals  # what torch admits itself
+
+        allowed = set(_get_allowed_globals()) | {
+            f"{g.__module__}.{g.__qualname__}" for g in [*torch.serialization.get_safe_globals(), *_extra_globals()]
+            if hasattr(g, "__qualname__")}
+        strings: list[str] = []
+        for op, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str) and "UNICODE" in op.name:
+                strings.append(arg)
+            ref = (arg.replace(" ", ".") if op.name in ("GLOBAL", "INST") else
+                   ".".join(strings[-2:]) if op.name == "STACK_GLOBAL" and len(strings) >= 2 else None)
+            if ref and ref not in allowed:
+                return ref
+    except Exception:  # noqa: BLE001 - a damaged or unusual pickle: the message says what torch said
+        return None
+    return None
+
+
+def _refused(path: str, e: Exception, source: Any = None) -> HDETUntrustedFileError | None:
     """The refusal for ``path`` when ``e`` is torch's restricted unpickler refusing what
     the file holds; ``None`` for any other error (a damaged file: the checksum checks and
-    the load name it)."""
+    the load name it). ``source``: the file or bytes, to name the reference when torch
+    names none."""
     text = str(e)
     if not isinstance(e, pickle.UnpicklingError) or "Weights only load failed" not in text:
         return None
     # torch words it "Unsupported global: GLOBAL m.f was not an allowed global" or "Trying
     # to load unsupported GLOBAL m.f whose module m is blocked", by version and module
     match = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)", text)
-    if match:
-        return untrusted(path, f"a reference to {match.group(1).rstrip('.')}")
+    named = match.group(1).rstrip(".") if match else _first_reference(source)
+    if named:
+        return untrusted(path, f"a reference to {named}")
     # another refusal (an opcode, a call): torch's middle paragraph says which
     said = [p.strip().removeprefix("WeightsUnpickler error:").strip() for p in text.split("\n\n")
             if p.strip() and not p.strip().startswith(("Weights only load failed", "Check the documentation"))]
@@ -111,10 +148,12 @@ def load(path: str | io.BytesIO, *, name: str | None = None, **kwargs: Any) -> A
         Anything else ``torch.load`` raises (a damaged file), unchanged.
     """
     try:
-        with torch.serialization.safe_globals(_extra_globals()):
+        with torch.serialization.safe_globals(_extra_globals()), warnings.catch_warnings():
+            # a file torch.save did not write: its protocol is refused below with a message of ours
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as e:
-        refused = _refused(name or str(path), e)
+        refused = _refused(name or str(path), e, path)
         if refused is None:
             raise
         raise refused from None
@@ -147,7 +186,7 @@ def dcp_metadata(folder: str) -> Any:
         try:
             return _MetadataUnpickler(f).load()
         except pickle.UnpicklingError as e:
-            refused = _refused(path, e)
+            refused = _refused(path, e, path)
             if refused is None:
                 raise
             raise refused from None
@@ -160,6 +199,16 @@ def _dcp_items_problem(folder: str) -> str | None:
 
     meta = dcp_metadata(folder)
     storage = meta.storage_data or {}
+    root = os.path.realpath(folder)
+    for index, info in storage.items():
+        # DCP joins the item's path to the folder as given: an absolute or "../" path
+        # would read any file on the machine as checkpoint data
+        where = os.path.realpath(os.path.join(folder, str(getattr(info, "relative_path", ""))))
+        if os.path.dirname(where) != root:
+            return (f"checkpoint file {os.path.join(folder, '.metadata')} points item "
+                    f"{getattr(index, 'fqn', index)!r} at {info.relative_path}, outside the checkpoint's folder, "
+                    "so nothing was loaded: a checkpoint reads only its own files. Resume from a checkpoint you "
+                    "trust (written by hdet_scale, not changed since), or start a new run_dir")
     for fqn, item in sorted(meta.state_dict_metadata.items()):
         if not isinstance(item, BytesStorageMetadata):
             continue

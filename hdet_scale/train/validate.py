@@ -17,7 +17,7 @@ from hdet_scale.backends.ds_machine import check_accelerator
 from hdet_scale.config import HDETConfig, WandbConfig
 from hdet_scale.ds_keys import check_deepspeed_keys
 from hdet_scale.ds_values import batch_sizes
-from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.errors import HDETConfigError, HDETStateError, HDETUntrustedFileError
 from hdet_scale.logging import check_wandb_settings
 from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
@@ -222,6 +222,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     if resuming:
         try:
             check_resumable(ckpt, world_size, hcfg.replicas, backend)
+        except HDETUntrustedFileError:
+            raise  # names the file; no setting resumes it
         except HDETStateError as e:
             # a layout or backend mismatch: the settings that resume it (tester round 44: this
             # run's own values, listed right after "resume with the same", read as the fix)

@@ -45,6 +45,14 @@ def test_a_crafted_archive_is_refused_naming_the_file_and_the_reference(tmp_path
         assert f"checkpoint file {path} holds a reference to posix.mkdir" in str(e.value)
         assert "nothing was loaded" in str(e.value) and isinstance(e.value, HDETStateError)
         assert unsafe_problem(str(path)) == str(e.value)
+    # a plain pickle file (protocol 4 and the highest): torch refuses its first opcode
+    # before any global, and the message still names the reference
+    for protocol in (4, pickle.HIGHEST_PROTOCOL):
+        path = tmp_path / f"hdet_shard_p{protocol}.pt"
+        with open(path, "wb") as f:
+            pickle.dump({"scheduler": Payload(marker)}, f, protocol=protocol)
+        problem = unsafe_problem(str(path))
+        assert problem.startswith(f"checkpoint file {path} holds a reference to posix.mkdir"), problem
     assert not marker.exists()
 
 
@@ -116,3 +124,58 @@ def test_trainer_files_with_numpy_rng_state_pass_and_a_crafted_one_is_refused(tm
     with pytest.raises(HDETUntrustedFileError, match=r"rng_state_1\.pth holds a reference to posix\.mkdir"):
         refuse_untrusted_trainer_files(str(tmp_path))
     assert not (tmp_path / "ran").exists() and not (tmp_path / "args_ran").exists()
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "absolute"])
+def test_a_dcp_item_pointing_outside_its_folder_is_refused(tmp_path, where):
+    """DCP joins an item's path to the folder as given: an absolute or "../" path would
+    read another file on the machine as checkpoint data."""
+    folder = _dcp_folder(tmp_path)
+    meta = dcp_metadata(str(folder))
+    index = MetadataIndex("step")
+    outside = tmp_path / "outside.distcp"
+    buf = io.BytesIO()
+    torch.save(0.5, buf)
+    outside.write_bytes(buf.getvalue())
+    rel = str(outside) if where == "absolute" else where
+    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], relative_path=rel, offset=0,
+                                                   length=len(buf.getvalue()))
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+    problem = folder_problem(str(folder))
+    assert problem == (f"checkpoint file {folder / '.metadata'} points item 'step' at {rel}, outside the "
+                       "checkpoint's folder, so nothing was loaded: a checkpoint reads only its own files. Resume "
+                       "from a checkpoint you trust (written by hdet_scale, not changed since), or start a new "
+                       "run_dir"), problem
+
+
+def test_hdet_train_refuses_a_crafted_dcp_metadata_before_any_rank_starts(tmp_path):
+    """The launcher's resume check (``train.validate``) names the file and the reference,
+    and offers no settings to resume it with: no setting makes a crafted file loadable."""
+    from hdet_scale.train.config import load_run_config
+    from hdet_scale.train.loop import validate
+
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoint"
+    for r in range(2):
+        folder = ckpt / f"replica_{r}" / "global_step10"
+        folder.mkdir(parents=True)
+        for s in range(2):
+            torch.save({"w": torch.zeros(4)}, folder / f"hdet_shard_{s}.pt")
+    dcp.save({"model": {"w": torch.randn(8, 4)}}, checkpoint_id=str(ckpt / "replica_0/global_step10"), no_dist=True)
+    marker = tmp_path / "ran"
+    with open(ckpt / "replica_0/global_step10/.metadata", "wb") as f:
+        pickle.dump(Payload(marker), f)
+    (ckpt / "hdet_layout.json").write_text(json.dumps(
+        {"world_size": 4, "replicas": 2, "shard_size": 2, "step": 10, "total_steps": 300, "backend": "fsdp2",
+         "checkpoints": {"global_step10": 10}}))
+    (ckpt / "latest").write_text("global_step10")
+    (ckpt / "hdet_run_config.json").write_text('{"runs": {}}')
+    (run_dir / "metrics.jsonl").write_text('{"step": 10}\n')
+    run = load_run_config(None, ["backend=fsdp2", f"run_dir={run_dir}", "train.resume=true", "wandb.enabled=false",
+                                 "deepspeed.hdet.replicas=2"])
+    with pytest.raises(HDETUntrustedFileError) as e:
+        validate(run, 4, build_model=False)
+    assert str(e.value).startswith(f"checkpoint file {ckpt / 'replica_0/global_step10/.metadata'} holds a reference "
+                                   "to posix.mkdir"), str(e.value)
+    assert "to resume it" not in str(e.value) and not marker.exists()
