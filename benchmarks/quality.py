@@ -134,6 +134,19 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
     for s in SEEDS:
         out.append({"name": f"hdet defaults ci/lr0.01/s{s}", "group": "HDET defaults, current init, start 1e-2",
                     "kind": "hdet", "lr": 1e-2, "seed": s, "hdet": SLOW})
+    # Every row above was measured before auto.decay_moves, with the multiplier free to
+    # move either way during the schedule's decay ("both"); the rows below use its default
+    # ("up": during the decay the multiplier may only rise).
+    for o in out:
+        if o["kind"] == "hdet":
+            o["hdet"] = merge(o.get("hdet", {}), {"auto": {"decay_moves": "both"}})
+            if o["name"].startswith("hdet defaults ci/"):
+                o["group"] = o["group"].replace("HDET defaults,", "HDET defaults, decay_moves both,")
+    for where, lr in (("best", BEST), ("3x low", BEST / 3), ("10x high", BEST * 10), ("lr0.01", 1e-2)):
+        for s in SEEDS:
+            out.append({"name": f"hdet defaults up/{where}/s{s}",
+                        "group": f"HDET defaults (decay_moves up), start {where if where != 'lr0.01' else '1e-2'}",
+                        "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW})
     return [{**o, "steps": steps, "device": device, "model_size": model_size} for o in out]
 
 

@@ -226,6 +226,12 @@ class Controller:
         if msg:
             _warn_once(msg)
 
+    def decayed(self, start: int, end: int) -> bool:
+        """True when the LR schedule is lower at the interval's last step than at its
+        first: the interval ran the optimizer steps ``start .. end - 1`` (0-based, the
+        indices ``schedule.value`` takes)."""
+        return end - 1 > start and self.schedule.value(end - 1, 1.0) < self.schedule.value(start, 1.0)
+
     @property
     def active(self) -> bool:
         """True once the first meta-update has run."""
@@ -249,14 +255,18 @@ class Controller:
 
     def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
                current: Callable[[Key], float], record: dict[str, Any],
-               raw: Callable[[Key], float] | None = None, noise: float | None = None) -> None:
+               raw: Callable[[Key], float] | None = None, noise: float | None = None,
+               decaying: bool = False) -> None:
         """One meta-update from the replicas' ``fitness`` (length R, lower is better,
         non-finite allowed). ``permutations`` and ``applied`` are those the interval ran
         with; ``current(key)`` the shared value now. Writes ``hdet/weight/replica_<r>``,
         ``hdet/temperature`` (and ``hdet/fitness_noise`` when measured) and per key
         ``hypergradient``, ``velocity`` (and ``multiplier`` or ``floored``) into
         ``record``. ``noise``: the standard error of the fitness gaps
-        (``controller.fitness_noise``), which an automatic temperature takes in."""
+        (``controller.fitness_noise``), which an automatic temperature takes in.
+        ``decaying``: the schedule fell over the interval (:meth:`decayed`); the LR
+        multiplier then moves as ``auto.decay_moves`` allows (a refused move logs
+        ``hdet/lr/group_<g>/held`` = 1)."""
         auto = self.auto
         temp = auto.resolved("temperature")
         temp = ctl.auto_temperature(fitness, noise, auto.noise_scale) if temp == "auto" else float(temp)
@@ -300,8 +310,17 @@ class Controller:
                 delta = (ctl.normalized_hypergradient(weights, [offsets[p] for p in permutations[key]])
                          if axis.spread_ratio > 0 else 0.0)
                 if axis.kind == "multiplicative":  # log units, bounded by max_factor
+                    before = self.log_m[key], self.velocity[key]
                     self.log_m[key], self.velocity[key] = ctl.log_update(
                         self.log_m[key], self.velocity[key], delta, momentum, step, auto.max_factor)
+                    if a == "lr" and decaying and auto.decay_moves != "both" and (
+                            auto.decay_moves == "hold" or self.log_m[key] < before[0]):
+                        # the short-horizon bias (AutoConfig.decay_moves): a down move
+                        # here is what any decay shows over one interval; the velocity
+                        # keeps no downward pull to release after the decay
+                        self.log_m[key] = before[0]
+                        self.velocity[key] = before[1] if auto.decay_moves == "hold" else max(self.velocity[key], 0.0)
+                        record[f"hdet/{a}/group_{g}/held"] = 1
                     # held at max_factor: said like a bound (tester round 17 saw the
                     # multiplier stop there without a word)
                     if abs(self.log_m[key]) == math.log(auto.max_factor):

@@ -105,8 +105,15 @@ class AutoConfig:
     ``"auto"`` and a probe that returns per-example losses, the temperature is
     ``sqrt(std(fitness)^2 + (noise_scale * noise)^2)`` with ``noise`` the standard error
     of the replicas' fitness gaps (``controller.fitness_noise``), so a gap inside the
-    noise moves the multiplier by little; 0 ignores the noise (z-scores alone). ``None``
-    values take the controller's default (:data:`CONTROLLER_DEFAULTS`).
+    noise moves the multiplier by little; 0 ignores the noise (z-scores alone).
+    ``decay_moves``: what the ``"log"`` controller may do to the LR multiplier at a sync
+    whose interval the schedule decayed over: ``"up"`` (default) only raise it, ``"hold"``
+    leave it, ``"both"`` move it either way. Over one interval a smaller step nearly always
+    lowers the loss sooner (short-horizon bias): during the decay the comparison then
+    lowers the multiplier whatever the best LR of the whole run, while a raise happens
+    against that bias and is kept (docs/quality.md, longer runs). A schedule that never
+    decays (``"constant"``) is not affected; other axes are not affected. ``None`` values
+    take the controller's default (:data:`CONTROLLER_DEFAULTS`).
     """
 
     enabled: bool = False
@@ -120,6 +127,7 @@ class AutoConfig:
     groups: str = "tied"
     max_factor: float = 100.0
     noise_scale: float = 3.0
+    decay_moves: str = "up"
 
     def resolved(self, name: str) -> Any:
         """``temperature`` / ``momentum`` / ``step_size`` with ``None`` replaced by the

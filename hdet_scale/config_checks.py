@@ -20,6 +20,7 @@ SCHEDULES = ("onecycle", "cosine", "constant")
 CONTROLLERS = ("log", "paper")
 FITNESS = ("probe", "train_loss")
 GROUP_MODES = ("tied", "independent")
+DECAY_MOVES = ("up", "both", "hold")
 
 
 #: The most optimizer steps a run may have: float64 holds every step count up to it exactly.
@@ -141,6 +142,8 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
     _check(errors, 1 <= a.max_factor < math.inf, f"{k}.max_factor", f"must be finite and >= 1, got {a.max_factor}")
     _check(errors, 0 <= a.noise_scale < math.inf, f"{k}.noise_scale",
            f"must be finite and >= 0, got {a.noise_scale}")
+    _check(errors, a.decay_moves in DECAY_MOVES, f"{k}.decay_moves",
+           f"must be one of {', '.join(DECAY_MOVES)}, got {a.decay_moves!r}")
     pinned = [n for n, ax in cfg.axes.items()
               if ax.kind == "multiplicative" and cfg.axis_auto(n)]
     if a.enabled and a.controller == "log" and a.max_factor == 1 and pinned:  # tester round 53: silent

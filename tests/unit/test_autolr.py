@@ -209,6 +209,53 @@ def test_log_controller_two_meta_updates_by_hand_and_lr_follows_schedule():
     assert lr[0] != pytest.approx(lr[1], rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["up", "hold", "both"])
+def test_decay_moves_during_the_schedules_decay_by_hand(mode):
+    """R = 2, OneCycle over 40 steps (peak at step 12), a sync every 5: the probe says the
+    high-LR replica won at the syncs at 5, 25 and 35 and the low-LR one at the others.
+    The multiplier after each sync by hand: a sync whose interval the schedule fell over
+    (the LR at its last step below the LR at its first) may only raise it with
+    decay_moves "up" (the velocity floored at 0), not move it with "hold", and move it
+    either way with "both"; each refused move logs held = 1."""
+    R, T, N, seed = 2, 5, 40, 4
+    cfg = config(replicas=R, sync_interval=T, total_steps=N, seed=seed, auto={"decay_moves": mode})
+    sch, groups, sync = make(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    perms = [torch.randperm(R, generator=gen).tolist() for _ in range(N // T + 1)]
+    high_wins = {5, 25, 35}
+    oc, off = OneCycle(total_steps=N), offsets(R)
+
+    def fitness():
+        k = sch.step_count // T - 1  # this interval's permutation
+        winner = [r for r in range(R) if off[perms[k][r]] == (1.0 if sch.step_count in high_wins else -1.0)][0]
+        return [1.0 if r == winner else 2.0 for r in range(R)]
+
+    sch.set_probe(fitness)
+    lm = v = 0.0
+    held = []
+    for k in range(N // T):
+        for _ in range(T):
+            sch.step([3.0, 3.0])
+        end = (k + 1) * T
+        sign = 1.0 if end in high_wins else -1.0
+        w = softmax_by_hand([1.0, 2.0], pop_std([1.0, 2.0]))  # the winner's weight first
+        g = sign * (w[0] * 1.0 + w[1] * -1.0)  # sum_r w_r off_r - mean(off), off = +-1
+        new_v = 0.5 * v + 0.5 * g
+        new_lm = lm + 0.5 * new_v
+        decaying = oc.value(end - 1, 1.0) < oc.value(end - T, 1.0)
+        if decaying and mode == "hold":
+            held.append(end)
+        elif decaying and mode == "up" and new_lm < lm:
+            v = max(new_v, 0.0)
+            held.append(end)
+        else:
+            lm, v = new_lm, new_v
+        assert sch.controller.log_m[("lr", 0)] == pytest.approx(lm, rel=1e-12, abs=1e-15), (mode, end)
+        assert sch.controller.velocity[("lr", 0)] == pytest.approx(v, rel=1e-12, abs=1e-15), (mode, end)
+        assert sch.last_sync.get("hdet/lr/group_0/held") == (1 if end in held else None), (mode, end)
+    assert held == {"up": [15, 20, 30, 40], "hold": [15, 20, 25, 30, 35, 40], "both": []}[mode]
+
+
 def test_log_controller_warmup_and_no_probe_during_warmup():
     cfg = config(replicas=2, sync_interval=4, total_steps=20, auto={"warmup_steps": 8})
     sch, groups, sync = make(cfg)

@@ -420,6 +420,7 @@ def test_infinite_temperature_rejected():
     ("auto.controller", "adam", ["log", "paper"]),
     ("auto.fitness", "val_loss", ["probe", "train_loss"]),
     ("auto.groups", "shared", ["tied", "independent"]),
+    ("auto.decay_moves", "down", ["up", "both", "hold"]),
 ])
 def test_new_enumerated_auto_keys_name_key_and_allowed_values(key, value, allowed):
     msg = _error(_bad(**{key: value}))
