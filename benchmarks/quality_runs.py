@@ -194,12 +194,26 @@ def run(spec: dict) -> dict:
     block["sync_interval"] = min(block["sync_interval"], steps)
 
     # "probe_point": "average" scores each replica at the mean of its weights over the
-    # last half of the interval instead of its last weights (a prototype: does comparing
-    # averaged iterates remove the short-horizon bias?)
+    # last half of the interval instead of its last weights, "toward_mean" at
+    # mean + probe_beta (w_r - mean), the replicas' mean being what converge takes next
+    # (prototypes: does either remove the short-horizon bias? docs/quality.md)
     averages: dict[int, list[torch.Tensor]] = {}
     counts: dict[int, int] = {}
 
     def probe_fn(model, r):
+        if spec.get("probe_point") == "toward_mean":
+            beta = spec.get("probe_beta", 0.5)
+            saved = [p.detach().clone() for p in model.parameters()]
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    mean = sum(list(m.parameters())[i].detach() for m in sim.models) / len(sim.models)
+                    p.copy_(mean + beta * (saved[i] - mean))
+            try:
+                return _probe(model)
+            finally:
+                with torch.no_grad():
+                    for p, s_ in zip(model.parameters(), saved):
+                        p.copy_(s_)
         if spec.get("probe_point") == "average" and counts.get(r):
             saved = [p.detach().clone() for p in model.parameters()]
             with torch.no_grad():
