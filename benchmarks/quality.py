@@ -113,6 +113,10 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
         for s in SEEDS:
             out.append({"name": f"schedule-free/lr{lr:.3g}/s{s}", "group": "schedule-free AdamW", "kind": "plain",
                         "optimizer": "schedulefree", "lr": lr, "seed": s})
+    if model_size == "small":  # its schedule-free optimum is wider: 20x its default too
+        for s in SEEDS:
+            out.append({"name": f"schedule-free/lr{SF_LR * 20:.3g}/s{s}", "group": "schedule-free AdamW",
+                        "kind": "plain", "optimizer": "schedulefree", "lr": SF_LR * 20, "seed": s})
     for s in SEEDS:
         out.append({"name": f"prodigy/lr1/s{s}", "group": "Prodigy", "kind": "plain", "optimizer": "prodigy",
                     "lr": DEFAULT_LR["prodigy"], "seed": s})
