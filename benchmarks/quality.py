@@ -117,6 +117,11 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
         for s in SEEDS:
             out.append({"name": f"schedule-free/lr{SF_LR * 20:.3g}/s{s}", "group": "schedule-free AdamW",
                         "kind": "plain", "optimizer": "schedulefree", "lr": SF_LR * 20, "seed": s})
+            # HDET's spread without auto-LR at that optimum: what the spread alone costs
+            out.append({"name": f"hdet no auto + schedule-free AdamW/10x high/s{s}",
+                        "group": "HDET without auto-LR + schedule-free, start 10x high", "kind": "hdet",
+                        "optimizer": "schedulefree", "lr": SF_STARTS["10x high"], "seed": s,
+                        "hdet": merge(SF_SLOW, NO_AUTO)})
     for s in SEEDS:
         out.append({"name": f"prodigy/lr1/s{s}", "group": "Prodigy", "kind": "plain", "optimizer": "prodigy",
                     "lr": DEFAULT_LR["prodigy"], "seed": s})
