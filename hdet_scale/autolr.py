@@ -193,6 +193,13 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
         raise HDETConfigError("invalid hdet config:\n  " + "\n  ".join(errors))
 
 
+def interval_decayed(schedule: Schedule, start: int, end: int) -> bool:
+    """True when ``schedule`` is lower at an interval's last step than at its first: the
+    interval ran the optimizer steps ``start .. end - 1`` (0-based, the indices
+    ``schedule.value`` takes). Where ``auto.decay_moves`` applies."""
+    return end - 1 > start and schedule.value(end - 1, 1.0) < schedule.value(start, 1.0)
+
+
 class Controller:
     """Auto-LR state for the explored keys of one scheduler.
 
@@ -227,10 +234,8 @@ class Controller:
             _warn_once(msg)
 
     def decayed(self, start: int, end: int) -> bool:
-        """True when the LR schedule is lower at the interval's last step than at its
-        first: the interval ran the optimizer steps ``start .. end - 1`` (0-based, the
-        indices ``schedule.value`` takes)."""
-        return end - 1 > start and self.schedule.value(end - 1, 1.0) < self.schedule.value(start, 1.0)
+        """:func:`interval_decayed` of this controller's schedule."""
+        return interval_decayed(self.schedule, start, end)
 
     @property
     def active(self) -> bool:

@@ -164,12 +164,28 @@ def _reach_line(cfg: Any, n_meta: int) -> str:
         return ("  the multiplier stays x1 of the schedule within the run: no meta-update before the last step"
                 + (" (one at the last step changes no step)" if n_meta else ""))
     log_m = log_reach(a.resolved("step_size"), a.resolved("momentum"), in_run, a.max_factor)
-    reach = math.exp(log_m)
+    # auto.decay_moves: at a sync whose interval the schedule fell over the LR multiplier
+    # only rises ("up") or stays ("hold"), so fewer meta-updates can lower it. A bound: the
+    # ramp restarts after a held sync ("up" floors the velocity at 0), never grows faster.
+    free, note = in_run, ""
+    if a.decay_moves != "both" and "lr" in cfg.axes and cfg.axis_auto("lr"):
+        from hdet_scale.autolr import build_schedule, interval_decayed
+
+        schedule = build_schedule(cfg)
+        free = sum(1 for k in range(in_run)
+                   if not interval_decayed(schedule, cfg.first_meta_step + (k - 1) * T, cfg.first_meta_step + k * T))
+        if free < in_run:
+            what = ("only rises", "lower") if a.decay_moves == "up" else ("does not move", "move")
+            note = (f"; during the schedule's decay it {what[0]} (auto.decay_moves {a.decay_moves}): {free} "
+                    f"meta-update{'s' if free != 1 else ''} can {what[1]} it")
+    up = math.exp(log_m if a.decay_moves != "hold" else
+                  log_reach(a.resolved("step_size"), a.resolved("momentum"), free, a.max_factor))
+    down = math.exp(-log_reach(a.resolved("step_size"), a.resolved("momentum"), free, a.max_factor))
     bound = (f"held at max_factor {a.max_factor:g}" if log_m >= math.log(a.max_factor)
              else f"bound max_factor {a.max_factor:g}")
-    return (f"  the multiplier can reach at most x{reach:.3g} / x{1 / reach:.3g} of the schedule within the run "
+    return (f"  the multiplier can reach at most x{up:.3g} / x{down:.3g} of the schedule within the run "
             f"(over the {in_run} meta-update{'s' if in_run != 1 else ''} before the last step, with momentum "
-            f"{a.resolved('momentum')}; {bound})")
+            f"{a.resolved('momentum')}; {bound}){note}")
 
 
 def describe(config: str | dict, world_size: int, total_steps: int | None = None, backend: str = "deepspeed",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hdet_scale.dryrun import describe, main
 from hdet_scale.errors import HDETConfigError
@@ -152,7 +153,8 @@ def test_auto_lr_summary_per_controller():
     """The log controller: the number of meta-updates (syncs at 500 .. 1000: 6) and how far
     the multiplier can move within the run (the 5 before the last step, the velocity
     ramping up with momentum 0.5: 0.25 x sum_{k=1..5} (1 - 0.5^k) in log units = x2.74;
-    test_log_reach_is_the_log_update_recurrence_with_g_plus_one). The paper controller over the
+    test_log_reach_is_the_log_update_recurrence_with_g_plus_one), and only upward: OneCycle
+    decays over every interval after its peak at step 300 (auto.decay_moves "up"). The paper controller over the
     same 6 syncs: the derived decay 1 - (floor / value at step 500)^(1/6) (torch's OneCycle
     defaults: 0.87 per sync) dwarfs step_size x spread = 0.15: the warning says so."""
     from hdet_scale.schedules import OneCycle
@@ -160,7 +162,8 @@ def test_auto_lr_summary_per_controller():
     text = describe(ZERO3, world_size=8)
     assert "controller log, fitness probe, groups tied" in text
     assert "6 meta-updates (first at step 500)" in text
-    assert "at most x2.74 / x0.365 of the schedule within the run (over the 5 meta-updates before the last step" in text
+    assert "at most x2.74 / x1 of the schedule within the run (over the 5 meta-updates before the last step" in text
+    assert "during the schedule's decay it only rises (auto.decay_moves up): 0 meta-updates can lower it" in text
     paper = {**ZERO3, "hdet": {**BLOCK, "auto": {**BLOCK["auto"], "controller": "paper"}}}
     text = describe(paper, world_size=8)
     gamma = float(text.split("decay gamma per sync: ")[1].split()[0])
@@ -668,7 +671,10 @@ def test_the_schedule_line_gives_the_peak_lr_and_its_source(schedule, source):
 
 
 @pytest.mark.parametrize("total,interval,warmup,auto,in_run,held", [
-    (10, 5, 5, {}, 1, False),  # tester round 38: syncs at 5 and 10, only step 5's acts in the run
+    (10, 5, 5, {"decay_moves": "both"}, 1, False),  # syncs at 5 and 10, only step 5's acts in the run
+    (10, 5, 5, {}, 1, False),
+    (1000, 100, 0, {"decay_moves": "both"}, 9, False),
+    (1000, 100, 0, {"decay_moves": "hold"}, 9, False),
     (1000, 100, 500, {}, 5, False),
     (1001, 100, 500, {}, 6, False),  # the sync at 1000 precedes the last step (1001)
     (1000, 100, 0, {"momentum": 0.0, "step_size": 0.1}, 9, False),  # no momentum: step_size per update
@@ -702,12 +708,36 @@ def test_log_reach_is_the_log_update_recurrence_with_g_plus_one(total, interval,
     # the meta-updates hdet-train runs: syncs s (1-based steps) at or after warm-up, s <= total
     syncs = [s for s in range(interval, total + 1, interval) if s >= warmup]
     assert len([s for s in syncs if s < total]) == in_run
-    log_m = velocity = 0.0
-    for _ in range(in_run):
-        log_m, velocity = log_update(log_m, velocity, 1.0, momentum, step_size, max_factor)
-    assert float(found[1]) == float(f"{math.exp(log_m):.3g}")
-    assert float(found[2]) == float(f"{math.exp(-log_m):.3g}")
+    # auto.decay_moves: a sync whose interval OneCycle fell over (torch's own OneCycleLR,
+    # the schedule's defaults pct_start 0.3, div 25, final_div 1e4) cannot lower the
+    # multiplier ("up", the default) or move it at all ("hold")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=total, pct_start=0.3)
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    mode = auto.get("decay_moves", "up")
+    free = len([s for s in syncs if s < total and not lrs[s - 1] < lrs[s - interval]])
+    free = in_run if mode == "both" else free
+
+    def reach(n):
+        log_m = velocity = 0.0
+        for _ in range(n):
+            log_m, velocity = log_update(log_m, velocity, 1.0, momentum, step_size, max_factor)
+        return log_m
+
+    log_m = reach(in_run)
+    assert float(found[1]) == float(f"{math.exp(reach(free) if mode == 'hold' else log_m):.3g}")
+    assert float(found[2]) == float(f"{math.exp(-reach(free)):.3g}")
     assert (log_m == math.log(max_factor)) == held
+    if free < in_run:
+        what = ("only rises", "lower") if mode == "up" else ("does not move", "move")
+        assert text.count(f"); during the schedule's decay it {what[0]} (auto.decay_moves {mode}): {free} "
+                          f"meta-update{'s' if free != 1 else ''} can {what[1]} it") == 1, text
+    else:
+        assert "auto.decay_moves" not in text, text
 
 
 def test_log_reach_with_no_meta_update_before_the_last_step():
