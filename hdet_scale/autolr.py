@@ -233,10 +233,6 @@ class Controller:
         if msg:
             _warn_once(msg)
 
-    def decayed(self, start: int, end: int) -> bool:
-        """:func:`interval_decayed` of this controller's schedule."""
-        return interval_decayed(self.schedule, start, end)
-
     @property
     def active(self) -> bool:
         """True once the first meta-update has run."""
@@ -261,7 +257,7 @@ class Controller:
     def update(self, fitness: list[float], permutations: dict[Key, list[int]], applied: dict[Key, list[float]],
                current: Callable[[Key], float], record: dict[str, Any],
                raw: Callable[[Key], float] | None = None, noise: float | None = None,
-               decaying: bool = False) -> None:
+               interval: tuple[int, int] | None = None) -> None:
         """One meta-update from the replicas' ``fitness`` (length R, lower is better,
         non-finite allowed). ``permutations`` and ``applied`` are those the interval ran
         with; ``current(key)`` the shared value now. Writes ``hdet/weight/replica_<r>``,
@@ -269,10 +265,11 @@ class Controller:
         ``hypergradient``, ``velocity`` (and ``multiplier`` or ``floored``) into
         ``record``. ``noise``: the standard error of the fitness gaps
         (``controller.fitness_noise``), which an automatic temperature takes in.
-        ``decaying``: the schedule fell over the interval (:meth:`decayed`); the LR
-        multiplier then moves as ``auto.decay_moves`` allows (a refused move logs
-        ``hdet/lr/group_<g>/held`` = 1)."""
+        ``interval``: ``(start, end)``, the optimizer steps the interval ran
+        (:func:`interval_decayed`); where the schedule fell over it the LR multiplier moves
+        as ``auto.decay_moves`` allows (a refused move logs ``hdet/lr/group_<g>/held`` = 1)."""
         auto = self.auto
+        decaying = interval is not None and interval_decayed(self.schedule, *interval)
         temp = auto.resolved("temperature")
         temp = ctl.auto_temperature(fitness, noise, auto.noise_scale) if temp == "auto" else float(temp)
         if noise is not None:

@@ -178,12 +178,12 @@ def _reach_line(cfg: Any, n_meta: int) -> str:
             what = ("only rises", "lower") if a.decay_moves == "up" else ("does not move", "move")
             note = (f"; during the schedule's decay it {what[0]} (auto.decay_moves {a.decay_moves}): {free} "
                     f"meta-update{'s' if free != 1 else ''} can {what[1]} it")
-    up = math.exp(log_m if a.decay_moves != "hold" else
-                  log_reach(a.resolved("step_size"), a.resolved("momentum"), free, a.max_factor))
-    down = math.exp(-log_reach(a.resolved("step_size"), a.resolved("momentum"), free, a.max_factor))
-    bound = (f"held at max_factor {a.max_factor:g}" if log_m >= math.log(a.max_factor)
+    down = log_reach(a.resolved("step_size"), a.resolved("momentum"), free, a.max_factor)
+    up = down if a.decay_moves == "hold" else log_m
+    bound = (f"held at max_factor {a.max_factor:g}" if up >= math.log(a.max_factor)
              else f"bound max_factor {a.max_factor:g}")
-    return (f"  the multiplier can reach at most x{up:.3g} / x{down:.3g} of the schedule within the run "
+    return (f"  the multiplier can reach at most x{math.exp(up):.3g} / x{math.exp(-down):.3g} of the schedule "
+            "within the run "
             f"(over the {in_run} meta-update{'s' if in_run != 1 else ''} before the last step, with momentum "
             f"{a.resolved('momentum')}; {bound}){note}")
 

@@ -443,10 +443,10 @@ class HDETScheduler:
         # replica that recorded no training loss (step() without one) is not suspect: the
         # probe alone needs none.
         finite = [(math.isfinite(x) or c == 0) and math.isfinite(f) for x, c, f in zip(losses, counts, fitness)]
+        interval_start = max(self.converged_step, 0)  # the steps this interval ran, for auto.decay_moves
         self._wait_for_device()
         t0 = time.perf_counter()
         self.sync_obj.converge(finite)
-        interval_start = max(self.converged_step, 0)
         self.converged_step = self.step_count
         self._wait_for_device()
         converge_s = time.perf_counter() - t0
@@ -469,7 +469,7 @@ class HDETScheduler:
             noise = getattr(self.sync_obj, "probe_noise", None) if fitness is not losses else None
             self.controller.update(scored, self.permutations, self.applied,
                                    lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k),
-                                   noise=noise, decaying=self.controller.decayed(interval_start, self.step_count))
+                                   noise=noise, interval=(interval_start, self.step_count))
         self.permutations = self._draw_permutations()
         # The base of the next step; after total_steps there is none (tester round 38:
         # OneCycleLR's formula one step past its end logged ~13x the last LR). A run stopped
