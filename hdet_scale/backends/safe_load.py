@@ -203,10 +203,10 @@ def _dcp_items_problem(folder: str) -> str | None:
     for index, info in storage.items():
         # DCP joins the item's path to the folder as given: an absolute or "../" path
         # would read any file on the machine as checkpoint data
-        where = os.path.realpath(os.path.join(folder, str(getattr(info, "relative_path", ""))))
-        if os.path.dirname(where) != root:
+        rel = str(getattr(info, "relative_path", ""))
+        if os.path.dirname(os.path.realpath(os.path.join(folder, rel))) != root:
             return (f"checkpoint file {os.path.join(folder, '.metadata')} points item "
-                    f"{getattr(index, 'fqn', index)!r} at {info.relative_path}, outside the checkpoint's folder, "
+                    f"{getattr(index, 'fqn', index)!r} at {rel or 'no file'}, outside the checkpoint's folder, "
                     "so nothing was loaded: a checkpoint reads only its own files. Resume from a checkpoint you "
                     "trust (written by hdet_scale, not changed since), or start a new run_dir")
     for fqn, item in sorted(meta.state_dict_metadata.items()):
