@@ -134,14 +134,14 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
     # it), and the controller before auto.noise_scale (the probe's mean alone: z-scores)
     for where, lr in (("best", BEST), ("3x low", BEST / 3)):
         for s in SEEDS:
-            out.append({"name": f"hdet defaults ci/{where}/s{s}", "group": f"HDET defaults, current init, start {where}",
+            out.append({"name": f"hdet defaults ci/{where}/s{s}", "group": f"HDET defaults, decay_moves both, current init, start {where}",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW})
             out.append({"name": f"hdet z-scores ci/{where}/s{s}",
                         "group": f"HDET defaults without the noise term, current init, start {where}",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW, "probe_examples": False})
     # From 1e-2: the small model's best AdamW LR at 1000 steps (docs/quality.md, longer runs)
     for s in SEEDS:
-        out.append({"name": f"hdet defaults ci/lr0.01/s{s}", "group": "HDET defaults, current init, start 1e-2",
+        out.append({"name": f"hdet defaults ci/lr0.01/s{s}", "group": "HDET defaults, decay_moves both, current init, start 1e-2",
                     "kind": "hdet", "lr": 1e-2, "seed": s, "hdet": SLOW})
     # Every row above was measured before auto.decay_moves, with the multiplier free to
     # move either way during the schedule's decay ("both"); the rows below use its default
@@ -149,12 +149,10 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
     for o in out:
         if o["kind"] == "hdet":
             o["hdet"] = merge(o.get("hdet", {}), {"auto": {"decay_moves": "both"}})
-            if o["name"].startswith("hdet defaults ci/"):
-                o["group"] = o["group"].replace("HDET defaults,", "HDET defaults, decay_moves both,")
-    for where, lr in (("best", BEST), ("3x low", BEST / 3), ("10x high", BEST * 10), ("lr0.01", 1e-2)):
+    for where, label, lr in (("best", "best", BEST), ("3x low", "3x low", BEST / 3),
+                             ("10x high", "10x high", BEST * 10), ("lr0.01", "1e-2", 1e-2)):
         for s in SEEDS:
-            out.append({"name": f"hdet defaults up/{where}/s{s}",
-                        "group": f"HDET defaults (decay_moves up), start {where if where != 'lr0.01' else '1e-2'}",
+            out.append({"name": f"hdet defaults up/{where}/s{s}", "group": f"HDET defaults (decay_moves up), start {label}",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW})
     return [{**o, "steps": steps, "device": device, "model_size": model_size} for o in out]
 

@@ -201,31 +201,27 @@ def run(spec: dict) -> dict:
     counts: dict[int, int] = {}
 
     def probe_fn(model, r):
-        if spec.get("probe_point") == "toward_mean":
+        point = spec.get("probe_point")
+        if point == "toward_mean":
             beta = spec.get("probe_beta", 0.5)
-            saved = [p.detach().clone() for p in model.parameters()]
-            with torch.no_grad():
-                for i, p in enumerate(model.parameters()):
-                    mean = sum(list(m.parameters())[i].detach() for m in sim.models) / len(sim.models)
-                    p.copy_(mean + beta * (saved[i] - mean))
-            try:
-                return _probe(model)
-            finally:
-                with torch.no_grad():
-                    for p, s_ in zip(model.parameters(), saved):
-                        p.copy_(s_)
-        if spec.get("probe_point") == "average" and counts.get(r):
-            saved = [p.detach().clone() for p in model.parameters()]
-            with torch.no_grad():
-                for p, a in zip(model.parameters(), averages[r]):
-                    p.copy_(a / counts[r])
-            try:
-                return _probe(model)
-            finally:
-                with torch.no_grad():
-                    for p, s_ in zip(model.parameters(), saved):
-                        p.copy_(s_)
+            replicas = [list(m.parameters()) for m in sim.models]
+            return _probe_at(model, [(mean := sum(p_.detach() for p_ in ps) / len(ps)) + beta * (p.detach() - mean)
+                                     for p, ps in zip(model.parameters(), zip(*replicas))])
+        if point == "average" and counts.get(r):
+            return _probe_at(model, [a / counts[r] for a in averages[r]])
         return _probe(model)
+
+    @torch.no_grad()
+    def _probe_at(model, weights):
+        """The probe with ``model``'s parameters set to ``weights``, then put back."""
+        saved = [p.clone() for p in model.parameters()]
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+        try:
+            return _probe(model)
+        finally:
+            for p, s_ in zip(model.parameters(), saved):
+                p.copy_(s_)
 
     def _probe(model):
         model.eval()
