@@ -126,7 +126,7 @@ def test_trainer_files_with_numpy_rng_state_pass_and_a_crafted_one_is_refused(tm
     assert not (tmp_path / "ran").exists() and not (tmp_path / "args_ran").exists()
 
 
-@pytest.mark.parametrize("where", ["../outside.distcp", "absolute"])
+@pytest.mark.parametrize("where", ["../outside.distcp", "absolute", "no path"])
 def test_a_dcp_item_pointing_outside_its_folder_is_refused(tmp_path, where):
     """DCP joins an item's path to the folder as given: an absolute or "../" path would
     read another file on the machine as checkpoint data."""
@@ -138,8 +138,9 @@ def test_a_dcp_item_pointing_outside_its_folder_is_refused(tmp_path, where):
     torch.save(0.5, buf)
     outside.write_bytes(buf.getvalue())
     rel = str(outside) if where == "absolute" else where
-    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], relative_path=rel, offset=0,
-                                                   length=len(buf.getvalue()))
+    meta.storage_data[index] = "not storage info" if where == "no path" else dataclasses.replace(
+        meta.storage_data[index], relative_path=rel, offset=0, length=len(buf.getvalue()))
+    rel = "no file" if where == "no path" else rel
     with open(folder / ".metadata", "wb") as f:
         pickle.dump(meta, f)
     problem = folder_problem(str(folder))
