@@ -149,6 +149,15 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
     for o in out:
         if o["kind"] == "hdet":
             o["hdet"] = merge(o.get("hdet", {}), {"auto": {"decay_moves": "both"}})
+    # Scoring each replica between it and the replicas' mean (quality_runs "toward_mean"):
+    # a prototype against the short-horizon bias, measured at 1000 steps on the small model
+    if model_size == "small":
+        for beta in (0.5, 0.25):
+            for lr in (1e-2, BEST):
+                out.append({"name": f"hdet toward mean b{beta:g}/lr{lr:g}/s0",
+                            "group": f"HDET, probe toward the mean (beta {beta:g}), decay_moves both, start {lr:g}",
+                            "kind": "hdet", "lr": lr, "seed": 0, "hdet": merge(SLOW, {"auto": {"decay_moves": "both"}}),
+                            "probe_point": "toward_mean", "probe_beta": beta})
     for where, label, lr in (("best", "best", BEST), ("3x low", "3x low", BEST / 3),
                              ("10x high", "10x high", BEST * 10), ("lr0.01", "1e-2", 1e-2)):
         for s in SEEDS:
