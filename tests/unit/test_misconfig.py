@@ -39,6 +39,13 @@ from hdet_scale.errors import HDETConfigError
 from hdet_scale.reference import _LocalSync
 from test_scheduler import LocalSync  # noqa: E402  (tests/unit is on sys.path under pytest)
 
+
+@pytest.fixture(autouse=True)
+def _own_working_dir(tmp_path, monkeypatch):
+    """hdet-train's default run_dir is relative (runs/default): a run the user made in the
+    folder pytest starts from must not change these tests, nor these tests write there."""
+    monkeypatch.chdir(tmp_path)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGED = os.path.join(ROOT, "hdet_scale", "train", "configs", "deepspeed.json")
 

@@ -20,6 +20,13 @@ from hdet_scale.ensemble import HDETScheduler, LiveParamGroups
 from hdet_scale.errors import HDETConfigError
 
 
+@pytest.fixture(autouse=True)
+def _own_working_dir(tmp_path, monkeypatch):
+    """hdet-train's default run_dir is relative (runs/default): a run the user made in the
+    folder pytest starts from must not change these tests, nor these tests write there."""
+    monkeypatch.chdir(tmp_path)
+
+
 def tiny_llama(dropout: float = 0.1) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
