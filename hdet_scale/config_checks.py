@@ -20,7 +20,7 @@ SCHEDULES = ("onecycle", "cosine", "constant")
 CONTROLLERS = ("log", "paper")
 FITNESS = ("probe", "train_loss")
 GROUP_MODES = ("tied", "independent")
-DECAY_MOVES = ("up", "both", "hold")
+DECAY_MOVES = ("up", "hold", "both")
 
 
 #: The most optimizer steps a run may have: float64 holds every step count up to it exactly.
