@@ -163,6 +163,21 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
         for s in SEEDS:
             out.append({"name": f"hdet defaults up/{where}/s{s}", "group": f"HDET defaults (decay_moves up), start {label}",
                         "kind": "hdet", "lr": lr, "seed": s, "hdet": SLOW})
+    # a prototype against the creep under schedule-free's constant schedule: score between x
+    # (whose comparison favours larger steps) and y (whose comparison favours smaller ones)
+    for where in ("default", "10x high"):
+        for s in SEEDS:
+            out.append({"name": f"hdet between xy + schedule-free AdamW/{where}/s{s}",
+                        "group": f"HDET defaults + schedule-free, probe between x and y, start {where}",
+                        "kind": "hdet", "optimizer": "schedulefree", "lr": SF_STARTS[where], "seed": s,
+                        "hdet": SF_SLOW, "probe_point": "between_xy", "probe_alpha": 0.5})
+    # a prototype: every replica weights its z's into x as the spread's top LR would
+    for where in ("default", "10x high"):
+        for s in SEEDS:
+            out.append({"name": f"hdet hold lr_max + schedule-free AdamW/{where}/s{s}",
+                        "group": f"HDET defaults + schedule-free, lr_max held at the spread's top, start {where}",
+                        "kind": "hdet", "optimizer": "schedulefree", "lr": SF_STARTS[where], "seed": s,
+                        "hdet": SF_SLOW, "hold_lr_max": True})
     return [{**o, "steps": steps, "device": device, "model_size": model_size} for o in out]
 
 

@@ -195,7 +195,8 @@ def run(spec: dict) -> dict:
 
     # "probe_point": "average" scores each replica at the mean of its weights over the
     # last half of the interval instead of its last weights, "toward_mean" at
-    # mean + probe_beta (w_r - mean), the replicas' mean being what converge takes next
+    # mean + probe_beta (w_r - mean), the replicas' mean being what converge takes next,
+    # "between_xy" (schedule-free) at x + probe_alpha (y - x)
     # (prototypes: does either remove the short-horizon bias? docs/quality.md)
     averages: dict[int, list[torch.Tensor]] = {}
     counts: dict[int, int] = {}
@@ -207,6 +208,11 @@ def run(spec: dict) -> dict:
             replicas = [list(m.parameters()) for m in sim.models]
             return _probe_at(model, [(mean := sum(p_.detach() for p_ in ps) / len(ps)) + beta * (p.detach() - mean)
                                      for p, ps in zip(model.parameters(), zip(*replicas))])
+        if point == "between_xy":  # schedule-free: x + alpha (y - x), y = x + (1 - beta1) (z - x)
+            alpha, opt = spec.get("probe_alpha", 0.5), sim.optimizers[r]
+            beta1 = opt.param_groups[0]["betas"][0]
+            return _probe_at(model, [p.detach() + alpha * (1 - beta1) * (opt.state[p]["z"] - p.detach())
+                                     for p in model.parameters()])
         if point == "average" and counts.get(r):
             return _probe_at(model, [a / counts[r] for a in averages[r]])
         return _probe(model)
@@ -255,6 +261,8 @@ def run(spec: dict) -> dict:
 
     sim = Simulator(lambda: build_model(mcfg).to(device), optimizer, block,
                     probe_fn=probe_fn if spec["kind"] == "hdet" else None)
+    if spec.get("hold_lr_max"):
+        _hold_lr_max(sim)
     trace, diverged = [], False
     drop = spec.get("drop")  # {"at": step, "factor": f}: the LR times f from that step on
     for step in range(steps):
@@ -303,3 +311,22 @@ def run(spec: dict) -> dict:
     return {**spec, "lr": lr, "val_loss": val_loss if math.isfinite(val_loss) else None,
             "diverged": diverged or not math.isfinite(val_loss), "passes": passes, "probe_passes": probes,
             "wall_s": wall, "trace": trace}
+
+
+def _hold_lr_max(sim) -> None:
+    """Prototype (docs/quality.md, 3000 steps): before every step, raise each replica's
+    schedule-free ``lr_max`` to the spread's top LR times schedulefree's own warm-up factor,
+    so every replica weights its z's into x alike and the spread changes z's step only."""
+    apply = sim.scheduler._apply
+
+    def held() -> None:
+        apply()
+        for g in range(len(sim.optimizers[0].param_groups)):
+            top = max(o.param_groups[g]["lr"] for o in sim.optimizers)
+            for o in sim.optimizers:
+                grp = o.param_groups[g]
+                k, warmup = grp["k"], grp["warmup_steps"]
+                grp["lr_max"] = max(grp["lr_max"], top * ((k + 1) / warmup if k < warmup else 1.0))
+
+    sim.scheduler._apply = held
+    held()
