@@ -10,6 +10,8 @@ killed and the ranks that did not answer are named. Each rank gets the environme
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import queue
 import socket
@@ -83,3 +85,169 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), timeout: float = 300, 
     if errors and not allow_errors:
         raise RankFailure(errors)
     return [results[r][1] for r in range(world)]
+
+
+# ---- reused worlds ------------------------------------------------------------------------
+
+def _reset(env: dict, cwd: str, handlers: dict, seed: int) -> None:
+    """Return a rank process to its state before the last function: no process group nor
+    caches of one (``hdet_scale.teardown``), the environment, working folder, signal
+    handlers and torch's default RNG seed of a fresh process."""
+    import signal
+
+    import torch
+
+    from hdet_scale import teardown
+
+    teardown()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    torch.manual_seed(seed)
+
+
+def _serve(rank: int, world: int, tasks: Any, results: Any, env: dict) -> None:
+    """A pooled rank: runs ``(n, fn, args, port)`` tasks until it gets ``None``."""
+    import signal
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", **env})
+    import torch
+    torch.set_num_threads(1)
+    seed, cwd = torch.initial_seed(), os.getcwd()
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
+                if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        n, fn, args, port = task
+        base = dict(os.environ)
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            results.put((n, rank, "ok", fn(*args)))
+        except BaseException as e:  # report any failure, including SystemExit
+            results.put((n, rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        _reset(base, cwd, handlers, seed)
+
+
+def _all_reduce_one() -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return float(t)
+
+
+class RankPool:
+    """``world`` rank processes with environment ``env``, started once and given one
+    function after another: the start-up (importing torch, DeepSpeed, transformers: seconds
+    per rank) is paid once per pool instead of once per call, as DeepSpeed's own test
+    harness does with ``reuse_dist_env``. Between functions each rank destroys its process
+    group and restores its environment, working folder, signal handlers and RNG seed.
+
+    A call that fails on any rank, or runs past its deadline, retires the pool (its
+    processes are killed): the next call starts a fresh world, never one left inside a
+    collective.
+    """
+
+    def __init__(self, world: int, env: dict | None = None):
+        ctx = get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.tasks[r], self.results, env or {}),
+                                  daemon=True) for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.calls = 0
+        self.alive = True
+
+    def run(self, fn: Callable, args: tuple = (), timeout: float = 300,
+            allow_errors: bool = False) -> list[Any]:
+        """As :func:`run_ranks`, on this pool's ranks."""
+        self.calls += 1
+        n, port = self.calls, free_port()
+        for q in self.tasks:
+            q.put((n, fn, args, port))
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < self.world:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(self.world)) - set(results))
+                    raise TimeoutError(f"ranks {missing} still running after {timeout:.0f} s (hang?)")
+                try:
+                    got, rank, status, value = self.results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in results]
+                    if dead:
+                        raise RuntimeError(f"ranks {dead} died with exit codes "
+                                           f"{[self.procs[r].exitcode for r in dead]}") from None
+                    continue
+                if got == n:
+                    results[rank] = (status, value)
+        except BaseException:
+            self.close()
+            raise
+        errors = {r: v for r, (s, v) in results.items() if s == "err"}
+        if errors and not allow_errors:
+            self.close()
+            raise RankFailure(errors)
+        if errors and not self._healthy():
+            self.close()
+        return [results[r][1] for r in range(self.world)]
+
+    def _healthy(self) -> bool:
+        """After a call in which ranks raised (a test of a refusal): a new process group
+        and one all-reduce on every rank within 30 s, or the world is not reused."""
+        try:
+            return self.run(_all_reduce_one, timeout=30) == [float(self.world)] * self.world
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        """Stop the ranks (a clean exit when idle, killed otherwise)."""
+        if not self.alive:
+            return
+        self.alive = False
+        for q in self.tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+_pools: dict[tuple, RankPool] = {}
+
+
+def run_pooled(fn: Callable, world: int, args: tuple = (), timeout: float = 300, env: dict | None = None,
+               allow_errors: bool = False) -> list[Any]:
+    """:func:`run_ranks` on a :class:`RankPool` kept per ``(world, env)`` for the rest of
+    this process (closed at exit), started on first use and again after a call that
+    failed."""
+    key = (world, tuple(sorted((env or {}).items())))
+    pool = _pools.get(key)
+    if pool is None or not pool.alive:
+        # One idle world at a time: each rank holds torch, DeepSpeed and transformers
+        # (~0.5 GB), and several idle worlds crowd out the page cache that every other
+        # process' imports read from.
+        close_pools()
+        pool = _pools[key] = RankPool(world, env)
+    return pool.run(fn, args, timeout, allow_errors)
+
+
+@atexit.register
+def close_pools() -> None:
+    """Stop every pooled world (the next :func:`run_pooled` starts a fresh one)."""
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

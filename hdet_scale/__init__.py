@@ -9,7 +9,8 @@ partitioned over its shard groups),
 ``initialize`` / ``save_checkpoint`` / ``load_checkpoint`` in ``hdet_scale.backends.fsdp2``,
 ``.ddp`` and ``.fairscale``, :class:`OneCycleAutoLR` (the paper's drop-in scheduler on
 DDP), :class:`HDETScheduler`, :class:`HDETConfig`, :class:`Simulator` (R replicas in one
-process). DeepSpeed and fairscale are imported only by their backends.
+process), :func:`teardown` (end a job's distributed state so that another can start in
+the same process). DeepSpeed and fairscale are imported only by their backends.
 """
 
 from hdet_scale.config import HDETConfig
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 # Imported on first use (PEP 562): they import torch (~1 s), which the CLIs' config checks
 # never need, so a mistyped key is refused before torch is loaded.
 _LAZY = {"Ensemble": "hdet_scale.api", "HDETScheduler": "hdet_scale.ensemble", "OneCycleAutoLR": "hdet_scale.reference",
-         "SimulatedSync": "hdet_scale.simulate", "Simulator": "hdet_scale.simulate"}
+         "SimulatedSync": "hdet_scale.simulate", "Simulator": "hdet_scale.simulate", "teardown": "hdet_scale.reset"}
 
 
 def __getattr__(name: str):
@@ -76,4 +77,4 @@ def load_checkpoint(*args, **kwargs):
 
 
 __all__ = ["Ensemble", "HDETConfig", "HDETConfigError", "HDETScheduler", "HDETStateError", "HDETStepMismatchError", "HDETUntrustedFileError", "OneCycleAutoLR", "SimulatedSync", "Simulator",
-           "build_topology", "initialize", "load_checkpoint", "prepare", "save_checkpoint", "zero_init"]
+           "build_topology", "initialize", "load_checkpoint", "prepare", "save_checkpoint", "teardown", "zero_init"]

@@ -16,6 +16,7 @@ collective and checkpoint-write guards) live in ``rank_tools``.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -413,3 +414,44 @@ def overlap_worker(steps: int = 4) -> dict:
                     "collectives": None if sharing is None else sharing.collectives,
                     "flat_dtype": str(engine.optimizer.grad_partitions_flat_buffer.dtype)}
     return out
+
+
+# ---- two jobs in one process -----------------------------------------------------------
+
+def two_jobs_worker() -> dict:
+    """A job of two engines, 4 steps each: plain ZeRO-3, then HDET 2 x 2 (which leaves its
+    replica-group mpu in DeepSpeed's module globals). Run, then ``hdet_scale.teardown``, then
+    the same job in a new world (another rendezvous port, as a notebook's next job or a
+    reused test rank gets); then torch's ``destroy_process_group`` alone and the job in a
+    third world. Returns the fp32 masters after each engine's last step of the first two
+    jobs and the third's error (``None`` if it ran)."""
+    import deepspeed
+    import hdet_scale
+    import torch.distributed as dist
+    from hdet_scale.backends.deepspeed import initialize
+
+    def job() -> list[np.ndarray]:
+        _init_dist()
+        model = build_model()
+        plain, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config())
+        engine, _, _, _ = initialize(build_model(), ds_config(hdet_block()))
+        out = []
+        for e in (plain, engine):
+            for step in range(1, 5):
+                train_step(e, step)
+            out.append(full_master(e))
+        return out
+
+    ports = os.environ["HDET_TEST_PORTS"].split(",")
+    first = job()
+    hdet_scale.teardown()
+    os.environ["MASTER_PORT"] = ports[0]
+    second = job()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = ports[1]
+    try:
+        job()
+        error = None
+    except Exception as e:  # noqa: BLE001 (the error is the result)
+        error = f"{type(e).__name__}: {e}"
+    return {"first": first, "second": second, "error": error}
