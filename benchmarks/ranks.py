@@ -1,6 +1,6 @@
-"""Runs a function on W real ranks (separate processes, gloo) with a deadline: the one
+"""Runs a function on W real ranks (separate processes, gloo) with a deadline: the
 launcher of the benchmarks and of the multi-process tests (``tests/distributed/harness.py``
-re-exports it).
+re-exports it), fresh (:func:`run_ranks`) or on reused worlds (:func:`run_pooled`).
 
 A hang fails after ``timeout`` seconds instead of eating CI's time: every rank process is
 killed and the ranks that did not answer are named. Each rank gets the environment
@@ -89,11 +89,13 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), timeout: float = 300, 
 
 # ---- reused worlds ------------------------------------------------------------------------
 
-def _reset(env: dict, cwd: str, handlers: dict, seed: int) -> None:
-    """Return a rank process to its state before the last function: no process group nor
-    caches of one (``hdet_scale.teardown``), the environment, working folder, signal
-    handlers and torch's default RNG seed of a fresh process."""
+def _reset(env: dict, cwd: str, handlers: dict, seed: int, filters: list, showwarning: Any) -> None:
+    """Return a rank process to where it was before the last function, as far as tests
+    reach: no process group nor caches of one (``hdet_scale.teardown``), the environment,
+    working folder, signal handlers, warning filters and torch's default RNG seed of a
+    fresh process."""
     import signal
+    import warnings
 
     import torch
 
@@ -106,12 +108,17 @@ def _reset(env: dict, cwd: str, handlers: dict, seed: int) -> None:
     for sig, handler in handlers.items():
         if handler is not None:
             signal.signal(sig, handler)
+    warnings.filters[:] = filters
+    warnings.showwarning = showwarning
     torch.manual_seed(seed)
 
 
 def _serve(rank: int, world: int, tasks: Any, results: Any, env: dict) -> None:
-    """A pooled rank: runs ``(n, fn, args, port)`` tasks until it gets ``None``."""
+    """A pooled rank: runs ``(n, fn, args, port)`` tasks until it gets ``None`` or its
+    parent is gone (a test run killed outright leaves no idle rank behind)."""
+    import multiprocessing
     import signal
+    import warnings
 
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1", **env})
@@ -120,18 +127,31 @@ def _serve(rank: int, world: int, tasks: Any, results: Any, env: dict) -> None:
     seed, cwd = torch.initial_seed(), os.getcwd()
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
                 if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    filters, showwarning = list(warnings.filters), warnings.showwarning
+    parent = multiprocessing.parent_process()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return
+            continue
         if task is None:
             return
         n, fn, args, port = task
         base = dict(os.environ)
         os.environ["MASTER_PORT"] = str(port)
         try:
-            results.put((n, rank, "ok", fn(*args)))
+            outcome = ("ok", fn(*args))
         except BaseException as e:  # report any failure, including SystemExit
-            results.put((n, rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        _reset(base, cwd, handlers, seed)
+            outcome = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        try:
+            _reset(base, cwd, handlers, seed, filters, showwarning)
+        except BaseException as e:  # this call's failure, not the next test's: then leave
+            results.put((n, rank, "err", f"resetting the rank after the call: {type(e).__name__}: {e}\n"
+                                         f"{traceback.format_exc()}"))
+            return
+        results.put((n, rank, *outcome))
 
 
 def _all_reduce_one() -> float:
@@ -149,11 +169,14 @@ class RankPool:
     function after another: the start-up (importing torch, DeepSpeed, transformers: seconds
     per rank) is paid once per pool instead of once per call, as DeepSpeed's own test
     harness does with ``reuse_dist_env``. Between functions each rank destroys its process
-    group and restores its environment, working folder, signal handlers and RNG seed.
+    group (``hdet_scale.teardown``) and restores its environment, working folder, signal
+    handlers, warning filters and RNG seed.
 
     A call that fails on any rank, or runs past its deadline, retires the pool (its
-    processes are killed): the next call starts a fresh world, never one left inside a
-    collective.
+    processes are killed), so the next call starts a fresh world, never one left inside a
+    collective. The exception: a call made with ``allow_errors`` (a test of a refusal on
+    every rank) keeps the pool if a new process group and one all-reduce then succeed
+    within 30 s.
     """
 
     def __init__(self, world: int, env: dict | None = None):
@@ -171,6 +194,8 @@ class RankPool:
     def run(self, fn: Callable, args: tuple = (), timeout: float = 300,
             allow_errors: bool = False) -> list[Any]:
         """As :func:`run_ranks`, on this pool's ranks."""
+        if not self.alive:
+            raise RuntimeError("this rank pool was retired after a failed call; start a new one")
         self.calls += 1
         n, port = self.calls, free_port()
         for q in self.tasks:
@@ -213,17 +238,21 @@ class RankPool:
             return False
 
     def close(self) -> None:
-        """Stop the ranks (a clean exit when idle, killed otherwise)."""
+        """Stop the ranks: a clean exit when idle, killed after 5 s otherwise."""
         if not self.alive:
             return
         self.alive = False
         for q in self.tasks:
             with contextlib.suppress(Exception):
                 q.put(None)
+                q.cancel_join_thread()  # a killed reader must not block this process' exit
+        deadline = time.monotonic() + 5
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
+            p.join()
 
 
 _pools: dict[tuple, RankPool] = {}

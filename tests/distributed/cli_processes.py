@@ -56,6 +56,9 @@ def left_behind(tag: str, wait_s: float = 5.0) -> list[str]:
 def run_cli(cmd: list[str], env: dict | None = None, timeout: float = 120):
     """Run ``cmd`` to its end: ``(exit code, stderr, seconds to exit, command lines of the
     processes left behind after 5 s)``."""
+    from benchmarks.ranks import close_pools
+
+    close_pools()  # an idle pooled world beside a timed launch crowds it (tests/distributed/harness.py)
     env, tag = with_marker({**ENV, **(env or {})})
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)

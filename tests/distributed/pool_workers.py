@@ -23,3 +23,16 @@ def rank_0_leaves_the_others_waiting() -> None:
     if dist.get_rank() == 0:
         raise RuntimeError("rank 0 failed")
     dist.all_reduce(torch.ones(1))
+
+
+def rank_0_sleeps_while_the_other_waits() -> None:
+    """Rank 0 never reaches the all-reduce rank 1 waits in: a hang."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
