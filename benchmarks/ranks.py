@@ -28,18 +28,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world: int, port: int, q: Any, args: tuple, env: dict) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", **env})
-    try:
-        import torch
-        torch.set_num_threads(1)
-        q.put((rank, "ok", fn(*args)))
-    except BaseException as e:  # report any failure, including SystemExit
-        q.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
 class RankFailure(RuntimeError):
     def __init__(self, errors: dict[int, str]):
         self.errors = errors
@@ -48,43 +36,18 @@ class RankFailure(RuntimeError):
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), timeout: float = 300, env: dict | None = None,
               allow_errors: bool = False) -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` ranks; return each rank's result (index = rank).
-    ``fn`` must be importable by name (a module-level function): ranks are spawned.
+    """Run ``fn(*args)`` on ``world`` new ranks; return each rank's result (index = rank).
+    ``fn`` must be importable by name (a module-level function): ranks are spawned. The
+    ranks end with the call (a :class:`RankPool` of one call).
 
     Raises RankFailure if a rank raised (unless ``allow_errors``: then its entry is the
     error text), TimeoutError if any rank is still running after ``timeout`` s.
     """
-    ctx = get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, env or {}), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
+    pool = RankPool(world, env, reuse=False)
     try:
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(set(range(world)) - set(results))
-                raise TimeoutError(f"ranks {missing} still running after {timeout:.0f} s (hang?)")
-            try:
-                rank, status, value = q.get(timeout=min(left, 1.0))
-                results[rank] = (status, value)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode]
-                if dead:
-                    raise RuntimeError(f"ranks {dead} died with exit codes {[procs[r].exitcode for r in dead]}")
+        return pool.run(fn, args, timeout, allow_errors)
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v for r, (s, v) in results.items() if s == "err"}
-    if errors and not allow_errors:
-        raise RankFailure(errors)
-    return [results[r][1] for r in range(world)]
+        pool.close()
 
 
 # ---- reused worlds ------------------------------------------------------------------------
@@ -113,9 +76,10 @@ def _reset(env: dict, cwd: str, handlers: dict, seed: int, filters: list, showwa
     torch.manual_seed(seed)
 
 
-def _serve(rank: int, world: int, tasks: Any, results: Any, env: dict) -> None:
+def _serve(rank: int, world: int, tasks: Any, results: Any, env: dict, reuse: bool) -> None:
     """A pooled rank: runs ``(n, fn, args, port)`` tasks until it gets ``None`` or its
-    parent is gone (a test run killed outright leaves no idle rank behind)."""
+    parent is gone (a test run killed outright leaves no idle rank behind); without
+    ``reuse``, one task and no reset."""
     import multiprocessing
     import signal
     import warnings
@@ -145,6 +109,9 @@ def _serve(rank: int, world: int, tasks: Any, results: Any, env: dict) -> None:
             outcome = ("ok", fn(*args))
         except BaseException as e:  # report any failure, including SystemExit
             outcome = ("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        if not reuse:
+            results.put((n, rank, *outcome))
+            return
         try:
             _reset(base, cwd, handlers, seed, filters, showwarning)
         except BaseException as e:  # this call's failure, not the next test's: then leave
@@ -176,15 +143,15 @@ class RankPool:
     processes are killed), so the next call starts a fresh world, never one left inside a
     collective. The exception: a call made with ``allow_errors`` (a test of a refusal on
     every rank) keeps the pool if a new process group and one all-reduce then succeed
-    within 30 s.
+    within 30 s. With ``reuse=False`` the ranks run one call and end (:func:`run_ranks`).
     """
 
-    def __init__(self, world: int, env: dict | None = None):
+    def __init__(self, world: int, env: dict | None = None, reuse: bool = True):
         ctx = get_context("spawn")
-        self.world = world
+        self.world, self.reuse = world, reuse
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world, self.tasks[r], self.results, env or {}),
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.tasks[r], self.results, env or {}, reuse),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -225,7 +192,7 @@ class RankPool:
         if errors and not allow_errors:
             self.close()
             raise RankFailure(errors)
-        if errors and not self._healthy():
+        if errors and self.reuse and not self._healthy():
             self.close()
         return [results[r][1] for r in range(self.world)]
 
