@@ -95,13 +95,13 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     if backend not in BACKENDS:
         raise HDETConfigError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
-        # tester round 29: an optimizer instance was a TypeError ("'AdamW' object is not callable")
+        # an optimizer instance would be a TypeError ("'AdamW' object is not callable")
         raise HDETConfigError(f"optimizer: expected a function params -> torch.optim.Optimizer, e.g. lambda params: "
                               f"torch.optim.AdamW(params, lr=1e-3), got {type(optimizer).__name__!r} "
                               "(the engine builds it over the parameters it wraps, FSDP2's shards)")
     ds = _load(config)
     if optimizer is not None and ds.get("optimizer") is not None:
-        # tester round 61: optimizer= won silently over the block (its type, LR, betas);
+        # optimizer= would win silently over the block (its type, LR, betas);
         # Accelerate refuses the same pair ("cannot specify an optimizer in the config
         # file and in the code at the same time")
         block = ds["optimizer"]
@@ -109,13 +109,13 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
         raise HDETConfigError(f"optimizer: the config's \"optimizer\" block ({what}) and optimizer= both give the "
                               "optimizer; remove the block to build your own, or leave out optimizer= to use it")
     if getattr(model, PREPARED, None) is not None:
-        # tester round 57: two engines and two HDET schedulers drove one set of parameters
+        # two engines and two HDET schedulers would drive one set of parameters
         raise HDETConfigError(f"model: already prepared by hdet_scale.prepare (backend="
                               f"{getattr(model, PREPARED)!r}); a second prepare would wrap the same parameters in a "
                               "second engine and HDET scheduler: prepare a model once and use the Ensemble returned")
     if backend != "deepspeed" and any(hasattr(p, "ds_id") for p in model.parameters()):
-        # tester round 35: a model built under zero_init passed, and the first forward
-        # failed inside DeepSpeed's partitioned linear ("mat2 must be a matrix") on every rank
+        # a model built under zero_init would pass, and the first forward fail inside
+        # DeepSpeed's partitioned linear ("mat2 must be a matrix") on every rank
         raise HDETConfigError(f"model: its parameters are partitioned by DeepSpeed (built under "
                               f"hdet_scale.zero_init), which only backend='deepspeed' takes; for backend={backend!r} "
                               "build it normally" + (", or sharded under torch.device('meta') with shard_modules= "
@@ -134,13 +134,13 @@ def prepare(model: torch.nn.Module, config: str | dict, *, backend: str = "deeps
     from hdet_scale.ds_values import check_client_optimizer, check_deepspeed_values
     from hdet_scale.engine_config import check_engine_config
 
-    # As the deepspeed backend and hdet-train do (tester round 23: a negative
-    # gradient_clipping ran unclipped, an "hdet_config" block was ignored, a text LR
-    # raised a TypeError after torch.distributed had started). The torch optimizer's
+    # As the deepspeed backend and hdet-train do (unchecked, a negative
+    # gradient_clipping runs unclipped, an "hdet_config" block is ignored, a text LR
+    # raises a TypeError after torch.distributed has started). The torch optimizer's
     # own arguments are checked against its signature by check_engine_config.
     check_deepspeed_keys(ds, optimizer_params=False)
     check_deepspeed_values(ds)
-    check_client_optimizer(ds, optimizer)  # neither a block nor optimizer= (tester round 62: "got None")
+    check_client_optimizer(ds, optimizer)  # neither a block nor optimizer= (not "got None")
 
     # an optimizer= of the user's stands in for the config's block in the engine checks
     check_engine_config(ds if optimizer is None else {**ds, "optimizer": {"type": "AdamW"}}, backend,
@@ -233,8 +233,8 @@ class Ensemble:
 
         Raises:
             TypeError: ``loss`` is not a tensor (a float from ``loss.item()``).
-            HDETConfigError: a second backward before :meth:`step` (tester round 35: a
-                step() every other micro-batch ran half the optimizer steps, each on a
+            HDETConfigError: a second backward before :meth:`step` (a step() every
+                other micro-batch would run half the optimizer steps, each on a
                 gradient twice the mean, without a word).
         """
         if self._backward_done:
@@ -242,7 +242,7 @@ class Ensemble:
                                   "micro-batch's backward (it counts the micro-batches and updates on every k-th, "
                                   f"k = gradient_accumulation_steps = {self.grad_accum}); for several losses of one "
                                   "micro-batch, backward their sum")
-        if not isinstance(loss, torch.Tensor):  # tester round 60: a float gave "'float' has no attribute 'backward'"
+        if not isinstance(loss, torch.Tensor):  # not "'float' has no attribute 'backward'"
             raise TypeError(f"Ensemble.backward: loss must be the micro-batch's loss tensor (0-dim, with its graph), "
                             f"got {type(loss).__name__} {loss!r:.60}; pass the tensor, not loss.item()")
         self._backward_done = True
@@ -262,9 +262,9 @@ class Ensemble:
         micro-batch.
 
         Raises:
-            HDETConfigError: no :meth:`backward` since the last call (tester round 35: a
-                second step() per micro-batch made every other update one with no
-                gradient and a recorded loss of 0, auto-LR's fitness).
+            HDETConfigError: no :meth:`backward` since the last call (a second step()
+                per micro-batch would make every other update one with no gradient
+                and a recorded loss of 0, auto-LR's fitness).
             ValueError: the step would pass ``hdet.schedule.total_steps``
                 (``HDETScheduler.check_can_step``), raised before the optimizer steps, so
                 the weights stay those of the last valid step.
@@ -274,8 +274,8 @@ class Ensemble:
                                   "per micro-batch, then ens.step() once")
         self._refuse_in_eval_mode("step")
         if self._micro + 1 == self.grad_accum:
-            # before any engine moves a weight (tester round 57: DeepSpeed and the torch
-            # engines stepped the optimizer, then the scheduler refused the step)
+            # before any engine moves a weight (else DeepSpeed and the torch engines
+            # step the optimizer, then the scheduler refuses the step)
             self.scheduler.check_can_step()
         self._backward_done = False
         self._micro += 1
@@ -363,7 +363,7 @@ class Ensemble:
             HDETStateError: called in the middle of an optimizer step (after a micro-batch
                 that was not its step's last), before anything is written: the pending
                 micro-batches' gradients are no part of a checkpoint, and a resume from it
-                would have dropped them (tester round 56: silently). Every rank counts the
+                would drop them silently. Every rank counts the
                 same micro-batches, so every rank raises alike.
         """
         self._refuse_mid_step("save_checkpoint", "their gradients are in no checkpoint; save")
@@ -380,8 +380,8 @@ class Ensemble:
         Raises:
             HDETStateError: no checkpoint, another layout or engine, a file changed since
                 it was written (every rank alike, before anything is loaded); called in
-                the middle of an optimizer step (tester round 57: the pending
-                micro-batches' gradients were carried into the loaded state's next step).
+                the middle of an optimizer step (the pending micro-batches' gradients
+                would be carried into the loaded state's next step).
         """
         self._refuse_mid_step("load_checkpoint", "their gradients would be added to the loaded state's next step; "
                                                  "load")

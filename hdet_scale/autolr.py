@@ -85,8 +85,8 @@ def controller_warning(cfg: HDETConfig, gamma: float | None) -> str | None:
     no controlled axis with a spread), or the ``"paper"`` controller's decay ``gamma``
     (the LR's, ``None``: no LR group explored) outrunning its meta-update
     (:func:`drowning_warning`). :func:`check_config` gives it before anything starts
-    (tester round 64: ``hdet-train`` printed the checks' warnings and dropped this one,
-    raised only in the ranks), the :class:`Controller` where it is built alone."""
+    (``hdet-train`` prints the checks' warnings there, where this one, raised only in
+    the ranks, would be dropped), the :class:`Controller` where it is built alone."""
     if cfg.auto_without_spread_warning:
         return cfg.auto_without_spread_warning
     if not cfg.auto.enabled:
@@ -159,18 +159,18 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
             continue
         if spec.kind == "multiplicative":
             # every multiplier times 0 is 0: an axis whose every explored group is at 0
-            # explores nothing (tester round 11); a group at 0 beside others (a no-decay
+            # explores nothing; a group at 0 beside others (a no-decay
             # group of biases and norms) is meant to stay there
             at_zero = [g for (a, g), v in sorted(bases.items()) if a == axis and v == 0]
             if base == 0 and all(v == 0 for (a, _), v in bases.items() if a == axis) and \
                     group == min(g for a, g in bases if a == axis):
-                an = "an" if axis[0] in "aeiou" else "a"  # "an eps" (tester round 18)
+                an = "an" if axis[0] in "aeiou" else "a"  # "an eps"
                 errors.append(f"{prefix}.axes.{axis}: a multiplicative spread of {an} {axis} of 0 gives every "
                               f"replica 0, so nothing is explored: set {an} {axis} > 0 in the optimizer "
                               "(optimizer.params), or kind additive")
             elif base == 0 and group == at_zero[0]:
-                # tester round 61: HDETTrainer's no-decay group logged group_1 = 0 for every
-                # replica; kept at 0 on purpose, but said once so it is no surprise
+                # HDETTrainer's no-decay group logs group_1 = 0 for every replica; kept
+                # at 0 on purpose, but said once so it is no surprise
                 others = [g for a, g in sorted(bases) if a == axis and g not in at_zero]
                 warnings.warn(f"{prefix}.axes.{axis}: parameter group(s) {at_zero} have {axis} 0 (a no-decay group: "
                               f"biases, norms), which a multiplicative spread keeps at 0 in every replica: only "
@@ -186,7 +186,7 @@ def check_additive_floors(cfg: HDETConfig, schedule: Schedule, bases: dict[Key, 
                           f"parameter group {group} from {where} {lowest:g} to {lowest - spec.spread_ratio:g} for one "
                           f"replica, and {axis} must stay >= 0: "
                           + (f"use spread_ratio <= {lowest:g}, kind multiplicative, or a larger base value"
-                             if lowest > 0 else  # tester round 20: two of the three ways out were dead ends at 0
+                             if lowest > 0 else  # at 0, two of the three ways out would be dead ends
                              f"set {axis} >= {spec.spread_ratio:g} in the optimizer (optimizer.params)"))
     errors += specs.check_group_bounds(cfg, bases, prefix)  # beta2 near 1, a user's bounds
     if errors:
@@ -276,7 +276,7 @@ class Controller:
             record["hdet/fitness_noise"] = noise
         weights = ctl.softmax_weights(fitness, temp)
         if not any(weights.finite):
-            # tester round 55: a probe that returned NaN at every sync moved nothing, without a word
+            # a probe that returns NaN at every sync would otherwise move nothing without a word
             _warn_once("auto-LR: no replica had a finite fitness at a meta-update (every probe or interval loss was "
                        "NaN or inf): its weights are 0 and nothing moved; check the probe (hdet_scale.initialize's "
                        "probe, or auto.fitness) or the loss itself. Said once; hdet/weight/replica_<r> logs each sync")
@@ -323,8 +323,8 @@ class Controller:
                         self.log_m[key] = before[0]
                         self.velocity[key] = before[1] if auto.decay_moves == "hold" else max(self.velocity[key], 0.0)
                         record[f"hdet/{a}/group_{g}/held"] = 1
-                    # held at max_factor: said like a bound (tester round 17 saw the
-                    # multiplier stop there without a word)
+                    # held at max_factor: said like a bound, so a multiplier stopped there
+                    # is visible
                     if abs(self.log_m[key]) == math.log(auto.max_factor):
                         side = "ceiled" if self.log_m[key] > 0 else "floored"
                         record[f"hdet/{a}/group_{g}/{side}"] = 1
@@ -385,9 +385,9 @@ class Controller:
     def _clamp_restored(self) -> None:
         """Hold restored values inside this run's bounds (``auto.max_factor``, the LR
         floor, an axis' limits), which a resume may have tightened. Without it the
-        checkpoint's multiplier ran past the new bound until the next sync (tester round
-        36: 1.27 under a new ``max_factor`` of 1.1, for up to ``sync_interval`` steps)
-        while the resume warning said the new value applies. Values inside the bounds,
+        checkpoint's multiplier runs past the new bound until the next sync (e.g. 1.27
+        under a new ``max_factor`` of 1.1, for up to ``sync_interval`` steps) while the
+        resume warning says the new value applies. Values inside the bounds,
         every value of an unchanged config, are left exactly as saved."""
         for key in self.explored:
             spec = self.config.axes[key[0]]

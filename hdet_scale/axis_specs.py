@@ -134,7 +134,7 @@ def validate(name: str, axis: Any, key: str, errors: list[str], check: Callable[
         check(errors, False, f"{key}.value", f"required: the {name} probability the replicas spread around "
               "(e.g. 0.1)")
         return
-    if not math.isfinite(value):  # tester round 19: said "puts replicas in [inf, inf]"
+    if not math.isfinite(value):  # not "puts replicas in [inf, inf]"
         check(errors, False, f"{key}.value", f"must be a finite number, got {value}")
         return
     if axis.kind == "multiplicative" and value == 0 and axis.spread_ratio > 0:

@@ -217,8 +217,8 @@ class HDETConfig:
         errors: list[str] = []
         data = _resolve_auto(data, prefix, errors)
         cfg = _parse(cls, data, prefix, errors)
-        # "~" as a shell expands it, as hdet-train does for its paths (tester round 63: the
-        # library wrote hdet.logging.jsonl "~/m.jsonl" into a folder named "~" here)
+        # "~" as a shell expands it, as hdet-train does for its paths (else the library
+        # writes hdet.logging.jsonl "~/m.jsonl" into a folder named "~" here)
         log = getattr(cfg, "logging", None)
         if isinstance(getattr(log, "jsonl", None), str):
             log.jsonl = os.path.expanduser(log.jsonl)
@@ -278,7 +278,7 @@ class HDETConfig:
     @property
     def auto_off_warning(self) -> str | None:
         """A message when an axis asks auto-LR to move it (``auto: true``) while
-        ``auto.enabled`` is false: nothing moves it (tester round 20: said nothing)."""
+        ``auto.enabled`` is false: nothing moves it, and nothing else would say so."""
         if not self.enabled or self.auto.enabled:
             return None
         asked = sorted(n for n, a in self.axes.items() if a.auto)
@@ -305,15 +305,15 @@ class HDETConfig:
         spreads = ", ".join(f"axes.{n}.spread_ratio={self.axes[n].spread_ratio:g}" for n in controlled)
         which = f"no axis it controls has a spread ({spreads})" if controlled else \
             "it controls no axis (every axis has auto: false)"
-        # tester round 19: "the replicas train with the same values" while another axis,
-        # one auto-LR does not move, still spread them
+        # not "the replicas train with the same values" while another axis, one auto-LR
+        # does not move, still spreads them
         others = sorted(n for n, a in self.axes.items() if not self.axis_auto(n) and a.spread_ratio > 0)
         same = (f"the replicas differ only in {', '.join(others)}, which auto-LR does not move" if others else
                 "the replicas train with the same values")
         plain = ("To keep exploring only those, set hdet.auto.enabled=false" if others else
                  "For plain data parallelism set hdet.auto.enabled=false")
         explore = ("to explore, set a spread_ratio > 0 on an axis it controls (e.g. hdet.axes.lr.spread_ratio=0.2)"
-                   if controlled else  # tester round 20: advised a spread the lr axis already had
+                   if controlled else  # never advise a spread the lr axis already has
                    f"to let it move one, set auto: true on a spread axis (e.g. hdet.axes.{(others or ['lr'])[0]}.auto"
                    "=true)")
         return (f"hdet.auto.enabled: auto-LR is on, but {which}: {same}, so auto-LR has no signal and cannot move "
@@ -322,7 +322,7 @@ class HDETConfig:
     @property
     def schedule_unused_warning(self) -> str | None:
         """A message naming the ``schedule`` keys set to a value other than their default
-        that ``schedule.name`` does not read (tester round 22: ``name: cosine`` over a OneCycle block dropped its
+        that ``schedule.name`` does not read (``name: cosine`` over a OneCycle block would drop its
         ``pct_start`` warm-up without a word), or ``None``."""
         s = self.schedule
         if not self.enabled or s.name not in SCHEDULE_READS:
@@ -368,7 +368,7 @@ def _type_ok(value: Any, annotation: str) -> bool:
 
 def _parse(cls: type, data: Any, prefix: str, errors: list[str]) -> Any:
     if not isinstance(data, Mapping):
-        # JSON's words, not Python's ("got NoneType" for a null, tester round 17)
+        # JSON's words, not Python's ("got NoneType" for a null)
         got = "null" if data is None else f"{type(data).__name__} {data!r}"[:200]
         errors.append(f"{prefix}: expected an object, got {got}")
         return cls()

@@ -29,7 +29,7 @@ MAX_STEPS = 2 ** 53
 
 def _phase_message(n: int, pc: float, three_phase: bool) -> str:
     """Why ``pct_start`` gives OneCycle a phase without steps, and the values that work
-    for this run length (tester round 17: "phase ends [-0.6, 1]" for train.steps=2)."""
+    for this run length (not "phase ends [-0.6, 1]" for train.steps=2)."""
     high = (n + 1) / (2 * n) if three_phase else 1.0  # from the phase ends' order
     head = (f"{pc:g} x total_steps={n} gives OneCycle {pc * n:g} warm-up steps, a phase of zero or negative length "
             f"(it needs 1 < pct_start * total_steps"
@@ -41,7 +41,7 @@ def _phase_message(n: int, pc: float, three_phase: bool) -> str:
 
 def seed_ok(seed: object) -> bool:
     """A seed ``torch.manual_seed`` accepts (an integer in [-2**63, 2**64)); beyond, it
-    raises on every rank after start-up (tester round 12)."""
+    raises on every rank after start-up."""
     return isinstance(seed, int) and not isinstance(seed, bool) and -2 ** 63 <= seed < 2 ** 64
 
 
@@ -55,8 +55,8 @@ def _check(errors: list[str], ok: bool, key: str, message: str, reads: tuple[str
     # A key already reported, or its block (a wrong type: the default stands in), is not
     # judged again on the stand-in: "expected int, got 10.5" then "must be >= 1, got None"
     # would contradict itself. Nor is a check across keys when a key it also reads
-    # (``reads``) was refused: sync_interval=5.0 drew a warmup_steps verdict computed with
-    # the default sync_interval 1000, which the user never set (tester, issue 9).
+    # (``reads``) was refused: sync_interval=5.0 would draw a warmup_steps verdict computed
+    # with the default sync_interval 1000, which the user never set.
     if not ok and not any(_reported(errors, k) for k in (key, *reads)):
         errors.append(f"{key}: {message}")
 
@@ -116,7 +116,7 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
     _check(errors, 0 <= s.min_ratio <= 1, f"{k}.min_ratio", f"must be in [0, 1], got {s.min_ratio}")
     _check(errors, s.warmup_steps >= 0, f"{k}.warmup_steps", f"must be >= 0, got {s.warmup_steps}")
     if s.name != "onecycle" and s.total_steps is not None and s.total_steps >= 1:
-        # tester round 12: a warm-up past the run's end never reached the peak (2e-5 of 3e-3)
+        # a warm-up past the run's end never reaches the peak (2e-5 of 3e-3)
         _check(errors, s.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (total_steps={s.total_steps}), got {s.warmup_steps}: the LR would "
                "never reach its peak", reads=(f"{k}.name", f"{k}.total_steps"))
@@ -146,12 +146,12 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
            f"must be one of {', '.join(DECAY_MOVES)}, got {a.decay_moves!r}")
     pinned = [n for n, ax in cfg.axes.items()
               if ax.kind == "multiplicative" and cfg.axis_auto(n)]
-    if a.enabled and a.controller == "log" and a.max_factor == 1 and pinned:  # tester round 53: silent
+    if a.enabled and a.controller == "log" and a.max_factor == 1 and pinned:  # otherwise silent
         _check(errors, False, f"{k}.max_factor",
                f"must be > 1 with auto.controller 'log': 1 bounds the multiplier of {', '.join(pinned)} to "
                f"[1, 1], so auto-LR would move nothing; raise it (default 100) or set {k}.enabled=false",
                reads=(f"{k}.enabled", f"{k}.controller"))
-    for name in ("dropout", "label_smoothing"):  # tester round 19: a bias, not a measure
+    for name in ("dropout", "label_smoothing"):  # a bias, not a measure
         if a.enabled and a.fitness == "train_loss" and name in cfg.axes and cfg.axes[name].auto is True:
             _check(errors, False, f"{p}.axes.{name}.auto",
                    f"auto-LR cannot move {name} on fitness 'train_loss': each replica's training loss is measured "
@@ -170,8 +170,8 @@ def validate(cfg: "HDETConfig", p: str, errors: list[str]) -> None:
            f"must be in [0, 1] (noise std relative to the weights' RMS; paper 0.01), got {w.nu}")
     if a.enabled and s.total_steps is not None:
         run_keys = (f"{k}.enabled", f"{p}.schedule.total_steps")
-        # tester round 43: "lower it" alone, when sync_interval is past the run too, led to the
-        # next refusal (no sync after warm-up): both ways out named at once
+        # "lower it" alone, when sync_interval is past the run too, would lead to the next
+        # refusal (no sync after warm-up): both ways out named at once
         no_sync = cfg.sync_interval > s.total_steps
         _check(errors, a.warmup_steps < s.total_steps, f"{k}.warmup_steps",
                f"must be shorter than the run (schedule.total_steps={s.total_steps}), got {a.warmup_steps}; "

@@ -148,7 +148,7 @@ def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
             require_regular(path, "--hf-config:")  # a FIFO's open would wait forever
             with open(path, encoding="utf-8") as f:
                 config = loads_json(f.read())  # a key twice is refused, not the last one kept
-        if not isinstance(config, dict):  # tester round 20: "cannot convert dictionary update sequence"
+        if not isinstance(config, dict):  # not "cannot convert dictionary update sequence"
             raise HDETConfigError(f"--hf-config: {source!r} must hold a JSON object (a Hugging Face config.json), "
                                   f"got a {type(config).__name__}")
         config = dict(config)
@@ -169,14 +169,14 @@ def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
         f"--hf-config: {source!r} has {join_and([f'{k}={v}' for k, v, _ in bad])}: a causal LM needs "
         f"{join_and(list(dict.fromkeys(need for _, _, need in bad)))}")
     if any(0 <= v < 1 for _, v, _ in bad):
-        # tester round 59: a 0 is refused before AutoConfig, which would print "bos_token_id
+        # a 0 is refused before AutoConfig, which would print "bos_token_id
         # must be ... within the vocabulary" warnings and then build the degenerate model
         raise degenerate
     try:
         hf = AutoConfig.for_model(model_type, **config)
         layers = getattr(hf, "num_hidden_layers", None)
         if isinstance(layers, int) and layers > MAX_HF_LAYERS:
-            # tester round 22: 100,000 layers built for 149 s without a line of output
+            # 100,000 layers would build for 149 s without a line of output
             raise HDETConfigError(f"--hf-config: {source!r} has num_hidden_layers={layers}: the dry run builds the "
                                   f"model (on the meta device, about 1.5 ms a layer) and takes at most "
                                   f"{MAX_HF_LAYERS} (released models have under 200); for a larger model give "
@@ -186,7 +186,7 @@ def hf_model(config: str | os.PathLike | dict) -> tuple[Any, str, str]:
         if bad:
             # only negatives are left: where transformers refuses one ("negative dimension",
             # tests/distributed/test_bad_inputs.py) its message stands; one it builds from
-            # (num_hidden_layers=-3: no layers) is refused here (tester round 59)
+            # (num_hidden_layers=-3: no layers) is refused here
             raise degenerate
     except HDETConfigError:
         raise
@@ -384,13 +384,13 @@ def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options:
     JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error. ``autos``:
     the keys the file left ``"auto"`` (HDETTrainer's, left out of ``ds_config``): a
     ``bf16.enabled`` among them is the Trainer's ``bf16`` argument, so any ``--precision``
-    goes with it (tester round 63: it read as ``false``)."""
+    goes with it (it does not read as ``false``)."""
     if "bf16.enabled" in autos:
         in_file = options["precision"] or "fp32"
     else:
         in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled") is True else "fp32"
     precision = options["precision"] or in_file
-    if precision == "bf16" and backend in ("ddp", "fairscale"):  # tester round 20: advised a refused bf16
+    if precision == "bf16" and backend in ("ddp", "fairscale"):  # never advise a bf16 the backend refuses
         raise HDETConfigError(f"--precision bf16: the {backend} backend trains in float32; bf16 is available with "
                               "backend deepspeed or fsdp2")
     if precision != in_file:

@@ -64,8 +64,8 @@ def report(cost: Cost, bandwidth_gbps: float | None = None, step_seconds: float 
 
 
 def not_modelled(ds_config: dict) -> list[str]:
-    """What the JSON sets that the figures above leave out (tester round 26: fp16 and an
-    offload to NVMe were reported as fp32 weights on the device without a word)."""
+    """What the JSON sets that the figures above leave out (fp16 and an offload to NVMe
+    would otherwise read as fp32 weights on the device without a word)."""
     out = []
     if (ds_config.get("fp16") or {}).get("enabled") is True:
         out.append("fp16.enabled (the figures are for fp32: fp16's weights and loss scaler differ)")

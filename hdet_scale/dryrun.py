@@ -45,7 +45,7 @@ _MISSING_TOTAL = ("hdet.schedule.total_steps: must be an integer >= 1; the file 
 
 def _set_on_hf_model(cfg: Any, cost: dict | None) -> bool:
     """With ``--hf-config``, find what the dropout / temperature axes set in that model
-    (meta device), as the engine will (tester round 20: hdet-dryrun said 0 for patterns
+    (meta device), as the engine will (so that hdet-dryrun does not say 0 for patterns
     hdet-train refuses). True when checked. Raises HDETConfigError as the engine would."""
     if not cost or cost.get("hf_config") is None or not any(a in cfg.axes for a in ("dropout", "temperature")):
         return False
@@ -125,7 +125,7 @@ def _per_replica(replicas: int, value: Callable[[float], float]) -> str:
 
 
 def _schedule_line(cfg: Any, config: dict, schedule: Any, autos: tuple[str, ...] | list[str] = ()) -> str:
-    # the peak LR a run starts from was not printed (tester round 33)
+    # the peak LR a run starts from, which nothing else prints
     from hdet_scale.engine_config import peak_lr
     from hdet_scale.schedules import summary
 
@@ -134,7 +134,7 @@ def _schedule_line(cfg: Any, config: dict, schedule: Any, autos: tuple[str, ...]
         peak, source = peak[0], source + "[0], parameter group 0"
     if not isinstance(peak, (int, float)) or isinstance(peak, bool):
         if source == "optimizer.params.lr" and source in autos:
-            # tester round 62: "the optimizer's default" for an "auto" the Trainer fills
+            # not "the optimizer's default" for an "auto" the Trainer fills
             return (f"schedule {cfg.schedule.name}: peak LR \"auto\" (optimizer.params.lr): the Trainer's "
                     "learning_rate")
         return f"schedule {cfg.schedule.name}: peak LR is the optimizer's default (no {source} in the file)"
@@ -249,25 +249,25 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             first = (f"--total-steps {total_steps} is longer than hdet.schedule.total_steps={in_file} in the "
                      "file: the schedule must cover the run (HDETTrainer and hdet-train refuse it)")
         elif isinstance(in_file, int) and not isinstance(in_file, bool) and in_file > total_steps:
-            # tester round 65: refused, where HDETTrainer (max_steps) and hdet-train (train.steps)
+            # not refused, since HDETTrainer (max_steps) and hdet-train (train.steps)
             # run the schedule's first steps with a warning
             print(f"hdet-dryrun: note: --total-steps {total_steps} < hdet.schedule.total_steps={in_file}: the run "
                   f"covers the schedule's first {total_steps} steps and ends before its LR anneals (a run to be "
                   "resumed up to its end); the report shows the whole schedule", file=sys.stderr, flush=True)
         # else the same number, or a value of the wrong type ("100"), which the block's own
-        # check names (tester round 22: "--total-steps 100 differs from ...=100")
+        # check names (not "--total-steps 100 differs from ...=100")
     from hdet_scale.autolr import build_schedule, decay_for, drowning_warning
 
     # A file that leaves total_steps to the trainer is checked with a stand-in run length
     # too long for any check to fail on, so that its other errors show in the same message.
-    if sched.get("total_steps") in (None, "auto"):  # "auto": HDETTrainer's (tester round 62: no --total-steps named)
+    if sched.get("total_steps") in (None, "auto"):  # "auto": HDETTrainer's; it too needs --total-steps named
         first = _MISSING_TOTAL
         sched["total_steps"] = _STAND_IN_TOTAL
     with warnings.catch_warnings():
         # Reported below as a line of the report, not twice.
         warnings.filterwarnings("ignore", message="hdet.replicas: 1 replica")
         warnings.filterwarnings("ignore", message="hdet.auto.enabled: auto-LR is on, but")
-        warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+: auto is true but spread_ratio is 0")  # round 18
+        warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+: auto is true but spread_ratio is 0")
         warnings.filterwarnings("ignore", message=r"hdet\.axes\.\w+\.auto: true has no effect")
         warnings.filterwarnings("ignore", message=r"hdet\.schedule: schedule\.name '")
         try:
@@ -281,7 +281,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
                 cfg = resolve_config(config, world_size)
         except HDETConfigError as e:
             # the layout and the optimizer-side axes are checked after the block's values:
-            # said with them, not once they are fixed (tester rounds 17, 19)
+            # said with them, not once they are fixed
             from hdet_scale.engine_config import optimizer_axis_errors
 
             lines = _body(str(e))
@@ -294,7 +294,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             if not pre and not extra:
                 raise
             raise HDETConfigError("invalid config:\n  " + "\n  ".join(pre + lines + extra)) from None
-    if first is not None:  # with the checks that come after the block's (round 19)
+    if first is not None:  # with the checks that come after the block's
         from hdet_scale.engine_config import optimizer_axis_errors
 
         extra = optimizer_axis_errors(config["hdet"], config, backend, prefix="hdet")
@@ -312,7 +312,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         if warning:
             lines.append(f"warning: {warning}")
     total = cfg.schedule.total_steps
-    if cfg.sync_interval > total:  # as hdet-train's notes (tester round 14)
+    if cfg.sync_interval > total:  # as hdet-train's notes
         lines.append(f"note: hdet.sync_interval={cfg.sync_interval} > total_steps={total}: no sync during the run "
                      "(no auto-LR step; the replicas are averaged only by the final converge at the run's last step)")
     if cfg.logging.every > total:
@@ -329,9 +329,9 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
             lines.append(f"axis {name}: multipliers {_per_replica(cfg.replicas, lambda o: 1.0 + axis.spread_ratio * o)}")
         else:
             lines.append(f"axis {name}: offsets {_per_replica(cfg.replicas, lambda o: axis.spread_ratio * o)}")
-        if axis.spread_ratio == 0:  # tester round 19: listed as multipliers [1.0, 1.0] without a word
+        if axis.spread_ratio == 0:  # not listed as multipliers [1.0, 1.0] without a word
             lines[-1] += " (spread_ratio 0: not explored, every replica runs one value)"
-        # what needs the model or the optimizer is the engine's to check (tester round 18)
+        # what needs the model or the optimizer is the engine's to check
         if getattr(axis, "modules", None) and on_model:
             lines.append(f"  modules {list(axis.modules)}: each matches modules the axis sets in --hf-config's model")
         elif getattr(axis, "modules", None):
@@ -390,7 +390,7 @@ class _Once(argparse.Action):
 
 def _attach_dash_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``--opt -7B`` as ``--opt=-7B``: argparse takes a value starting with ``-`` that is no
-    plain negative number for an option and says "expected one argument" (tester round 42:
+    plain negative number for an option and says "expected one argument" (e.g.
     ``--params -7B``), where the tool's own range check names the value. Only after an
     option that takes a value, and only a token that is none of the parser's options."""
     takes_value = {o for a in parser._actions if a.nargs is None and a.option_strings for o in a.option_strings}

@@ -10,8 +10,8 @@ import sys
 
 def trainer_autos_left_out(config: dict) -> tuple[dict, list[str]]:
     """A file written for ``HDETTrainer`` checked as it checks it, without the ``"auto"``
-    values the Hugging Face Trainer fills (tester round 61: each was an error here, so such
-    a file could not be dry-run), with one note naming them."""
+    values the Hugging Face Trainer fills (each would be an error here, so such a file
+    could not be dry-run), with one note naming them."""
     from hdet_scale.hf_config import without_trainer_autos
 
     config, autos = without_trainer_autos(config)
@@ -26,7 +26,7 @@ def trainer_autos_left_out(config: dict) -> tuple[dict, list[str]]:
 
 def auto_hints(path: str, error: str) -> str:
     """For each ``optimizer.params`` value the file leaves ``"auto"`` that ``error`` is
-    about (a weight_decay axis over a weight_decay of 0: tester round 63, where only
+    about (a weight_decay axis over a weight_decay of 0, where only
     ``TrainingArguments.weight_decay`` decides), one line saying that the check used the
     optimizer's default and ``HDETTrainer`` takes the Trainer's value; ``""`` if none."""
     from hdet_scale.ds_json import read_for_check

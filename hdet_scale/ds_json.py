@@ -43,7 +43,7 @@ def loads_json(text: str) -> Any:
     Raises:
         RepeatedKeyError: a key given twice (a ``ValueError``, naming the key).
         ValueError: not valid JSON (``json.JSONDecodeError``), or nested too deeply
-            (``safe_parse.TooDeepError``: tester round 45, a RecursionError traceback).
+            (``safe_parse.TooDeepError``, not a RecursionError traceback).
     """
     from hdet_scale.safe_parse import json_loads
 
@@ -63,7 +63,7 @@ def loads_json_object(text: str, where: str) -> dict:
     except RepeatedKeyError as e:
         raise HDETConfigError(f"{where} {e}") from None
     if not isinstance(value, dict):
-        # JSON's own names (tester round 65: "got a JSON NoneType", "a JSON str")
+        # JSON's own names (not "got a JSON NoneType", "a JSON str")
         kind = {type(None): "null", str: "string", list: "array", bool: "true/false", int: "number",
                 float: "number"}.get(type(value), type(value).__name__)
         raise HDETConfigError(f"{where} must hold a JSON object ({{\"hdet\": {{...}}, ...}}), got a JSON {kind}")
@@ -74,7 +74,7 @@ def read_for_check(config: str | dict) -> Any:
     """``config`` (a path or an already-read dict) read as ``hdet-dryrun`` reads it: the
     library's reader (``backends.ds_prepare.load_ds_config``: JSON, a key given twice
     refused) with a one-line :class:`HDETConfigError` for a file that is missing, empty,
-    not UTF-8, not JSON or YAML by mistake (tester rounds 22, 31). Returns the parsed
+    not UTF-8, not JSON or YAML by mistake. Returns the parsed
     value, which may not be a dict (the caller names that)."""
     from hdet_scale.backends.ds_prepare import load_ds_config as _load_ds_config
 
@@ -82,11 +82,11 @@ def read_for_check(config: str | dict) -> Any:
         return _load_ds_config(config)
     except HDETConfigError:
         raise  # a key given twice: the message names the file and the key already
-    except UnicodeDecodeError as e:  # tester round 31: random bytes in a .yaml were called YAML
+    except UnicodeDecodeError as e:  # random bytes in a .yaml are not called YAML
         raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: it is not UTF-8 text (byte {e.start}): is "
                               "it the right file?") from None
     except (OSError, ValueError, TypeError) as e:
-        if _empty(config):  # an empty .yaml was called YAML too
+        if _empty(config):  # an empty .yaml is not called YAML either
             raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: the file is empty; it must hold a "
                                   "DeepSpeed JSON object") from None
         raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}{_yaml_hint(config, e)}") from None

@@ -249,8 +249,8 @@ def find_problems(ds: Mapping, optimizer_params: bool = True, prefix: str = ""
     if not isinstance(opt, Mapping) or isinstance(opt.get("type"), str):
         return _find_problems(ds, optimizer_params, prefix)
     # DeepSpeed reads optimizer.params only through the type (get_optimizer_params) and
-    # calls .lower() on it: the parse with this block called the params unknown (which sent
-    # the user to the wrong key, tester round 27) or stopped naming no key (a number).
+    # calls .lower() on it: a parse with this block would call the params unknown (sending
+    # the user to the wrong key) or stop naming no key (a number).
     hdet_like, refused, unknown = _find_problems({k: v for k, v in ds.items() if k != "optimizer"},
                                                  optimizer_params, prefix)
     if opt.get("type") is None:
@@ -365,8 +365,8 @@ _MANY, _SHOWN = 10, 3
 
 
 def _at_most(unknown: list[str], ds: Mapping) -> list[str]:
-    """The first :data:`_SHOWN` lines, then one naming the rest (tester round 13: a
-    run's summary.json given as the DeepSpeed config printed 25 KB, one line per key)."""
+    """The first :data:`_SHOWN` lines, then one naming the rest (a run's summary.json
+    given as the DeepSpeed config would otherwise print 25 KB, one line per key)."""
     if len(unknown) <= _MANY:
         return unknown
     rest = [line.split(":", 1)[0] for line in unknown[_SHOWN:]]
@@ -399,7 +399,7 @@ def check_deepspeed_keys(ds: Mapping, strict: bool = False, prefix: str = "",
     if not isinstance(ds, Mapping):
         return []
     model_type = hf_model_type(ds)
-    if model_type is not None:  # one line, not 30 unknown keys (tester round 27)
+    if model_type is not None:  # one line, not 30 unknown keys
         raise HDETConfigError(f"invalid DeepSpeed config: {prefix or 'this file'} is a Hugging Face model config "
                               f"(model_type {model_type!r}), not a DeepSpeed config (optimizer, zero_optimization, "
                               "batch keys, the hdet block)")

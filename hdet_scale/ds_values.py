@@ -140,8 +140,8 @@ def resolve_batch(ds: Mapping, world_size: int) -> tuple[Any, Any, Any]:
 def batch_sizes(ds: Mapping, world_size: int) -> tuple[int, int]:
     """``(micro-batch per rank, micro-batches per optimizer step)`` a run of ``ds`` over
     ``world_size`` ranks uses (:func:`resolve_batch`), each at least 1: what the torch
-    engines and the trainer build their batches from (tester round 26: a config with only
-    ``train_batch_size`` was read as a micro-batch of 1). Call after :func:`batch_errors`
+    engines and the trainer build their batches from (a config with only
+    ``train_batch_size`` is not a micro-batch of 1). Call after :func:`batch_errors`
     passed; a bad value reads as 1 here and is named there."""
     _, micro, gas = resolve_batch(ds, world_size)
     return (micro if _positive_int(micro) else 1), (gas if _positive_int(gas) else 1)
@@ -154,9 +154,9 @@ def batch_errors(ds: Mapping, prefix: str = "", world_size: int | None = None) -
     data-parallel ranks over all replicas), the keys left out derived as DeepSpeed does
     (:func:`resolve_batch`): each derived one must be >= 1, and ``train_batch_size =
     train_micro_batch_size_per_gpu x gradient_accumulation_steps x world_size``; the line
-    names the values given, the one derived and the product (tester round 26: a
-    ``train_batch_size`` that the accumulation and world size do not divide was
-    DeepSpeed's AssertionError inside every rank, and hdet-dryrun called it valid)."""
+    names the values given, the one derived and the product (a ``train_batch_size``
+    that the accumulation and world size do not divide is otherwise DeepSpeed's
+    AssertionError inside every rank, and hdet-dryrun would call it valid)."""
     errors = [f"{prefix}{k}: must be an integer >= 1 ({what}), got {ds[k]!r}"
               for k, what in BATCH_KEYS.items() if k in ds and not _positive_int(ds[k])]
     if world_size is None or errors:
@@ -187,8 +187,8 @@ def batch_errors(ds: Mapping, prefix: str = "", world_size: int | None = None) -
 
 #: DeepSpeed switches hdet_scale reads itself (the engine checks, the precision, the cost
 #: model, resume): a JSON boolean only. DeepSpeed's pydantic models read "false", "no" and
-#: "0" as false, Python's truth reads every non-empty string as true (tester round 22:
-#: ``"enabled": "false"`` trained FSDP2 in bf16), so a string means two things at once.
+#: "0" as false, Python's truth reads every non-empty string as true (``"enabled":
+#: "false"`` would train FSDP2 in bf16), so a string means two things at once.
 FLAGS = (("bf16", "enabled"), ("fp16", "enabled"), ("torch_autocast", "enabled"),
          ("zero_optimization", "zero_quantized_weights"), ("zero_optimization", "zero_quantized_gradients"),
          ("zero_optimization", "zero_quantized_nontrainable_weights"))
@@ -255,17 +255,17 @@ def check_deepspeed_values(ds: Mapping, prefix: str = "", title: str = "invalid 
                       f"progress lines) or inf (never), got {spp!r}")
     errors += batch_errors(ds, p, world_size)
     errors += flag_errors(ds, p)
-    if "bfloat16" in ds:  # tester round 55: FSDP2 trained in float32 under it, without a word
+    if "bfloat16" in ds:  # FSDP2 would train in float32 under it, without a word
         errors.append(f"{p}bfloat16: DeepSpeed's old name of the bf16 block, which hdet_scale does not read (the "
                       "FSDP2 precision, the engine checks, the cost report): rename it to bf16")
     if isinstance(opt.get("type"), str) and opt["type"].lower() == "adamw" and params.get("adam_w_mode") is False:
-        # tester round 55: DeepSpeed takes type AdamW as decoupled weight decay whatever adam_w_mode says
+        # DeepSpeed takes type AdamW as decoupled weight decay whatever adam_w_mode says
         errors.append(f"{p}optimizer.params.adam_w_mode: false is ignored under type AdamW (DeepSpeed decouples "
                       "the weight decay for AdamW whatever it says); for Adam's L2 weight decay set type Adam "
                       "with adam_w_mode false, else remove it")
     autos = [e for e in errors if "got 'auto'" in e]
     if len(autos) > 1 or (autos and not any("is filled by the Hugging Face Trainer" in e for e in errors)):
-        # tester round 26: a Trainer's DeepSpeed JSON gave eight such lines, one explained
+        # a Trainer's DeepSpeed JSON gives eight such lines: explain them all, once
         errors.append(f"({len(autos)} value(s) above are \"auto\": the Hugging Face Trainer fills those when it "
                       "starts (hdet_scale.hf.HDETTrainer, docs/hf_trainer.md); elsewhere write the numbers)")
     if errors:
@@ -278,10 +278,10 @@ def check_client_optimizer(ds: Mapping[str, Any], optimizer: Any, hdet_enabled: 
 
     Raises:
         HDETConfigError: HDET on and neither an ``optimizer`` block nor ``optimizer=``
-            (tester round 27: DeepSpeed builds no optimizer, then a KeyError on every
+            (DeepSpeed would build no optimizer, then a KeyError on every
             rank); a torch optimizer that ZeRO does not list as tested
             (``ZERO_SUPPORTED_OPTIMIZERS``: Adam, AdamW, DeepSpeed's own...) without
-            ``zero_allow_untested_optimizer: true`` (tester round 61: DeepSpeed's
+            ``zero_allow_untested_optimizer: true`` (else DeepSpeed's
             AssertionError inside ``deepspeed.initialize`` on every rank).
     """
     if hdet_enabled and optimizer is None and not ds.get("optimizer"):

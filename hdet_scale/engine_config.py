@@ -35,8 +35,8 @@ def check_engine_config(ds: dict, backend: str, world_size: int, prefix: str = "
     errors = optimizer_errors(ds, backend, prefix)
     if "scheduler" in ds:
         errors.append(f"{prefix}scheduler: a scheduler block cannot be combined with hdet; set hdet.schedule")
-    # the keys left out derived as DeepSpeed derives them (tester round 26: a file with only
-    # train_batch_size was read as a micro-batch of 1 and refused)
+    # the keys left out derived as DeepSpeed derives them (a file with only
+    # train_batch_size is not a micro-batch of 1, refused)
     errors += batch_errors(ds, prefix, world_size)
     errors += flag_errors(ds, prefix)
     errors += _precision_errors(ds, backend, prefix)
@@ -58,8 +58,8 @@ def optimizer_errors(ds: dict, backend: str, prefix: str = "deepspeed.") -> list
     else:
         accepted = set(inspect.signature(OPTIMIZERS[kind]).parameters) - {"params"}
         unknown = sorted(set(params) - accepted)
-        # torch takes any truthy value for its flags (tester round 14: maximize=1 did
-        # gradient ascent without a word): true/false only (null where torch's default is)
+        # torch takes any truthy value for its flags (maximize=1 would do gradient ascent
+        # without a word): true/false only (null where torch's default is)
         for name, param in inspect.signature(OPTIMIZERS[kind]).parameters.items():
             if name in params and (isinstance(param.default, bool) or name in ("foreach", "fused")):
                 value = params[name]
@@ -178,7 +178,7 @@ def check_optimizer_axes(hcfg: HDETConfig, ds: dict, prefix: str = "deepspeed.hd
               "nothing to spread; use Adam/AdamW, or drop the axis"
               for axis, having, key in (("beta2", _BETAS, "betas"), ("eps", _EPS, "eps"))
               if axis in hcfg.axes and kind.lower() not in having]
-    if errors:  # both at once (tester round 20: eps showed once beta2 was fixed)
+    if errors:  # both at once (not eps only once beta2 is fixed)
         raise HDETConfigError(errors[0] if len(errors) == 1 else "invalid config:\n  " + "\n  ".join(errors))
 
 
@@ -202,8 +202,8 @@ def engine_notes(ds: dict, backend: str, prefix: str = "deepspeed.") -> list[str
 
 
 def _adam_notes(ds: dict, backend: str, prefix: str) -> list[str]:
-    """Where the same optimizer block means another optimizer than DeepSpeed builds
-    (tester round 27): DeepSpeed's ``Adam`` decays weights decoupled (AdamW;
+    """Where the same optimizer block means another optimizer than DeepSpeed builds:
+    DeepSpeed's ``Adam`` decays weights decoupled (AdamW;
     ``adam_w_mode`` defaults to true), ``torch.optim.Adam`` adds the decay to the gradient
     (L2); and a ``weight_decay`` left out is 0 in DeepSpeed's Adam / AdamW, 0.01 in
     ``torch.optim.AdamW``."""
@@ -232,7 +232,7 @@ def optimizer_axis_errors(hdet: Any, ds: dict, backend: str, prefix: str = "deep
     """The checks of :func:`check_optimizer_axes` and ``autolr.check_additive_floors`` for
     the optimizer-side axes of a raw ``hdet`` block that failed its own validation
     elsewhere (a warm-up too long, a replica count), so that they are reported with those
-    errors rather than once the others are fixed (tester round 19). Each axis is read
+    errors rather than once the others are fixed. Each axis is read
     alone; an axis whose own fields are wrong is left out (the block's message names it).
     Returns the message lines; never raises."""
     from hdet_scale.autolr import build_schedule, check_additive_floors

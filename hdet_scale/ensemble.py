@@ -68,8 +68,8 @@ class HDETScheduler:
         self.param_groups = param_groups
         self.schedule = build_schedule(config)
         self.total_steps = config.schedule.total_steps
-        # the run's last optimizer step, logged whatever logging.every (tester round 36:
-        # every=7 over 20 steps left steps 15-20 without a record); hdet-train sets train.steps
+        # the run's last optimizer step, logged whatever logging.every (every=7 over
+        # 20 steps would leave steps 15-20 without a record); hdet-train sets train.steps
         self.last_step = self.total_steps
         self.sync_obj = sync
         self._held_eval: Any = None  # the eval_mode() context enter_eval_mode() holds
@@ -94,8 +94,8 @@ class HDETScheduler:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step_count = 0
         # who steps this scheduler, when not the user's loop (an Ensemble of
-        # hdet_scale.prepare): a step from elsewhere is then refused (tester round 57: a
-        # loop that also called ens.scheduler.step moved the schedule twice per step)
+        # hdet_scale.prepare): a step from elsewhere is then refused (a loop that also
+        # calls ens.scheduler.step would move the schedule twice per step)
         self.driver: str | None = None
         self.driver_stepping = False
         self.sync_count = 0
@@ -294,8 +294,8 @@ class HDETScheduler:
     def _settle_model_axes(self) -> dict[str, float]:
         """At the end of the run: every replica's model-side axes (dropout, temperature,
         label_smoothing) set to the shared base value, the one the run's hyperparameter
-        search ends at (tester round 65: after ``train()`` each rank kept its replica's
-        temperature, so an evaluation mixed them). Returns ``{"hdet/<axis>/group_0/final":
+        search ends at (otherwise after ``train()`` each rank keeps its replica's
+        temperature, and an evaluation mixes them). Returns ``{"hdet/<axis>/group_0/final":
         value}`` for the end's record: no file of the model holds it (a module
         attribute, not a weight)."""
         out = self._final_model_values()
@@ -372,15 +372,15 @@ class HDETScheduler:
         if self.step_count % self.config.sync_interval == 0:
             self.sync()
         elif self.step_count == self.last_step == self.total_steps:
-            # the run ends with one model, whatever T (tester round 61: a library or
-            # HDETTrainer run of 10 steps at T = 4 ended with the replicas apart, and
-            # save_model wrote replica 0's weights, not their average): a sync without a
+            # the run ends with one model, whatever T (else a library or HDETTrainer
+            # run of 10 steps at T = 4 ends with the replicas apart, and save_model
+            # writes replica 0's weights, not their average): a sync without a
             # meta-update, so that it is logged and leaves a non-finite replica out as
-            # any sync does (tester round 62: no record of it). A last step before
+            # any sync does. A last step before
             # total_steps (hdet-train's train.steps, HDETTrainer's max_steps shorter than
             # the schedule: a run that may be resumed up to it) is a step like any other:
             # its checkpoint must hold each replica, as a mid-run one does, or the resumed
-            # run parts from the uninterrupted one (tester round 64); the caller averages
+            # run parts from the uninterrupted one; the caller averages
             # after saving (:meth:`finish`)
             self.sync(final=True)
         self._apply()
@@ -404,7 +404,7 @@ class HDETScheduler:
 
     def check_can_step(self) -> None:
         """Raise ``ValueError`` (``OneCycleLR``'s message, then the key that sets the
-        length: tester round 56) if one more step would pass ``schedule.total_steps``."""
+        length) if one more step would pass ``schedule.total_steps``."""
         if self.step_count + 1 > self.total_steps:
             raise ValueError(f"Tried to step {self.step_count + 1} times. The specified number of total steps is "
                              f"{self.total_steps} (hdet.schedule.total_steps, optimizer steps: set it to the whole "
@@ -471,10 +471,10 @@ class HDETScheduler:
                                    lambda k: self.base_value(*k), record, raw=lambda k: self.raw_value(*k),
                                    noise=noise, interval=(interval_start, self.step_count))
         self.permutations = self._draw_permutations()
-        # The base of the next step; after total_steps there is none (tester round 38:
-        # OneCycleLR's formula one step past its end logged ~13x the last LR). A run stopped
-        # before it logs it: its resume takes that step (tester round 66: the resumed
-        # metrics lacked the uninterrupted run's base at the stop's sync).
+        # The base of the next step; after total_steps there is none (OneCycleLR's
+        # formula one step past its end gives ~13x the last LR). A run stopped before it
+        # logs it: its resume takes that step (so that the resumed metrics hold the
+        # uninterrupted run's base at the stop's sync).
         for a in sorted(self.config.axes) if self.step_count < self.total_steps else ():
             for g in self.axis_groups(a):
                 record[f"hdet/{a}/group_{g}/base"] = self.base_value(a, g)
@@ -576,7 +576,7 @@ class HDETScheduler:
             "generator": self.generator.get_state(),
             "sync": self.sync_obj.state_dict() if self.sync_obj is not None else {},
             "config": self.config.to_dict(),  # what a resume changed is said (resume_changes)
-            "peaks": list(self.peaks),  # the schedule's peak LR per group, idem (tester round 65)
+            "peaks": list(self.peaks),  # the schedule's peak LR per group, idem
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

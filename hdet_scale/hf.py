@@ -154,7 +154,7 @@ class HDETTrainer(Trainer):
 
     def __init__(self, *args: Any, probe: Callable[[Any], Any] | None = None, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        check_deepspeed_file(training_args)  # a key twice: transformers keeps the last (tester round 60)
+        check_deepspeed_file(training_args)  # a key twice: transformers keeps the last
         if (training_args is not None and getattr(training_args, "deepspeed", None)
                 and fsdp_block(training_args) is not None):
             # the DeepSpeed config's block (or none) would be used, this one ignored
@@ -198,9 +198,9 @@ class HDETTrainer(Trainer):
         self._hdet_block = copy.deepcopy(block)
         check_probe(cfg, probe)
         if cfg.logging.wandb.enabled and "wandb" in (self.args.report_to or []):
-            # tester round 65: HDET's own W&B run (opened when train() builds the engine) and
-            # the Trainer's WandbCallback in one process: the callback's wandb.config.update
-            # failed at on_train_begin ("You must call wandb.init() before ...")
+            # HDET's own W&B run (opened when train() builds the engine) and the Trainer's
+            # WandbCallback in one process: the callback's wandb.config.update would fail
+            # at on_train_begin ("You must call wandb.init() before ...")
             raise HDETConfigError("hdet.logging.wandb.enabled=true beside TrainingArguments(report_to=['wandb']): "
                                   "two W&B runs in one process, and the Trainer's callback fails at train start; "
                                   "keep one: set hdet.logging.wandb.enabled=false (HDET's records still go to "
@@ -224,8 +224,8 @@ class HDETTrainer(Trainer):
         """The config (:func:`_checkable` for a run of ``max_steps``) validated as
         :func:`hdet_scale.initialize` does: the DeepSpeed config with its block, or the
         block of ``fsdp_config``. Checked at construction and again at ``train()``: a
-        warning the first check gave is not given again (tester round 35: each rank
-        printed the same total_steps warning twice)."""
+        warning the first check gave is not given again (else each rank prints the same
+        total_steps warning twice)."""
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             cfg = self._check_once(max_steps)
@@ -240,7 +240,7 @@ class HDETTrainer(Trainer):
         try:
             if self._hdet_fsdp:
                 block = fsdp_block(self.args)
-                # first: a short schedule also fails the warm-up's checks, which name no max_steps (tester round 60)
+                # first: a short schedule also fails the warm-up's checks, which name no max_steps
                 check_run_length(block, max_steps)
                 cfg = resolve_config(_checkable({"hdet": block}, max_steps), world=self.args.world_size)
             else:
@@ -357,8 +357,8 @@ class HDETTrainer(Trainer):
         replica's LR as ``Trainer`` reads it after the optimizer step (on DeepSpeed the next
         step's, since the engine stepped the scheduler; on FSDP2 the step's own); after the
         run's last step (``max_steps``) the LR that step ran with, since no step follows
-        and OneCycleLR's formula one step past its end rises again (tester round 38: ~13x
-        the last LR). The scheduler's ``get_last_lr`` keeps OneCycleLR's value, as torch's
+        and OneCycleLR's formula one step past its end rises again (~13x the last LR).
+        The scheduler's ``get_last_lr`` keeps OneCycleLR's value, as torch's
         does."""
         scheduler = self.hdet_scheduler
         if self._hdet_enabled and scheduler is not None and scheduler.step_count >= scheduler.last_step \
@@ -372,10 +372,10 @@ class HDETTrainer(Trainer):
         ``total_steps`` (``max_steps`` shorter than the schedule, or a callback set
         ``control.should_training_stop``, as ``EarlyStoppingCallback`` does), the
         replicas are averaged, so that the model ``train()`` leaves and ``save_model``
-        writes is their average (tester round 63: they were left apart). ``Trainer``'s
+        writes is their average, not the replicas left apart. ``Trainer``'s
         own evaluation and checkpoint at that last step came before, and see each
         replica as at any mid-run step: a resume from that checkpoint continues the
-        uninterrupted run exactly (tester round 64). Collective, as ``train()`` is on
+        uninterrupted run exactly. Collective, as ``train()`` is on
         every rank."""
         out = super().train(*args, **kwargs)
         if self._hdet_enabled and self.hdet_scheduler is not None:
@@ -395,8 +395,8 @@ class HDETTrainer(Trainer):
 
     def _refuse_before_train(self, what: str) -> None:
         """On DeepSpeed, ``evaluate()`` or ``predict()`` before the first ``train()``
-        builds an inference engine that ``train()`` then reuses without HDET (tester round
-        65: an AttributeError at ``train()``, or Accelerate's ValueError on an ``"auto"``
+        builds an inference engine that ``train()`` then reuses without HDET (an
+        AttributeError at ``train()``, or Accelerate's ValueError on an ``"auto"``
         total_steps; the plain Trainer fails at its first backward). Refused before
         anything is built. Raises HDETConfigError."""
         if self._hdet_enabled and not self._hdet_fsdp and self.hdet_scheduler is None:

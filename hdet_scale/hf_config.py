@@ -18,7 +18,7 @@ def _without_auto(value: Any) -> Any:
     when training starts (bucket sizes from the model's hidden size): checked then."""
     if isinstance(value, dict):
         # the hdet block keeps its own: HDETConfig reads or refuses them (total_steps by
-        # resolve_auto; tester round 63: replicas "auto" was dropped, then a TypeError)
+        # resolve_auto; dropped, replicas "auto" would end in a TypeError)
         return {k: v if k == "hdet" else _without_auto(v) for k, v in value.items() if v != "auto"}
     return value
 
@@ -51,8 +51,8 @@ def _checkable(ds_config: dict, max_steps: int | None) -> dict:
     too long for any check to fail on (the checks that need it run again at ``train()``)."""
     ds = _without_auto(resolve_auto(ds_config, max_steps))
     if ((ds_config.get("hdet") or {}).get("schedule") or {}).get("total_steps") == "auto" and max_steps is None:
-        # the longest run the checks accept (tester round 59: 2**62 was refused as over
-        # 2**53, so every epoch-based Trainer run failed at construction)
+        # the longest run the checks accept (2**62 is refused as over 2**53, which would
+        # fail every epoch-based Trainer run at construction)
         ds["hdet"].setdefault("schedule", {})["total_steps"] = MAX_STEPS
     return ds
 
@@ -60,9 +60,9 @@ def _checkable(ds_config: dict, max_steps: int | None) -> dict:
 def check_run_length(block: Any, max_steps: int | None) -> None:
     """An explicit ``hdet.schedule.total_steps`` against the ``Trainer``'s optimizer steps
     (``max_steps``, known at construction when ``TrainingArguments.max_steps`` is set,
-    else when ``train()`` starts), as ``hdet-train`` holds it to ``train.steps`` (tester
-    round 23: 4 against 6 trained 4 steps, then both ranks died in the scheduler; 100
-    against 6 never left the warm-up without a word).
+    else when ``train()`` starts), as ``hdet-train`` holds it to ``train.steps`` (4
+    against 6 would train 4 steps, then both ranks die in the scheduler; 100 against 6
+    would never leave the warm-up, without a word).
 
     Raises:
         HDETConfigError: ``total_steps`` shorter than the run. Warns (``UserWarning``)
@@ -100,7 +100,7 @@ def ignored_scheduler_args(args: Any) -> str | None:
     """The ``TrainingArguments`` scheduler settings an HDET run does not use, in one
     warning text, or ``None``: ``lr_scheduler_type`` other than its default ``linear``,
     ``lr_scheduler_kwargs``, ``warmup_steps`` / ``warmup_ratio`` above 0. ``hdet.schedule``
-    sets the LR (docs/hf_trainer.md says so; tester round 25: at run time nothing did)."""
+    sets the LR (docs/hf_trainer.md says so; at run time only this warning does)."""
     kind = getattr(args, "lr_scheduler_type", "linear")
     kind = getattr(kind, "value", kind)
     set_ = []
@@ -120,8 +120,8 @@ def ignored_scheduler_args(args: Any) -> str | None:
 
 def check_trainer_values(hf_ds_config: Any) -> None:
     """Refuse the DeepSpeed values that disagree with ``TrainingArguments`` before HDET's
-    own checks see them (tester: ``"gradient_accumulation_steps": 4`` against
-    ``TrainingArguments(gradient_accumulation_steps=2)`` was reported as a
+    own checks see them (else ``"gradient_accumulation_steps": 4`` against
+    ``TrainingArguments(gradient_accumulation_steps=2)`` is reported as a
     ``train_batch_size`` the user never wrote, the one ``Trainer`` had filled for
     ``"auto"``). The list is transformers' own: ``HfTrainerDeepSpeedConfig.trainer_config_process``
     (run when ``TrainingArguments`` is built) records each explicit value that differs
@@ -160,8 +160,8 @@ def check_deepspeed_file(args: Any) -> None:
     """``TrainingArguments(deepspeed="ds.json")``'s file read again with the reader
     ``hdet-train``, ``hdet-dryrun`` and :func:`hdet_scale.prepare` use
     (:func:`hdet_scale.ds_json.loads_json`): transformers' ``json.load`` keeps the last of
-    a key given twice, so a file with two ``"hdet"`` blocks trained with the second
-    without a word (tester round 60) where the other entry points refuse it. A dict, or a
+    a key given twice, so a file with two ``"hdet"`` blocks would train with the second
+    without a word where the other entry points refuse it. A dict, or a
     string that is not a file (transformers also takes base64 JSON), is left alone.
 
     Raises:

@@ -7,7 +7,7 @@ Llama) writes into empty tensors. transformers makes up for it in ``from_config`
 ``from_pretrained`` only (``initialize_weights_zero3``, or the loaded weights); a model
 built by its class constructor (``LlamaForCausalLM(config)``) keeps torch's own module
 defaults instead: embeddings N(0, 1), tied to the LM head, and a first loss near 30 nats
-where ~ln(vocab) was meant (tester round 58: 29.9 against 4.17). The user's code is
+where ~ln(vocab) is meant (e.g. 29.9 against 4.17). The user's code is
 otherwise valid, so this warns rather than refuses (weights may be loaded afterwards).
 
 Source: transformers 5.24 ``PreTrainedModel._from_config`` / ``post_init``.

@@ -1,6 +1,6 @@
 """Size keys of a Hugging Face config that make a degenerate causal LM (``hdet-dryrun
 --hf-config``): below 1, transformers either builds a model without layers, vocabulary
-or MLP, or fails with an error that names no key (tester round 59).
+or MLP, or fails with an error that names no key.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 #: Size keys of a Hugging Face config that must be at least 1, each with what a causal LM
-#: needs it for. Tester round 59: ``num_hidden_layers=0, vocab_size=0`` built a 64-parameter
-#: "model" (the final norm) and the dry run costed it with exit 0; transformers builds a
+#: needs it for. Unchecked, ``num_hidden_layers=0, vocab_size=0`` builds a 64-parameter
+#: "model" (the final norm) and the dry run costs it with exit 0; transformers builds a
 #: model from 0 (and from negative) layers, vocabulary, MLP width (``intermediate_size``,
 #: GPT-2's ``n_inner``, OPT's ``ffn_dim``), Mistral's ``head_dim`` and GPT-2's
 #: ``n_positions``, and fails on the others with a ZeroDivisionError that names no key.

@@ -24,8 +24,8 @@ WANDB_MODES = ("online", "offline", "disabled", "shared", "dryrun", "run")  # wa
 
 def import_wandb(prefix: str = "wandb.") -> Any:
     """``import wandb``; an exception of its import becomes one :class:`HDETConfigError`
-    naming the cause and the way out (tester: with no usable temporary folder, W&B's import,
-    which makes its media folder, ended ``hdet-train`` in a 30-line traceback).
+    naming the cause and the way out (with no usable temporary folder, W&B's import,
+    which makes its media folder, would end ``hdet-train`` in a 30-line traceback).
     ``prefix``: the keys' place in the user's config, as in :func:`check_wandb_settings`."""
     try:
         import wandb as wb
@@ -84,14 +84,14 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
         raise HDETConfigError(f"environment: WANDB_MODE={env!r} is not a W&B mode; W&B takes "
                               f"{', '.join(WANDB_MODES)}: fix or unset it (or set {prefix}enabled=false)")
     if wandb.enabled and isinstance(wandb.project, str) and not wandb.project.strip():
-        # tester round 65: wandb.project= (an unset shell variable) ran into the project
-        # "hdet", the fallback below, without a word
+        # wandb.project= (an unset shell variable) would run into the project "hdet",
+        # the fallback below, without a word
         raise HDETConfigError(f"{prefix}project: empty ({wandb.project!r}; an unset shell variable?): give a W&B "
                               f"project name, or leave {prefix}project out for the default")
     if wandb.enabled and wandb.project is not None:
         # W&B's own rule (its Settings validator: no / \\ # ? % :, at most 128 characters),
-        # met before any rank starts (tester round 26: wandb.project=a/b failed at rank 0's
-        # wandb.init, told to check the network)
+        # met before any rank starts (else wandb.project=a/b fails at rank 0's wandb.init,
+        # told to check the network)
         wb = import_wandb(prefix)
 
         try:
@@ -111,8 +111,8 @@ def check_wandb_settings(wandb: WandbConfig, prefix: str = "wandb.") -> None:
                                   f"{prefix}enabled=false)") from None
     url = os.environ.get("WANDB_BASE_URL")
     if wandb.enabled and url is not None:
-        # W&B validates it in wandb.init, on rank 0 after the start, offline runs too (tester
-        # round 40: a pydantic traceback, exit 1, "start again with the same command")
+        # W&B validates it in wandb.init, on rank 0 after the start, offline runs too (a
+        # pydantic traceback, exit 1, "start again with the same command")
         wb = import_wandb(prefix)
         try:
             wb.Settings(base_url=url)
@@ -158,7 +158,7 @@ def write_failure(error: BaseException) -> tuple[str, str] | None:
         return "the disk quota is exceeded", "free space within the quota (or have it raised)"
     if code == errno.ENOSPC:
         return DISK_FULL
-    if code == errno.EROFS:  # tester round 34: a save into a folder made read-only was a traceback
+    if code == errno.EROFS:  # a save into a folder made read-only is not a traceback
         return "its file system is read-only", "write to another file system"
     if code in (errno.EACCES, errno.EPERM):
         return "a file or folder there is not writable", "make it writable (chmod -R u+w on its folder)"
@@ -207,8 +207,8 @@ def warn_on_earlier_records(path: str, step: int) -> None:
     """Warn when a run whose first record is at optimizer ``step`` appends to a JSONL file
     whose records already reach ``step`` or beyond: an earlier run's (a script run again
     with the same ``hdet.logging.jsonl``), or a dead run's past the checkpoint a resume
-    starts from. Tester round 60: appended without a word, and ``hdet-plot`` then plots the
-    first run alone. Nothing is removed: the file may be the user's only copy."""
+    starts from (appended without a word, ``hdet-plot`` would plot the first run alone).
+    Nothing is removed: the file may be the user's only copy."""
     last = last_logged_step(path)
     if last is not None and last >= step:
         import warnings
@@ -247,7 +247,7 @@ class MetricsLogger:
             for when it fails (hdet-train: the checkpoint to resume from, or none).
         on_step: called with a record's optimizer step just before the record is written
             (hdet-train: the step its stop line names, so that no record is newer than the
-            step a stop names; tester round 49: "at step 69" beside a step-70 record).
+            step a stop names, not "at step 69" beside a step-70 record).
     """
 
     def __init__(self, jsonl: str | None = None, wandb: WandbConfig | None = None,
@@ -279,10 +279,10 @@ class MetricsLogger:
             mode = run_mode(wandb.mode)
             # "create_new": another run this process holds (not wandb.run) stays untouched.
             # W&B waits 90 s for its server by default, then raises: an online run on a
-            # node without network (tester round 12) gets 30 s and one line naming the way
+            # node without network gets 30 s and one line naming the way
             # out. WANDB_INIT_TIMEOUT, when set, is the user's.
             settings = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"settings": wb.Settings(init_timeout=30)}
-            refuse_unreachable(mode)  # W&B's retries outlast init_timeout (tester round 38: 88 s): seconds here
+            refuse_unreachable(mode)  # W&B's retries outlast init_timeout (88 s): seconds here
             try:
                 project = wandb.project or os.environ.get("WANDB_PROJECT") or "hdet"  # WandbConfig
                 self._wandb_run = wb.init(project=project, entity=wandb.entity, group=wandb.group,
@@ -292,7 +292,7 @@ class MetricsLogger:
             except (wb.errors.Error, TimeoutError, OSError, ValueError) as e:  # ValueError: pydantic's
                 reason = " ".join(str(e).split())[:300]
                 fix = ("check the network and credentials, or set wandb.mode=offline (wandb sync uploads it later) "
-                       "or wandb.enabled=false" if mode != "offline" else  # no network involved (tester round 26)
+                       "or wandb.enabled=false" if mode != "offline" else  # no network involved
                        "check the W&B settings (project, entity, group, name, dir) or set wandb.enabled=false")
                 raise HDETConfigError(f"wandb: the {mode} W&B run could not start ({type(e).__name__}: {reason}); "
                                       f"{fix}") from None
@@ -310,7 +310,7 @@ class MetricsLogger:
         Raises:
             HDETStateError: the JSONL file could not be written for a full disk, a disk
                 quota or a file size limit (:func:`write_failure`), naming the file, the
-                cause and ``advice`` (tester round 32: rank 0's OSError traceback).
+                cause and ``advice`` (not rank 0's OSError traceback).
         """
         if not self.enabled:
             return

@@ -97,7 +97,7 @@ def setters(model: Any, cfg: HDETConfig) -> dict[str, Setter]:
         if spec is None:
             continue
         matched = _modules(root, spec.modules)
-        if spec.modules and not matched:  # tester round 19: said "among the modules matching" nothing
+        if spec.modules and not matched:  # not "among the modules matching" nothing
             names = [n for n, _ in root.named_modules() if n][:3]
             prefix = (" (names carry no 'module.' prefix)" if any(p.startswith("module.") for p in spec.modules)
                       else "")

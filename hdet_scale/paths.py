@@ -37,7 +37,7 @@ def check_output_file(path: str | os.PathLike, key: str) -> None:
     a folder, a special file, a broken symbolic link, a parent that is a file, or a folder
     this user cannot write. Called on every rank before the first collective, so that a
     bad path stops the job at once on every rank rather than as rank 0's ``IsADirectoryError``
-    at step 1 and every other rank's lost-peer error (tester round 61). A missing file is
+    at step 1 and every other rank's lost-peer error. A missing file is
     fine; a missing parent is fine when the nearest existing folder above it is writable
     (the logger creates it).
 
@@ -45,7 +45,7 @@ def check_output_file(path: str | os.PathLike, key: str) -> None:
         HDETConfigError: naming ``key``, the path and what is wrong.
     """
     path = os.fspath(path)
-    refuse_kernel_fs(path, key)  # tester round 63: root may "write" there, and open fails at step 1
+    refuse_kernel_fs(path, key)  # root may "write" there, and open fails at step 1
     if os.path.isdir(path):
         raise HDETConfigError(f"{key}: {path} is a folder; give the path of a file "
                               f"(e.g. {os.path.join(path, 'metrics.jsonl')})")

@@ -40,7 +40,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.plot_out import PlotsFolder, claim
 
@@ -52,8 +52,8 @@ def import_matplotlib() -> None:
     """Import matplotlib for the PNGs (``Figure.savefig``: no GUI backend is used).
 
     ``MPLBACKEND`` is hidden from the import: it picks an interactive backend these files
-    never use, and a bad value made matplotlib's import raise ``ValueError``, failing a
-    finished ``hdet-train`` run (tester round 23).
+    never use, and a bad value makes matplotlib's import raise ``ValueError``, which would
+    fail a finished ``hdet-train`` run.
 
     Raises:
         ImportError: matplotlib is not installed.
@@ -87,14 +87,14 @@ def _save(fig, folder: PlotsFolder, name: str, written: list[str], log: Callable
     import warnings
 
     with warnings.catch_warnings():
-        # tester round 54: a loss of 1e308 printed numpy's "overflow encountered in
-        # multiply" from matplotlib's tick placement; the plot is drawn all the same
+        # a loss of 1e308 prints numpy's "overflow encountered in multiply" from
+        # matplotlib's tick placement; the plot is drawn all the same
         warnings.simplefilter("ignore", RuntimeWarning)
         try:
             fig.savefig(path, format="png")
         except (ValueError, OverflowError) as e:
-            # tester round 55: losses alternating +-1e308 were matplotlib's "arange: cannot
-            # compute length" traceback; the other plots are still worth having
+            # losses alternating +-1e308 give matplotlib's "arange: cannot compute
+            # length"; the other plots are still worth having
             with contextlib.suppress(OSError):
                 os.remove(path)
             log(f"skipped {name}: matplotlib cannot draw its values ({str(e).splitlines()[0][:120]}; values near "
@@ -119,9 +119,9 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ImportError: no matplotlib.
         OSError: a PNG or the folder's record cannot be written.
     """
-    metrics = None  # a JSONL named itself: hdet.logging.jsonl of the library or HDETTrainer (tester round 63)
+    metrics = None  # a JSONL named itself: hdet.logging.jsonl of the library or HDETTrainer
     if os.path.isfile(run_dir):
-        if not run_dir.endswith(".jsonl"):  # tester round 24: "<file>/metrics.jsonl: Not a directory"
+        if not run_dir.endswith(".jsonl"):  # not "<file>/metrics.jsonl: Not a directory"
             raise HDETConfigError(f"{run_dir} is a file, not a .jsonl: hdet-plot takes the run_dir that holds "
                                   f"metrics.jsonl ({os.path.dirname(run_dir) or '.'} here?) or a JSONL of HDET "
                                   "records (hdet.logging.jsonl)")
@@ -203,10 +203,10 @@ def write_plots(run_dir: str, out_dir: str | None = None,
         ax.legend(fontsize="small")
         _save(fig, folder, "loss.png", written, log)
     if not written:  # nothing of an hdet-train run in the file: say so, not exit 0
-        if not existed:  # and leave no empty folder made for it (tester round 43)
+        if not existed:  # and leave no empty folder made for it
             with contextlib.suppress(OSError):
                 os.rmdir(folder.path)
-        # the file given (tester round 66: a JSONL's error named ./metrics.jsonl)
+        # the file given (a JSONL's error must not name ./metrics.jsonl)
         raise HDETConfigError(f"{source}: no record of an hdet-train run in it (no hdet/* values in records with "
                               "an integer \"step\"): nothing to plot")
     for path in folder.finish():
@@ -269,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     given = [a for a in (sys.argv[1:] if argv is None else argv) if a == "--out" or a.startswith("--out=")]
     if len(given) > 1 or (args.out is not None and not args.out.strip()):
-        # tester round 13: argparse kept the last of two, and "" meant the default
+        # argparse keeps the last of two, and "" would mean the default
         p.error("--out given twice" if len(given) > 1 else "--out: an empty folder name; leave --out out for "
                 "RUN_DIR/plots")
-    if (training := holder(args.run_dir)) is not None:  # tester round 57: such plots read as final
+    if (training := holder(args.run_dir)) is not None:  # unsaid, such plots read as final
         print(f"hdet-plot: note: {args.run_dir} is still training (hdet-train, {training}): these plots show the "
               "steps logged so far, the validation loss comes at its end, and its end-of-run plots replace them",
               file=sys.stderr, flush=True)

@@ -13,8 +13,8 @@ into a folder that
 
 Anything else (another run's plots, a user's files, the run_dir itself) is refused before
 a file is written: :class:`HDETConfigError`, one line naming the folder, what it holds and
-the way out (tester: ``hdet-plot p/onlyline --out runs/f1/plots`` replaced f1's PNGs but
-sync.png, leaving the figures of two runs; ``--out mydata`` wrote among a user's files).
+the way out (else ``hdet-plot p/onlyline --out runs/f1/plots`` would replace f1's PNGs but
+sync.png, leaving the figures of two runs, and ``--out mydata`` write among a user's files).
 
 A folder never mixes two plottings: :meth:`PlotsFolder.finish` removes the earlier PNGs
 that this plotting did not write again, those the record listed, and in a run's
@@ -29,7 +29,7 @@ import json
 import os
 import re
 
-from hdet_scale.safe_parse import json_loads  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_loads  # deep nesting is a ValueError
 from hdet_scale.errors import HDETConfigError
 
 RECORD = ".hdet_plots.json"
@@ -175,7 +175,7 @@ class PlotsFolder:
         path = os.path.join(self.path, RECORD)
         tmp = f"{path}.tmp{os.getpid()}"
         # "complete": written by finish() alone, after the last PNG (a stop during the
-        # end-of-run plots can then say they were not all written: tester round 53)
+        # end-of-run plots can then say they were not all written)
         record = {"metrics": self.metrics, "pngs": names, "complete": complete}
         try:
             with open(tmp, "w", encoding="utf-8") as f:
@@ -231,13 +231,13 @@ def _refusal(path: str, names: list[str], record: dict | None) -> str:
     owner = os.path.dirname(record["metrics"]) if record is not None else _run_of(path)
     if owner is not None and (record is not None or len(pngs) == len(names)):
         how = "" if record is not None else "; plotted before hdet-plot recorded whose plots a folder holds"
-        others = [n for n in names if n not in pngs]  # tester round 31: a user's notes.txt was counted a plot
+        others = [n for n in names if n not in pngs]  # a user's notes.txt is not counted a plot
         held = (f"{len(pngs)} plot(s): {_listing(pngs)}" if pngs else "no PNG left") + (
             f"; and {len(others)} other file(s): {_listing(others)}" if others else "")
         return (f"{path}: the folder holds the plots of run {_shown(owner)} ({held}{how}); hdet-plot never "
                 f"replaces another run's plots: {replace}")
     if len(pngs) == len(names):
-        # tester round 41: a user's own loss.png was called "hdet plots of a run": it may be either
+        # a user's own loss.png is not called "hdet plots of a run": it may be either
         return (f"{path}: the folder holds PNG(s) with hdet plot names but no {RECORD} saying which run made them "
                 f"({held}); hdet-plot never writes over files it cannot tell are its own: {replace}")
     return (f"{path}: the folder holds files that are not hdet plots ({held}); hdet-plot writes only into a new "

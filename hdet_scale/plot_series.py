@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from hdet_scale.safe_parse import json_loads  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_loads  # deep nesting is a ValueError
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 
@@ -77,10 +77,10 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
         HDETConfigError: the file is missing, unreadable, has no record, or a line is not
             a JSON object (the message names the file and line).
     """
-    require_regular(path, "metrics file")  # a FIFO would block open() forever (tester round 22)
+    require_regular(path, "metrics file")  # a FIFO would block open() forever
     try:
         # Bytes that are not UTF-8 become U+FFFD, so such a line is named as no JSON
-        # record below, not a UnicodeDecodeError traceback (tester round 12).
+        # record below, not a UnicodeDecodeError traceback.
         with open(path, encoding="utf-8", errors="replace") as f:
             lines = f.readlines()
     except OSError as e:
@@ -107,8 +107,8 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
             bad.setdefault(key, [i, rec[key], 0])[2] += 1
             rec.pop(key)  # a record without a step is left out of every plot (series)
         if isinstance(step := rec.get("step"), int):
-            # tester round 54: a record appended at an earlier step drew the curve back to it
-            # without a word. A replica's axis value is logged twice at a sync (before and
+            # a record appended at an earlier step would draw the curve back to it without
+            # a word. A replica's axis value is logged twice at a sync (before and
             # after it): only a step before the last is out of order for those.
             for key in [k for k in rec if _PLOTTED.match(k)]:
                 prev = last.get(key)
@@ -128,17 +128,17 @@ def read_records(path: str, log: Callable[[str], None] | None = None) -> list[di
             more = f" (and {count - 1} more such value(s) of {key})" if count > 1 else ""
             what = "is not an integer step: record skipped" if key == "step" else "is not a number: skipped"
             log(f"{path}:{i}: {key} = {repr(value)[:40]} {what}{more}")
-    if records and cut is not None and log is not None:  # tester round 53: left out without a word
+    if records and cut is not None and log is not None:  # not left out without a word
         log(f"{path}:{len(lines)}: the last line is cut short (the record a stopped or running job was writing): "
             "left out")
     if not records and cut is not None and not lines[-1].lstrip().startswith("{"):
-        # tester round 25: a binary file (no newline) was "no record (did the run log a step?)"
+        # a binary file (no newline) is not "no record (did the run log a step?)"
         raise HDETConfigError(f"{cut}; an hdet-train metrics file holds one JSON object per line")
     if not records:
         raise HDETConfigError(f"{path}: the metrics file holds no record (did the run log a step?)")
     if "step" in bad and not any(isinstance(r.get("step"), int) for r in records):
         # its records were all left out for their steps: "no record of an hdet-train run"
-        # after the step lines misled (noticed in round 55)
+        # after the step lines would mislead
         raise HDETConfigError(f"{path}: no record has an integer step (the values of step above were skipped): "
                               "hdet-train logs the optimizer step, an integer, with every record")
     return records
@@ -188,8 +188,8 @@ def series(records: list[dict]) -> dict:
             if m:
                 cols.setdefault((m[1], int(m[3])), {}).setdefault(rec["step"], {})[int(m[2])] = _num(v)
     # a sync record holds the values its step ran with: the fan-out at the steps that
-    # logging.every leaves without a per-step record (tester round 61: every = 50 at
-    # T = 10 drew the fan-out at every 50th step, none of the syncs between)
+    # logging.every leaves without a per-step record (else every = 50 at T = 10 draws
+    # the fan-out at every 50th step, none of the syncs between)
     stepped = {r["step"] for r in steps}
     for rec in syncs:
         if rec["step"] in stepped:
@@ -243,8 +243,8 @@ def _base(key: tuple[str, int], xs: list[int], rows: list[list[float]], syncs: l
         how = "base / auto-LR multiplier" if kind == "multiplicative" else "base - auto-LR shift"
         return {**res, "plain": plain, "shown": f"base (mean of replicas) vs plain schedule = {how}"}
     updated = any(any(k.startswith("hdet/weight/") for k in r) for r in syncs)  # auto-LR ran
-    # another axis's multiplier logged: this one is not under auto-LR (tester round 61: it
-    # was said to be the "paper" controller's, which logs no multiplier for any axis)
+    # another axis's multiplier logged: this one is not under auto-LR (not the "paper"
+    # controller's, which logs no multiplier for any axis)
     others = any(k.startswith("hdet/") and k.endswith("/multiplier") for r in syncs for k in r)
     if updated and not others:  # controller "paper"
         return {**res, "plain": None, "shown": "base (mean of replicas); auto.controller paper logs no multiplier"}

@@ -31,11 +31,11 @@ def require_probe(cfg: Any, probe: Any, name: str, signature: str | None = None,
     if probe is not None and signature is not None:
         check_callable(probe, name, signature, nargs)
     if cfg.enabled and probe is not None and not cfg.uses_probe:
-        # tester round 61: a probe beside auto.fitness 'train_loss' was never called, unsaid
+        # a probe beside auto.fitness 'train_loss' is never called: said, not silent
         if cfg.auto_can_move:
             why = ("hdet.auto.fitness is 'train_loss' (replicas are scored by their training loss); set "
                    f"hdet.auto.fitness='probe' to score replicas with it, or drop {name}")
-        else:  # tester round 62: advising fitness 'probe' where it was 'probe' already
+        else:  # not advising fitness 'probe' where it is 'probe' already
             why = (f"auto-LR scores no replicas in this config (auto-LR off, one replica, or no spread on an axis it "
                    f"controls: see the warnings above); drop {name} or give an axis a spread with auto-LR on")
         warnings.warn(f"{name}: given but never called: {why}", UserWarning, stacklevel=2)

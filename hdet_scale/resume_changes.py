@@ -1,4 +1,4 @@
-"""What a resume changes in the ``hdet`` block (tester round 25: ``HDETTrainer`` resumed a
+"""What a resume changes in the ``hdet`` block (so that ``HDETTrainer`` never resumes a
 checkpoint with another ``axes.lr.spread_ratio`` without a word; ``hdet-train`` lists its
 changes from its own run config, ``train/resume_config.py``).
 
@@ -51,8 +51,8 @@ def config_changes(saved: Any, now: dict) -> list[str]:
 def peak_changes(saved: Any, now: list[float]) -> list[str]:
     """``"peak LR of group <g>: old -> new (...)"`` for each parameter group whose peak LR
     (the optimizer's ``lr``, or ``hdet.schedule.max_lr``) differs from the checkpoint's
-    ``saved`` list (``None``: saved before it was kept). Tester round 65: a library
-    resume with another ``lr`` trained on with it without a word, where ``hdet-train``
+    ``saved`` list (``None``: saved before it was kept). Without it a library resume
+    with another ``lr`` would train on with it without a word, where ``hdet-train``
     lists it."""
     if not isinstance(saved, list) or len(saved) != len(now):
         return []

@@ -1,9 +1,9 @@
 """Parsing a user's YAML or JSON text into plain values that every later walk can take.
 
-Tester round 45: ``a: &a [*a]`` (a YAML anchor used inside its own value) made
-``hdet-train`` spin for ever before any rank started (the key walks of
-``train.config_files`` never ended on the node that contains itself), and a JSON or YAML
-nested 100000 levels deep ended in a ``RecursionError`` traceback. Every reader of a file
+Unchecked, ``a: &a [*a]`` (a YAML anchor used inside its own value) makes
+``hdet-train`` spin for ever before any rank starts (the key walks of
+``train.config_files`` never end on the node that contains itself), and a JSON or YAML
+nested 100000 levels deep ends in a ``RecursionError`` traceback. Every reader of a file
 the user gives (the run config YAML, the DeepSpeed JSON, ``--hf-config``, the checkpoint
 records read on resume, ``hdet-plot``'s files) parses through here, so each turns those
 into its own one-line error: both failures are :class:`ValueError`\\ s, which the readers

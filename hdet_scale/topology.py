@@ -48,7 +48,7 @@ class Layout:
             raise HDETConfigError(
                 f"hdet.replicas: {self.replicas} replicas do not divide the world of {self.world_size} ranks; "
                 f"allowed values for this world: {_divisors(self.world_size)}"
-                # tester round 56: `python train.py` runs a world of one process
+                # `python train.py` runs a world of one process
                 + (" (a world of 1: a script started with plain `python` instead of `torchrun --nproc-per-node N` "
                    "or the `deepspeed` launcher?)" if self.world_size == 1 else ""))
         if not 0 <= self.rank < self.world_size:
@@ -76,7 +76,7 @@ class Layout:
         return [r * self.shard_size + s for r in range(self.replicas)]
 
     def describe(self) -> str:
-        # tester round 45: "replica group 0: ranks [0]" read as "replica 0"; the legend says which is which
+        # "replica group 0: ranks [0]" would read as "replica 0"; the legend says which is which
         lines = [f"world {self.world_size} = {self.replicas} replicas x {self.shard_size} shards{LEGEND}"]
         for r in range(self.replicas):
             lines.append(f"  shard group   {r}: ranks {self.shard_group_ranks(r)}")
@@ -143,11 +143,11 @@ _exit_wait_registered = False
 def _wait_for_gloo_at_exit() -> None:
     """Register :func:`_gloo_workers_settle` with ``atexit``, once per process.
 
-    Tester report: a library script that just ends (the README loop, torchrun, gloo on CPU)
-    died with SIGABRT, "terminate called without an active exception", after all its work
-    (2 of 14 runs; 2 of 20 here when the last step is an HDET sync, 0 of 75 otherwise). A
+    Without it a library script that just ends (the README loop, torchrun, gloo on CPU)
+    can die with SIGABRT, "terminate called without an active exception", after all its
+    work (measured: 2 of 20 runs when the last step is an HDET sync, 0 of 75 otherwise). A
     ``pt_gloo_runloop`` thread, preempted between finishing the last collective and
-    dropping it, freed the collective's tensors after interpreter finalization began;
+    dropping it, frees the collective's tensors after interpreter finalization has begun;
     their Python objects need the GIL, Python ends such a thread with ``pthread_exit``,
     and the unwind through ``~AsyncWork`` aborts (gdb backtrace). ``destroy_process_group``
     does not help: the groups stay referenced (DDP, this Topology) and gloo joins its

@@ -2,8 +2,8 @@
 for it, and whether it can be reached at all before ``wandb.init`` tries.
 
 Why a reachability check of our own: on a node without network, ``wandb.init`` retries its
-first request with back-off well past ``init_timeout`` (tester round 38: 88 s of
-"wandb: setting up run" with ``init_timeout=30``; 41 s measured here with wandb 0.31 and
+first request with back-off well past ``init_timeout`` (88 s of
+"wandb: setting up run" with ``init_timeout=30``; 41 s measured with wandb 0.31 and
 an unresolvable host). A DNS lookup and one TCP connection say the same in milliseconds.
 """
 
@@ -87,8 +87,8 @@ def unreachable(url: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     proxies = urllib.request.getproxies()
     proxy = proxies.get(parsed.scheme) or proxies.get("all")
     if proxy and not urllib.request.proxy_bypass(host):
-        # W&B connects through the proxy: the proxy is what must answer (tester round 40: a
-        # refusing HTTPS_PROXY cost 64 s of W&B's retries)
+        # W&B connects through the proxy: the proxy is what must answer (a refusing
+        # HTTPS_PROXY costs 64 s of W&B's retries)
         return _proxy_unreachable(proxy, timeout)
     try:
         port = parsed.port or (443 if parsed.scheme == "https" else 80)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 
 LAYOUT_FILE = "hdet_layout.json"
 LATEST_FILE = "latest"

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hdet_scale.backends.safe_load import dcp_metadata, load as safe_load
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 
 _SHOWN = 3  # differing tensors named per kind
 
@@ -108,9 +108,9 @@ def refuse_other_model(backend: str, load_dir: str, tag: str, folder: str, built
                        topology: Any) -> None:
     """Every backend's ``load_checkpoint``, before anything is loaded: raise
     ``HDETStateError`` on every rank alike when the checkpoint's model tensors differ from
-    ``built`` (:func:`agreed_difference`; collective on the world group). Tester round 65:
-    the library's DDP load of another width was torch's state-dict traceback on every
-    rank (hdet-train and FSDP2 refused it)."""
+    ``built`` (:func:`agreed_difference`; collective on the world group). Without it the
+    library's DDP load of another width is torch's state-dict traceback on every rank
+    (hdet-train and FSDP2 refuse it)."""
     from hdet_scale.errors import HDETStateError
 
     difference = agreed_difference(backend, folder, built, topology)

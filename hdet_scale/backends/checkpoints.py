@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import (DEFAULT_TAG, LATEST_FILE, LAYOUT_FILE, checkpoint_index, commit,
                                                damaged_files, latest_step, manifested, read_latest, retire_tag,
                                                rng_state, set_rng_state)
@@ -37,9 +37,9 @@ _RESERVED = (LATEST_FILE, LAYOUT_FILE, "zero_to_fp32.py", "zero_to_torch.py")
 
 def check_tag(tag: Any) -> None:
     """Refuse a checkpoint tag that is not one plain folder name: each replica saves into
-    ``replica_<r>/<tag>``, so a tag with ``/`` or ``..`` put every replica into one
-    folder, each overwriting the others' files, and the load then contradicted itself
-    (tester round 57). Also refused: an empty tag, ``.``, whitespace at either end or a
+    ``replica_<r>/<tag>``, so a tag with ``/`` or ``..`` would put every replica into one
+    folder, each overwriting the others' files, and the load would then contradict
+    itself. Also refused: an empty tag, ``.``, whitespace at either end or a
     line break (``latest`` holds the tag as one line of text), and the names of the
     folders' own files (``latest``, ``hdet_layout.json``, DeepSpeed's recovery scripts,
     ``.hdet*``).
@@ -53,7 +53,7 @@ def check_tag(tag: Any) -> None:
                              "replica_<r>/<tag>): no '/', not '.' or '..', no whitespace at its ends or line "
                              "break; e.g. global_step100, or leave tag=None for global_step<step>")
     if tag in _RESERVED or tag.startswith(".hdet"):
-        # tester round 65: "latest" is the name of DeepSpeed's link in each replica folder
+        # "latest" is the name of DeepSpeed's link in each replica folder
         # (and its tools' file), the others files of the checkpoint folder itself
         raise HDETStateError(f"checkpoint tag {tag!r}: a name the checkpoint folder uses for its own files "
                              f"({', '.join(_RESERVED)}); e.g. global_step100, or leave tag=None for "
@@ -63,8 +63,8 @@ def check_tag(tag: Any) -> None:
 def check_save_dir(save_dir: Any) -> None:
     """Refuse a ``save_dir`` that cannot become a folder: a path that is a file, a path
     under a file, or a folder this process may not write into (its nearest existing
-    ancestor's permissions). Every rank raised ``NotADirectoryError`` from ``os.makedirs``
-    before (tester round 59). Local, before any collective.
+    ancestor's permissions), where every rank would otherwise raise ``NotADirectoryError``
+    from ``os.makedirs``. Local, before any collective.
 
     Raises:
         HDETStateError: naming ``save_dir`` and what is in the way.
@@ -161,7 +161,7 @@ def read_layout(load_dir: str) -> dict:
         raise HDETStateError(f"{path} or {LATEST_FILE} next to it is damaged ({e})") from None
     named = int(tag.removeprefix("global_step")) if isinstance(tag, str) and DEFAULT_TAG.fullmatch(tag) else None
     if named is not None and tag in layout.get("checkpoints", {}) and step != named:  # a layout with the index
-        # tester round 55: an edited index said step 15 for global_step10; the engines restore the
+        # an edited index may say step 15 for global_step10; the engines restore the
         # step saved in the tag itself (10), so the resume line and the schedule would disagree
         raise HDETStateError(f"{path} is damaged: it lists {tag} (saved after optimizer step {named}) at step "
                              f"{step}: restore it from a copy, or start a new run_dir")
@@ -212,7 +212,7 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
     index = checkpoint_index(saved, None)
     if os.sep in tag or tag in (".", "..") or (saved.get("checkpoints") and tag not in index):
         listed = ", ".join(f"{t} (step {s})" for t, s in index.items()) or "none"
-        if asked:  # tester round 60: a tag= never saved was blamed on latest, which named another
+        if asked:  # a tag= never saved is not blamed on latest, which names another
             raise HDETStateError(f"checkpoint {load_dir} has no complete checkpoint tagged {tag!r} ({LAYOUT_FILE} "
                                  f"lists: {listed}); pass one of those tags, or leave tag unset to load the one in "
                                  "latest")
@@ -220,7 +220,7 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
                              f"as a complete checkpoint of this folder (complete: {listed}); write one of those tags "
                              f"into it")
     missing = [r for r in range(replicas) if not os.path.isdir(os.path.join(load_dir, f"replica_{r}", tag))]
-    if missing:  # a deleted folder: the older checkpoints may be whole (tester round 32)
+    if missing:  # a deleted folder: the older checkpoints may be whole
         raise HDETStateError(f"checkpoint {load_dir} has no folder for replica(s) {missing} at tag {tag!r}; "
                              f"{_ways_on(load_dir, saved, tag, replicas, shard)}")
     # Every rank writes one HDET state file: a partial save shows here, for all ranks alike.
@@ -247,10 +247,10 @@ def check_resumable(load_dir: str, world_size: int, replicas: int, backend: str,
 def _ways_on(load_dir: str, saved: dict, tag: str, replicas: int, shard: int) -> str:
     """The ways on from a damaged or incomplete checkpoint ``tag``: restore its files from
     a copy, resume from another checkpoint the layout ``saved`` lists whose replica
-    folders and HDET state files are all there (tester round 64: with a replica folder
-    gone from two tags, each was offered as the way on from the other), or start a new
-    run_dir (tester round 51: with no other checkpoint the advice was "; or start a new
-    run_dir" alone). Reads the folder listing only, not the files."""
+    folders and HDET state files are all there (with a replica folder gone from two
+    tags, neither is offered as the way on from the other), or start a new run_dir
+    (with no other checkpoint, not as "; or start a new run_dir" alone). Reads the
+    folder listing only, not the files."""
     older = {t: s for t, s in checkpoint_index(saved, tag).items()
              if t != tag and not _lost_state_files(load_dir, t, replicas, shard)}
     listed = ", ".join(f"{t} (step {s})" for t, s in older.items())
@@ -283,8 +283,8 @@ def save_hdet_state(rdir: str, topology: Topology, scheduler: HDETScheduler, opt
 
 def check_optimizer_class(rdir: str, topology: Topology, optimizer: Any) -> None:
     """Refuse, before anything is loaded, a checkpoint whose optimizer state was saved
-    from another torch optimizer class than ``optimizer``'s (tester round 64: AdamW's
-    state loaded into SGD, and the first step raised ``KeyError: 'momentum'``; Adam's
+    from another torch optimizer class than ``optimizer``'s (AdamW's state loaded into
+    SGD makes the first step raise ``KeyError: 'momentum'``; Adam's
     into AdamW would load its groups' ``decoupled_weight_decay`` silently). Reads this
     rank's HDET state file only; every rank runs the same optimizer class and reads a
     file of the same save, so all reach one verdict. A checkpoint saved without the

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 from hdet_scale import iterates
 from hdet_scale.averaging import _buckets, persistent_float_buffers
 from hdet_scale.config import BLOCK_EXAMPLE, HDETConfig
@@ -61,8 +61,8 @@ def resolve_config(config: HDETConfig | Mapping[str, Any] | str | os.PathLike, w
         if "hdet" not in config:
             from hdet_scale.ds_keys import valid_top_level_keys
 
-            # tester round 29: a DeepSpeed config without the block was read as the block
-            # itself, its keys called unknown hdet keys
+            # a DeepSpeed config without the block must not be read as the block itself,
+            # its keys called unknown hdet keys
             ds_like = sorted(str(k) for k in config if k in valid_top_level_keys())
             if ds_like:
                 raise HDETConfigError(f"hdet config: a DeepSpeed-style config (keys {', '.join(ds_like[:4])}"
@@ -85,8 +85,8 @@ def check_sinks(config: HDETConfig) -> None:
     would fail later: a JSONL path it could not open at its first record
     (:func:`~hdet_scale.paths.check_output_file`), W&B settings it could not start.
     :func:`resolve_config`, the DeepSpeed backend's ``initialize`` and ``HDETTrainer``
-    call it (tester round 62: ``HDETTrainer`` on DeepSpeed trained into an
-    ``IsADirectoryError`` on rank 0 at step 1).
+    call it (else ``HDETTrainer`` on DeepSpeed trains into an ``IsADirectoryError`` on
+    rank 0 at step 1).
 
     Raises:
         HDETConfigError: naming the key.
@@ -126,7 +126,7 @@ def start_from_replica_0(backend: Any, topology: Topology) -> None:
     replicas start as copies of one model (paper Sec. 3.1); DDP and fairscale broadcast
     at wrap, but DeepSpeed broadcasts only inside its data-parallel group (the shard
     group) and FSDP2 not at all, so ranks seeded apart, or an ``init_weights`` that
-    differs between replicas, started the replicas apart, unsaid (tester round 58).
+    differs between replicas, would start the replicas apart, unsaid.
     Collective on the replica groups; nothing with one replica."""
     if topology.replicas == 1:
         return

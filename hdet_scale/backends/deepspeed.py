@@ -131,9 +131,9 @@ class DeepSpeedBackend:
         (``requires_grad`` false: a frozen embedding, a LoRA base): each one's ZeRO-3
         partition (``ds_tensor``, working dtype) and, where it is gathered between steps
         (persistent), its full tensor. Nothing changes them, so converge leaves them
-        alone, but the start copy must cover them: without it, replica 1 kept its own
-        frozen weights (tester round 59: its embedding held uninitialised memory, sum of
-        |x| 3e28, under HDETTrainer)."""
+        alone, but the start copy must cover them: without it, replica 1 keeps its own
+        frozen weights (under HDETTrainer its embedding may hold uninitialised memory,
+        sum of |x| 3e28)."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         out = []
@@ -201,9 +201,9 @@ def mpi_discovery_wanted() -> bool:
     """Whether ``deepspeed.init_distributed`` may look for an MPI world: only when the
     ``env://`` variables torch needs (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``) are incomplete, or an MPI launcher started this process. DeepSpeed also
-    asks for ``LOCAL_RANK`` and, without it, imports ``mpi4py`` (tester round 60: a RANK
-    left in a shell without LOCAL_RANK ended in a ModuleNotFoundError traceback on DeepSpeed
-    while FSDP2 joined the world as the note says). torch's ``env://`` does not need
+    asks for ``LOCAL_RANK`` and, without it, imports ``mpi4py`` (a RANK left in a shell
+    without LOCAL_RANK would end in a ModuleNotFoundError traceback on DeepSpeed while
+    FSDP2 joins the world as the note says). torch's ``env://`` does not need
     ``LOCAL_RANK``, which ``_init_distributed`` then sets to 0 on CPU (DeepSpeed reads it
     for its device) and asks for on an accelerator."""
     env_world = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -228,7 +228,7 @@ def _init_distributed(dist_backend: str | None) -> str:
     accel = get_accelerator()
     if "LOCAL_RANK" not in os.environ and not mpi_discovery_wanted():
         # DeepSpeed reads os.environ["LOCAL_RANK"] for its device (zero.Init, the engine):
-        # a KeyError for ranks started by hand (tester round 61). On CPU every index names
+        # a KeyError for ranks started by hand. On CPU every index names
         # the one device; on an accelerator a guess could put two ranks on one device.
         if accel.device_name() != "cpu":
             raise HDETConfigError("LOCAL_RANK is not set, and DeepSpeed needs it (this rank's device index on its "
@@ -362,7 +362,7 @@ def initialize(model: torch.nn.Module, config: str | dict, optimizer: Any = None
 
     cfg, ds = prepare_config(config)
     taken = sorted(k for k in kwargs if k in _HDET_KWARGS) if cfg.enabled else []
-    if taken:  # tester round 65: deepspeed.initialize's TypeError "got multiple values for keyword argument"
+    if taken:  # not deepspeed.initialize's TypeError "got multiple values for keyword argument"
         raise HDETConfigError("hdet_scale.initialize: " + "; ".join(f"{k}= is HDET's to give DeepSpeed: "
                                                                     f"{_HDET_KWARGS[k]}" for k in taken))
     if logger is None:  # the block's sinks are used (make_logger below), not a caller's logger (hdet-train's)

@@ -14,8 +14,8 @@ def check_accelerator(ds: dict) -> None:
     """Refuse what this machine's DeepSpeed accelerator cannot run, before any rank builds
     an engine: fp16 where it has no fp16 (CPU), an optimizer whose fused op it lacks
     (Lamb, Lion on CPU), ZeRO++ quantization without its op, an offload to NVMe without
-    the async_io op or its folder. Each raised inside ``deepspeed.initialize`` on every
-    rank before (tester rounds 12, 20, 25). Not part of :func:`prepare_config`: ``hdet-dryrun`` checks
+    the async_io op or its folder. Each would raise inside ``deepspeed.initialize`` on every
+    rank otherwise. Not part of :func:`prepare_config`: ``hdet-dryrun`` checks
     configs for other machines.
 
     Raises:
@@ -39,7 +39,7 @@ def check_accelerator(ds: dict) -> None:
     quantized = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
                              "zero_quantized_gradients") if zero.get(k) is True]
     if quantized and type(accel.create_op_builder("QuantizerBuilder")).__name__ == "NotImplementedBuilder":
-        # tester round 20: "This op had not been implemented on CPU backend" in every rank
+        # not "This op had not been implemented on CPU backend" in every rank
         errors += [f"zero_optimization.{k}: ZeRO++'s quantization needs DeepSpeed's quantizer op, which this "
                    f"machine's accelerator ({accel.device_name()}) does not have; remove it, or run on a GPU"
                    for k in quantized]
@@ -51,8 +51,8 @@ def check_accelerator(ds: dict) -> None:
 def _nvme_errors(zero: dict, accel) -> list[str]:
     """ZeRO-Infinity's offload to NVMe (``offload_param`` / ``offload_optimizer`` with
     ``device: nvme``) needs DeepSpeed's async_io op (libaio) and an existing folder
-    ``nvme_path`` (tester round 25: both failed inside every rank, a traceback each, after
-    a minute; a missing folder would be created wherever the typo points)."""
+    ``nvme_path`` (unchecked, both fail inside every rank, a traceback each, after a
+    minute; a missing folder would be created wherever the typo points)."""
     import os
 
     errors, aio = [], None

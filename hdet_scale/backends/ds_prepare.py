@@ -39,7 +39,7 @@ def load_ds_config(config: str | dict) -> dict:
         with open(config) as f:
             text = f.read()
         return loads_json_object(text, f"DeepSpeed config {os.fspath(config)!r}")
-    if not isinstance(config, Mapping):  # tester round 23: None, a list: a TypeError from dict()
+    if not isinstance(config, Mapping):  # None, a list: not a TypeError from dict()
         raise HDETConfigError(f"config: expected a DeepSpeed JSON path or a dict with its \"hdet\" block, got "
                               f"{type(config).__name__} {config!r:.100}")
     return copy.deepcopy(dict(config))
@@ -95,8 +95,8 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
             if unknown:
                 classes = [n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)]
                 exact = [n for n in classes if isinstance(opt_type, str) and n.lower() == opt_type.lower()]
-                # tester round 48: "AdamWW" got no hint, and ZeRO's untested-optimizer line
-                # below gave advice (zero_allow_untested_optimizer) that could not help
+                # "AdamWW" gets a hint, and ZeRO's untested-optimizer line below would give
+                # advice (zero_allow_untested_optimizer) that cannot help
                 near = difflib.get_close_matches(opt_type, classes, n=1) if isinstance(opt_type, str) else []
                 hint = (f"; DeepSpeed looks torch.optim classes up by their exact name: write {exact[0]!r}" if exact
                         else f"; did you mean {near[0]!r}?" if near else "")

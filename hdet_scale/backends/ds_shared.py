@@ -8,7 +8,7 @@ fills that map on global rank 0 only (``DeepSpeedEngine._get_shared_params``: ``
 dist.get_rank() == 0``) and leaves it empty elsewhere: with one DeepSpeed job per world
 that is the one file the tool reads, but HDET writes a DeepSpeed checkpoint per replica,
 and the first shard rank of replica r > 0 is not global rank 0. ``zero_to_fp32.py`` on
-``replica_1`` then dropped ``lm_head.weight`` (tester round 58).
+``replica_1`` would then drop ``lm_head.weight``.
 
 The tag and the script. DeepSpeed's tools read ``latest`` in the folder they are given,
 and DeepSpeed copies ``zero_to_fp32.py`` into global rank 0's folder only:
@@ -54,8 +54,8 @@ def name_shared_params_everywhere(engine: Any) -> None:
 def link_tool_files(save_dir: str, replicas: int) -> None:
     """``replica_<r>/latest`` as a link to ``../latest`` in each replica folder, so that
     DeepSpeed's own tools, which read ``latest`` in the folder they are given
-    (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (tester round 57: "Unable
-    to find 'latest' file"); and ``replica_<r>/zero_to_fp32.py`` and ``zero_to_torch.py``
+    (``zero_to_fp32.py``, copied into ``replica_0``), find the tag (not "Unable to find
+    'latest' file"); and ``replica_<r>/zero_to_fp32.py`` and ``zero_to_torch.py``
     for r > 0 as links to replica 0's copies, so each folder holds what DeepSpeed
     documents. Links, not copies:
     ``latest`` always names what the one ``latest`` names, which moves only when every
@@ -63,7 +63,7 @@ def link_tool_files(save_dir: str, replicas: int) -> None:
     ``--tag``)."""
     for r in range(replicas):
         links = {LATEST_FILE: os.path.join(os.pardir, LATEST_FILE)}
-        if r > 0:  # DeepSpeed copies its recovery scripts on global rank 0 only (tester rounds 59, 60)
+        if r > 0:  # DeepSpeed copies its recovery scripts on global rank 0 only
             links.update({script: os.path.join(os.pardir, "replica_0", script) for script in _RECOVERY_SCRIPTS})
         for name, target in links.items():
             link = os.path.join(save_dir, f"replica_{r}", name)

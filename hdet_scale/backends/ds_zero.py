@@ -1,7 +1,7 @@
 """The ZeRO-3 settings HDET's DeepSpeed backend cannot run, refused before any rank
 starts (:func:`zero3_errors`, part of ``prepare_config``, so ``hdet-dryrun`` and
-``hdet-train`` say the same). Each was a traceback from DeepSpeed inside every rank, or a
-run that trained wrong without a word, before it was refused here.
+``hdet-train`` say the same). Unrefused, each is a traceback from DeepSpeed inside every
+rank, or a run that trains wrong without a word.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ def zero3_errors(ds: dict, cfg: Any) -> list[str]:
     opt = ds.get("optimizer") if isinstance(ds.get("optimizer"), dict) else {}
     kind, params = opt.get("type"), opt.get("params") or {}
     if isinstance(kind, str) and kind.lower() in ("adam", "adamw") and params.get("amsgrad"):
-        # tester round 14: FusedAdam / DeepSpeedCPUAdam raise on it in every rank
+        # FusedAdam / DeepSpeedCPUAdam raise on it in every rank
         errors.append("optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad "
                       "variant; remove it, or use a torch.optim class as optimizer.type")
     if isinstance(kind, str) and kind.lower() not in ZERO_TESTED and not ds.get("zero_allow_untested_optimizer") \
             and not client_built(ds):  # built by hdet_scale, which allows it itself
-        # tester round 20: SGD / RMSprop asserted in every rank ("untested ZeRO Optimizer")
+        # SGD / RMSprop would assert in every rank ("untested ZeRO Optimizer")
         errors.append(f"optimizer.type: DeepSpeed's ZeRO refuses {kind!r}, an optimizer it has not tested with "
                       f"ZeRO ({', '.join(ZERO_TESTED)} are), unless zero_allow_untested_optimizer is true: set it "
                       "to run it anyway, or use AdamW")
     legacy = ds.get("zero_optimization")
     if isinstance(legacy, bool):
-        # DeepSpeed's old form: true is stage 1, false stage 0 (tester round 26: "got 0")
+        # DeepSpeed's old form: true is stage 1, false stage 0 (not "got 0")
         errors.append(f"zero_optimization: {str(legacy).lower()} is DeepSpeed's old form of stage "
                       f"{int(legacy)}; hdet's DeepSpeed backend needs ZeRO stage 3: write "
                       "\"zero_optimization\": {\"stage\": 3}")
@@ -49,7 +49,7 @@ def zero3_errors(ds: dict, cfg: Any) -> list[str]:
                       "supported with hdet yet; use 'none'")
     hpz = zero.get("zero_hpz_partition_size", 1)
     if isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1:
-        # tester round 20: 2 x 2 ranks with hpZ 2 or 4 trained at a first loss of 23.5
+        # 2 x 2 ranks with hpZ 2 or 4 train at a first loss of 23.5
         # against 5.4 without it (hpZ's secondary partition groups are built over the
         # whole world, not inside the replica's shard group)
         errors.append(f"zero_optimization.zero_hpz_partition_size: ZeRO++'s hierarchical partitioning ({hpz}) "
@@ -61,7 +61,7 @@ def zero3_errors(ds: dict, cfg: Any) -> list[str]:
     factor = ds.get("gradient_predivide_factor", 1.0)
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1.0 \
             and zero.get("reduce_scatter", True):
-        # tester round 20: DeepSpeed's assertion in every rank
+        # else DeepSpeed's assertion in every rank
         errors.append(f"gradient_predivide_factor: DeepSpeed's ZeRO-3 supports only 1.0 with reduce_scatter "
                       f"(the default), got {factor}; remove it")
     return errors

@@ -268,7 +268,7 @@ def initialize(model: nn.Module, config: Any, optim: type[Optimizer] = torch.opt
     ddp_model = wrap_ddp(model, cfg, topology, device, ddp_kwargs)
     with warnings.catch_warnings():
         # fairscale 0.4 calls torch's deprecated _get_global_rank: one FutureWarning per
-        # rank that the user cannot act on (tester round 34)
+        # rank that the user cannot act on
         warnings.filterwarnings("ignore", message=".*_get_global_rank` is deprecated", category=FutureWarning)
         optimizer = OSS(model.parameters() if params is None else params, optim=optim, group=topology.shard_group,
                         **optim_kwargs)

@@ -337,7 +337,7 @@ def load_checkpoint(model: nn.Module, optimizer: Optimizer, scheduler: HDETSched
     check_optimizer_class(rdir, t, optimizer)  # before anything is loaded
     settings = group_settings(optimizer)
     # DCP loads the keys it is asked for: a smaller model would load from a larger
-    # checkpoint without a word (tester round 28, through hdet-train)
+    # checkpoint without a word
     params, _ = _split_model_state(model)
     refuse_other_model(BACKEND_NAME, load_dir, tag, rdir, {k: tuple(v.shape) for k, v in params.items()}, t)
     saved_keys = dcp_metadata(rdir).state_dict_metadata

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 
 MANIFEST_FILE = "hdet_manifest.json"
 _CHUNK = 1 << 20  # bytes read at a time: memory stays bounded whatever the file's size
@@ -57,7 +57,7 @@ def write_manifest(save_dir: str, tag: str, topology: Any) -> None:
             if replica == topology.replica_index:
                 files.update(share)
         # The folder's own place too: a whole folder copied in from another replica or tag
-        # brings its manifest, and only these name it (tester round 13: a resume hung).
+        # brings its manifest, and only these name it (else a resume can hang).
         write_atomic(os.path.join(folder, MANIFEST_FILE),
                      json.dumps({"files": files, "replica": topology.replica_index, "tag": tag}, sort_keys=True))
 
@@ -116,8 +116,8 @@ def listing_problem(folder: str, required: bool, named: frozenset[str] = frozens
     it lists exists at the recorded size. ``"<path> (<why>)"`` for the first problem,
     else ``None``. The CRC-32s are compared by the load (:func:`manifest_problem`),
     which reads every file and so is split over the ranks. A file in ``named`` (paths
-    another check already reported, e.g. a cut-short archive) is not named again (tester
-    round 48: one file, two explanations)."""
+    another check already reported, e.g. a cut-short archive) is not named again (one
+    file, one explanation)."""
     path = os.path.join(folder, MANIFEST_FILE)
     if not os.path.isfile(path):
         return (f"{path} (missing: this checkpoint was saved with one, and without it files swapped or copied "

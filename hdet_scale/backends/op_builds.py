@@ -3,7 +3,7 @@ progress there (``builds_in_progress``), and how a rank's error tells an op buil
 (``build_interrupted``) or a waited-on build that ended without the op (``op_missing``)
 from a real failure (``train/launcher.py``). The first two are read by the rendezvous notice
 (``backends/rendezvous.py``), which must not send a user to check the network while a rank
-compiles an op on a first run (tester round 26), and by ``train/startup.py``'s lock watch.
+compiles an op on a first run, and by ``train/startup.py``'s lock watch.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def build_interrupted(e: BaseException) -> bool:
     ``CalledProcessError``, whose output torch puts in the message. ninja 1.13 exits 130 when
     the signal reaches it first, but 2 when its compiler dies of the signal first: then only
     its words, ``build stopped: interrupted by user`` (said for all three signals), tell
-    (tester round 45: exit 2, and the traceback came back). A failed compile (exit 1,
+    (exit 2, where the traceback would come back). A failed compile (exit 1,
     ``build stopped: subcommand failed``) is not."""
     import signal
     import subprocess
@@ -82,8 +82,8 @@ def op_missing(e: BaseException) -> str | None:
     """The op (``"fused_adam"``) whose compiled library is missing, when ``e`` is torch's
     loader failing to import it after waiting on another process's build of it: that
     build ended (stopped by a Ctrl-C, or failed) without writing ``<dir>/<op>.so``, and
-    the waiting process then imports a file that is not there (tester round 44, measured:
-    an ``ImportError ... cannot open shared object file`` traceback from the rank that
+    the waiting process then imports a file that is not there (measured: an
+    ``ImportError ... cannot open shared object file`` traceback from the rank that
     waited, beside the builder's quiet stop). ``None`` for any other error, among them a
     library that exists but does not load (a real defect, shown in full) and a lock still
     held (a build under way). Never raises."""

@@ -1,6 +1,6 @@
-"""What a resume keeps of the optimizer's settings (tester round 65: a library run loaded
-with other ``betas`` or ``weight_decay`` than its checkpoint trained on with the
-checkpoint's, bit for bit, without a word; ``hdet-train`` warns of it from its own config,
+"""What a resume keeps of the optimizer's settings (a library run loaded with other
+``betas`` or ``weight_decay`` than its checkpoint trains on with the checkpoint's, bit
+for bit, which would otherwise go without a word; ``hdet-train`` warns of it from its own config,
 ``train/resume_config.py``).
 
 torch's ``Optimizer.load_state_dict`` (and DCP's ``set_optimizer_state_dict``, fairscale's

@@ -5,12 +5,12 @@ ranks have joined: up to 30 minutes (torch's default timeout) when a peer never 
 (a stray ``RANK`` / ``WORLD_SIZE`` in a shell, a wrong ``MASTER_ADDR``, the other node's
 launch failed). The main thread is inside C++ all that time, so a Python signal handler
 (``KeyboardInterrupt``, hdet-train's stop handlers) never runs: Ctrl-C, ``timeout``'s
-SIGTERM and a scheduler's SIGTERM were ignored until ``kill -9`` (tester round 23 of
-issue 9). For that window only, SIGINT, SIGTERM and SIGHUP get their default action (the
+SIGTERM and a scheduler's SIGTERM would be ignored until ``kill -9``. For that window
+only, SIGINT, SIGTERM and SIGHUP get their default action (the
 process ends by the signal: exit 130 / 143 / 129 in a shell); the handlers that were there
 come back as soon as the group exists. A handler set to ignore stays ignored.
 
-The wait also speaks (tester round 25): every ``notice_every`` seconds (60) a line on
+The wait also speaks: every ``notice_every`` seconds (60) a line on
 stderr names the rank, how long it has waited and the address it waits at, and torch's
 timeout (``DistStoreError: Timed out ... 1/2 clients joined``, a traceback after 30
 minutes) becomes one :class:`HDETConfigError` naming the same. torch releases the GIL in
@@ -49,7 +49,7 @@ def _announce(done: threading.Event, every: float) -> None:
         waited = f"still waiting for the process group to form after {time.monotonic() - t0:.0f} s ({_where()})"
         building = builds_in_progress()
         if building:
-            # tester round 26: on a first run a rank compiles DeepSpeed's ops inside
+            # on a first run a rank compiles DeepSpeed's ops inside
             # init_distributed for minutes; the network is not the cause then
             why = (f"a DeepSpeed op is being built on this machine ({building[0]}), which takes minutes on a "
                    "first run; the ranks join when it is done")

@@ -33,7 +33,7 @@ from hdet_scale.train.start_notes import print_engine_notes, print_resume_notice
 def _split_args(argv: list[str]) -> tuple[str | None, list[str]]:
     """``(CONFIG.yaml or None, key=value overrides)``: a first argument without ``=``
     is the config file, and so is an existing ``.yaml`` / ``.yml`` file whose name holds
-    one (tester round 35: ``hdet-train a=b.yaml`` said "a: unknown key")."""
+    one (so that ``hdet-train a=b.yaml`` does not say "a: unknown key")."""
     if argv and ("=" not in argv[0] or argv[0].endswith((".yaml", ".yml")) and os.path.isfile(argv[0])):
         return argv[0], argv[1:]
     return None, argv
@@ -52,7 +52,7 @@ _EMPTY_IS_NOT_NULL = {
                  "library's sources)",
     "deepspeed_config": "leave deepspeed_config out (or deepspeed_config=null) for the packaged DeepSpeed JSON",
     "run_dir": "leave run_dir out for the default (runs/default)",
-    # tester round 65: the run went to the W&B project "hdet" (the logger's fallback for none)
+    # an empty one would send the run to the W&B project "hdet" (the logger's fallback for none)
     "wandb.project": "leave wandb.project out for the default (hdet-scale)",
 }
 _GIVE = {"wandb.project": "a W&B project name"}  # what the others take: a path
@@ -152,8 +152,8 @@ def _validate_once(validate: Any, run: dict, world_size: int, announce: bool) ->
     """``loop.validate``, its config warnings (one replica asked to spread, auto-LR
     without a signal...) printed once as ``hdet-train: warning:`` lines by the process
     that announces (the launcher, or rank 0 under torchrun), not by Python's warning
-    format from every check that meets them in every rank (9 copies in a 2-rank run,
-    tester round 10). The ranks then ignore them (``loop.train``)."""
+    format from every check that meets them in every rank (9 copies in a 2-rank run).
+    The ranks then ignore them (``loop.train``)."""
     import warnings
 
     with warnings.catch_warnings(record=True) as seen:
@@ -185,7 +185,7 @@ def _sets_nproc(path: str | None, overrides: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        if len(argv) > 1:  # tester round 41: the rest was ignored without a word
+        if len(argv) > 1:  # the rest is not ignored without a word
             print(f"hdet-train: error: {argv[0]} takes nothing after it ({' '.join(map(repr, argv[1:]))} given); "
                   f"run hdet-train {argv[0]} alone, or drop it to train", file=sys.stderr)
             return 2
@@ -208,15 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         if not launched:  # SIGINT is KeyboardInterrupt already
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 if signal.getsignal(sig) is signal.SIG_DFL:
-                    # tester round 31: a SIGTERM in the first second or so (the config read
-                    # and checked) ended hdet-train with 143 and no line
+                    # a SIGTERM in the first second or so (the config read and checked)
+                    # would otherwise end hdet-train with 143 and no line
                     signal.signal(sig, raise_stop)
         if launched:
             from hdet_scale.train.launcher import under_launcher, unlaunched_world_note
 
             # Only a launcher's ranks != 0 leave the words to rank 0: a RANK left in the shell
-            # is this process alone in the terminal, whatever its value (tester round 59:
-            # RANK=1 waited 30 min without the note, and a bad key exited 2 without a line)
+            # is this process alone in the terminal, whatever its value (else RANK=1 waits
+            # 30 min without the note, and a bad key exits 2 without a line)
             quiet = int(os.environ["RANK"]) != 0 and under_launcher()  # an integer: _started_by_launcher checked it
             if not quiet and (note := unlaunched_world_note()) is not None:
                 print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             from hdet_scale.train import refusals
 
             # a torchrun restart of a job its first attempt refused: the same input, the
-            # same answer, without importing torch again (tester round 18: 53 s)
+            # same answer, without importing torch again (53 s)
             before = refusals.remembered(argv)
             if before is not None:
                 if not quiet:
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             rank = int(os.environ["RANK"])
             local = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
             if rank == 0 and _sets_nproc(path, overrides) and str(run["nproc"]) != local.strip():
-                # tester round 12: nproc=4 under a 2-rank torchrun, ignored without a word
+                # e.g. nproc=4 under a 2-rank torchrun: ignored, so said
                 print(f"hdet-train: note: nproc={run['nproc']} is ignored under a launcher: it started {local} "
                       "ranks on this machine (torchrun --nproc-per-node sets them)", file=sys.stderr, flush=True)
             # the run's own checks read the same files on every rank: one message, rank 0's
@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
                 if not peer_lost(e):
                     raise
-                # tester round 30: under torchrun, gloo's "Connection reset by peer" traceback on
-                # each rank that outlived a dead one; torchrun's own lines name the failure
+                # under torchrun, not gloo's "Connection reset by peer" traceback on each
+                # rank that outlived a dead one; torchrun's own lines name the failure
                 from hdet_scale.train.stopping import after_failure, completed_message, run_completed
 
                 if run_completed(run, started):  # a rank ended in the last barrier: nothing lost
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                         refusals.note_completed(run["run_dir"], said=True)
                     exit_completed()
 
-                # tester round 51: with no restarts left, nothing else named the checkpoint
+                # with no restarts left, nothing else names the checkpoint
                 advice = f" {after_failure(run)}" if rank == 0 else ""  # or the restart to come
                 print(f"hdet-train: rank {rank}: lost the connection to a rank that ended "
                       f"({gloo_reason(e)}).{advice}", file=sys.stderr, flush=True)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         # the model's meta build is left to the ranks (validate's docstring)
         try:
             checked = _validate_once(lambda r, w: validate(r, w, build_model=False), run, run["nproc"], announce=True)
-        except HDETConfigError as e:  # the world is nproc's here: said in its terms (tester round 59)
+        except HDETConfigError as e:  # the world is nproc's here: said in its terms
             from hdet_scale.train.validate import in_nproc_terms
 
             raise in_nproc_terms(e, run["nproc"], _sets_nproc(path, overrides)) from None
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if run["wandb"]["enabled"]:
             from hdet_scale.wandb_server import refuse_unreachable
 
-            refuse_unreachable(run["wandb"]["mode"])  # tester round 39: rank 0 found it 40-64 s later
+            refuse_unreachable(run["wandb"]["mode"])  # rank 0 would find it 40-64 s later
         if run["backend"] == "deepspeed":
             check_extensions_dir()  # before stale_trainer_locks looks inside it
             stale = stale_trainer_locks()

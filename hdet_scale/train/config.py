@@ -94,8 +94,8 @@ def _leaf_keys(node: Any = RunConfig, prefix: str = "") -> list[str]:
 
 def option_message(arg: str, value: str | None = None) -> str:
     """What to write for a command-line option (``--steps``, ``--steps=10``), which
-    hdet-train does not take: the ``key=value`` override of that name (tester round 22:
-    "did you mean --steps=10?", which was refused in turn)."""
+    hdet-train does not take: the ``key=value`` override of that name (not "did you
+    mean --steps=10?", which would be refused in turn)."""
     name, _, given = arg.lstrip("-").partition("=")
     value = given or value or "..."
     name = name.replace("-", "_")
@@ -122,7 +122,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     from omegaconf.errors import OmegaConfBaseException
 
     second = next((o for o in overrides if "=" not in o and o.endswith((".yaml", ".yml"))), None)
-    if path is not None and second is not None:  # tester round 31: "a config file goes first" (it was)
+    if path is not None and second is not None:  # not "a config file goes first" (it is)
         raise HDETConfigError(f"two config files, {path!r} and {second!r}: hdet-train reads one (hdet-train "
                               "CONFIG.yaml key=value ...); merge them, or give the second's settings as key=value")
     explicit_wandb: set = set()  # the wandb.* keys the user sets (they win over the hdet block's)
@@ -146,8 +146,8 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
         run = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         raise HDETConfigError(describe(e, cfg, overrides, path, merging)) from None
-    # "~" as a shell expands it, as data.path always did (tester round 23: run_dir: ~/x in a
-    # YAML wrote into ./~/x, and the plots line named the home folder)
+    # "~" as a shell expands it, as for data.path (else run_dir: ~/x in a YAML writes
+    # into ./~/x, and the plots line names the home folder)
     for section, key in ((run, "run_dir"), (run, "deepspeed_config"), (run["wandb"], "dir")):
         if isinstance(section.get(key), str):
             section[key] = os.path.expanduser(section[key])
@@ -162,7 +162,7 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     _refuse_empty_over_full(overrides, ds, ds_path)
     given = run["deepspeed"] or {}
     empty = next(filter(None, (_empty_over_full(v, ds.get(k), f"deepspeed.{k}") for k, v in given.items())), None)
-    if empty:  # the same {} from the run YAML (tester round 20: silent there)
+    if empty:  # the same {} from the run YAML (otherwise silent there)
         raise HDETConfigError(f"{empty[0]}: {{}} in the run config merges into {ds_path}, so it changes nothing "
                               f"there (it keeps {', '.join(map(str, empty[1]))}); set the keys inside it instead, or "
                               "give your own deepspeed_config file")
@@ -183,9 +183,9 @@ def load_run_config(path: str | None, overrides: list[str]) -> dict:
     from_block = _hdet_logging(run, explicit_wandb)
     unused = sorted((explicit_wandb | from_block) - {"enabled"})
     if not run["wandb"]["enabled"] and unused and os.environ.get("RANK", "0") == "0":
-        # tester round 48: wandb.project=myproj with wandb.enabled=false ran without a word
+        # wandb.project=myproj with wandb.enabled=false would run without a word
         # (on stderr once, as _hdet_logging's warning: the launcher, or rank 0 under torchrun);
-        # tester round 53: the same keys from the hdet block's logging.wandb
+        # the same for these keys from the hdet block's logging.wandb
         keys = ", ".join(f"{'wandb' if k in explicit_wandb else 'deepspeed.hdet.logging.wandb'}.{k}="
                          f"{run['wandb'][k]!r}" for k in unused)
         print(f"hdet-train: note: {keys} {'is' if len(unused) == 1 else 'are'} not used: wandb.enabled=false starts no "
@@ -203,8 +203,8 @@ _WANDB_ENV = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "group": "WA
 def _wandb_environment(wandb: dict, explicit: set) -> None:
     """A ``WANDB_PROJECT`` (``WANDB_ENTITY``, ``WANDB_RUN_GROUP``, ``WANDB_NAME``) in the
     environment sets that ``wandb.*`` key unless the run config or the hdet block sets it
-    (``explicit``), as the Hugging Face Trainer and ``wandb.init`` itself read them; before,
-    the packaged ``project: hdet-scale`` won without a word (tester round 37)."""
+    (``explicit``), as the Hugging Face Trainer and ``wandb.init`` itself read them, so
+    that the packaged ``project: hdet-scale`` does not win without a word."""
     for key, var in _WANDB_ENV.items():
         if key not in explicit and os.environ.get(var):
             wandb[key] = os.environ[var]
@@ -212,7 +212,7 @@ def _wandb_environment(wandb: dict, explicit: set) -> None:
 
 def _check_bools(top: dict, where: str) -> None:
     """The trainer's true/false keys take a boolean: OmegaConf would read ``2`` as true
-    (``train.overwrite=2`` replaced a run, tester round 11) and ``0`` as false, where the
+    (``train.overwrite=2`` would replace a run) and ``0`` as false, where the
     hdet block refuses both (``expected bool``)."""
     sections = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)
                 if f.default_factory is not dataclasses.MISSING and f.name != "deepspeed"}
@@ -227,10 +227,10 @@ def _check_bools(top: dict, where: str) -> None:
 
 
 def _check_yaml_keys(tree: Any, where: str, key: str = "") -> None:
-    """Keys of the run YAML that cannot name a setting (tester round 20): one that is not
-    a string (``1: 2``, ``null: 3``: OmegaConf's "Incompatible key type" named no file),
-    and a dotted key (``train.steps: 5``: YAML does not nest it, and "unknown key" did
-    not say so)."""
+    """Keys of the run YAML that cannot name a setting: one that is not a string
+    (``1: 2``, ``null: 3``: OmegaConf's "Incompatible key type" names no file), and a
+    dotted key (``train.steps: 5``: YAML does not nest it, and "unknown key" does not
+    say so)."""
     if not isinstance(tree, dict):
         return
     for k, v in tree.items():
@@ -303,7 +303,7 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
     except yaml.YAMLError as e:
         where = " ".join(str(e).replace('"<unicode string>"', repr(path)).split())
         raise HDETConfigError(f"config file {path!r} is not valid YAML: {where}") from None
-    except ValueError as e:  # tester round 45: a recursive alias spun for ever, deep nesting a traceback
+    except ValueError as e:  # a recursive alias would spin for ever, deep nesting end in a traceback
         raise HDETConfigError(f"config file {path!r} {e}") from None
     # From here the text composes to a tree (safe_parse): the node walks below and
     # OmegaConf's own read of it end.
@@ -329,7 +329,7 @@ def _load_yaml(path: str, overrides: list[str]) -> tuple[Any, dict]:
                               f"it as deepspeed_config={path}; the first argument is the trainer's YAML")
     _check_yaml_keys(top or {}, f"config file {path!r}: ")  # before OmegaConf reads them
     if not top and os.environ.get("RANK", "0") == "0":
-        # tester round 62: a file holding {} (or nothing) started the full default job unsaid
+        # a file holding {} (or nothing) would start the full default job unsaid
         print(f"hdet-train: note: config file {path!r} holds no settings: every setting not given as key=value "
               "is the built-in default (docs/config.md lists them)", file=sys.stderr, flush=True)
     # OmegaConf's YAML loader: it reads 1e-3 as a float, PyYAML does not.
@@ -349,7 +349,7 @@ def _validate(run: dict) -> None:
         if not seed_ok(seed):
             errors.append(f"{key}: must be an integer in [-2**63, 2**64) (torch.manual_seed's range), got {seed}")
     if t["checkpoint_every"] and not t["checkpoint"]:
-        # tester round 12: saved at steps 2 and 4 but not at the end, beside a finished summary
+        # else saved at steps 2 and 4 but not at the end, beside a finished summary
         errors.append(f"train.checkpoint_every={t['checkpoint_every']} with train.checkpoint=false: the run would "
                       "save during training but not at its end; set train.checkpoint=true, or "
                       "train.checkpoint_every=0 for no checkpoint")
@@ -375,12 +375,12 @@ def _validate(run: dict) -> None:
     check_deepspeed_values(run["deepspeed"], prefix="deepspeed.", title="invalid run config")
     from hdet_scale.ds_keys import looks_like_hdet
 
-    # tester round 39: "hdett" was told to "add" the block the user believed they had;
-    # round 48: the same when overrides made an hdet block without replicas beside it
+    # "hdett" is not told to "add" the block the user believes they have; nor is it
+    # when overrides make an hdet block without replicas beside it
     alike = "".join(f" ({k!r} is not read: did you mean 'hdet'?)" for k in run["deepspeed"] if looks_like_hdet(k))
     if run["deepspeed"].get("hdet", {}) == {}:  # null: refused above (an object expected)
-        # tester round 28: a user's own DeepSpeed JSON without the block (or with "hdet": {})
-        # trained plain data parallelism (one replica) without a word
+        # a user's own DeepSpeed JSON without the block (or with "hdet": {}) would
+        # train plain data parallelism (one replica) without a word
         where = run["deepspeed_config"] or "the DeepSpeed JSON"
         raise HDETConfigError(f"deepspeed.hdet: {where} has {'an empty' if 'hdet' in run['deepspeed'] else 'no'} hdet "
                               f"block{alike}, so the run would be plain data parallelism (one replica); hdet-train "
@@ -388,9 +388,9 @@ def _validate(run: dict) -> None:
                               "a whole block; docs/config.md), or give it as overrides (deepspeed.hdet.replicas=2 ...)")
     hdet = run["deepspeed"]["hdet"]
     if "replicas" not in hdet and hdet.get("enabled", True) is not False:
-        # tester round 45 (round 30 only noted it): a block made of other keys alone (an
-        # override such as deepspeed.hdet.sync_interval=5 onto a JSON without one) ran one
-        # replica, plain data parallelism, while that JSON alone is refused above
+        # a block made of other keys alone (an override such as
+        # deepspeed.hdet.sync_interval=5 onto a JSON without one) would run one replica,
+        # plain data parallelism, while that JSON alone is refused above
         where = run["deepspeed_config"] or "the DeepSpeed JSON"
         raise HDETConfigError(f"deepspeed.hdet.replicas: the hdet block ({where} and the overrides) sets no replicas"
                               f"{alike}, "
@@ -403,8 +403,8 @@ def _validate(run: dict) -> None:
         dropout["value"] = run["model"]["dropout"]  # the dropout axis spreads around model.dropout
     elif isinstance(dropout, dict) and isinstance(dropout["value"], (int, float)) \
             and not isinstance(dropout["value"], bool) and dropout["value"] != run["model"]["dropout"]:
-        # a value of another type ("0.1") is HDETConfig's to name, with its type (round 18)
-        # tester rounds 16-17: the axis' value silently won over model.dropout (also over an
+        # a value of another type ("0.1") is HDETConfig's to name, with its type;
+        # the axis' value must not silently win over model.dropout (also over an
         # explicit model.dropout=0.0, which cannot be told from the default)
         raise HDETConfigError(f"deepspeed.hdet.axes.dropout.value={dropout['value']} and model.dropout="
                               f"{run['model']['dropout']}: in hdet-train the dropout axis spreads around "

@@ -49,7 +49,7 @@ def describe(e: Exception, cfg: Any = None, overrides: list[str] = (), path: str
         return f"{key}: empty or null value ({key}= on the command line; an unset shell variable?): give {valid}"
     converted = re.fullmatch(r"Value '(.*)' of type '(\w+)' could not be converted to (Integer|Float|Boolean)", msg)
     if converted and key:
-        # tester round 25: OmegaConf's words, and a YAML's value did not name its file
+        # not OmegaConf's words, and a YAML's value names its file
         value, kind, target = converted.groups()
         setter = [o for o in overrides if o.split("=", 1)[0].strip() == key]
         where = (f"config file {path!r}" if merging == "file" else f"override {setter[-1]!r}" if setter

@@ -18,7 +18,7 @@ from hdet_scale.errors import HDETConfigError
 from hdet_scale.paths import require_regular
 from hdet_scale.safe_parse import TooDeepError, yaml_compose
 
-#: YAML 1.1 booleans that YAML 1.2 (and hdet-train) read as strings (tester round 14).
+#: YAML 1.1 booleans that YAML 1.2 (and hdet-train) read as strings.
 YAML11_BOOLS = ("yes", "no", "on", "off", "y", "n")
 
 
@@ -51,8 +51,8 @@ OCTAL = re.compile(r"[+-]?0[0-9_]+")
 
 
 def ambiguous(value: str) -> str | None:
-    """Why a plain YAML scalar does not mean what it looks like (tester round 14:
-    ``steps: 010`` trained 8 steps, ``project: no`` named a W&B project "False"), or None."""
+    """Why a plain YAML scalar does not mean what it looks like (``steps: 010`` would
+    train 8 steps, ``project: no`` name a W&B project "False"), or None."""
     if value.strip().lower() in YAML11_BOOLS:
         return "YAML 1.1's spelling of a boolean, which hdet-train does not take"
     if OCTAL.fullmatch(value.strip()):
@@ -64,7 +64,7 @@ def ambiguous(value: str) -> str | None:
 def yaml11_scalar(text: str) -> tuple[str, int, str, str] | None:
     """``(dotted key, line, value, why)`` of the first unquoted value of the YAML ``text``
     that :func:`ambiguous` names, or ``None``. Raises what ``safe_parse.yaml_load`` raises."""
-    todo = [("", yaml_compose(text))]  # a tree: an alias cycle made this loop endless (tester round 45)
+    todo = [("", yaml_compose(text))]  # a tree: an alias cycle would make this loop endless
     while todo:
         path, node = todo.pop()
         if isinstance(node, yaml.MappingNode):
@@ -80,7 +80,7 @@ def repeated_key(text: str) -> tuple[str, int, int] | None:
     """``(dotted key, first line, second line)`` of the first key given twice in one
     mapping of the YAML ``text`` (PyYAML keeps the last silently), or ``None``. Raises
     what ``safe_parse.yaml_load`` raises."""
-    todo = [("", yaml_compose(text))]  # a tree (tester round 45)
+    todo = [("", yaml_compose(text))]  # a tree
     while todo:
         path, node = todo.pop()
         if isinstance(node, yaml.MappingNode):
@@ -101,7 +101,7 @@ def load_deepspeed_json(path: str) -> dict:
 
     Raises:
         HDETConfigError: the file is missing, unreadable, empty, not JSON, nested too
-            deeply (tester round 45), not an object, or a Hugging Face model config.
+            deeply, not an object, or a Hugging Face model config.
     """
     text = read_text(path, "deepspeed_config: file")
     if not text.strip():
@@ -110,13 +110,13 @@ def load_deepspeed_json(path: str) -> dict:
         ds = loads_json_object(text, f"deepspeed_config: file {path!r}")
     except HDETConfigError:
         raise
-    except TooDeepError as e:  # tester round 45: a RecursionError traceback
+    except TooDeepError as e:  # not a RecursionError traceback
         raise HDETConfigError(f"deepspeed_config: file {path!r} {e}") from None
     except ValueError as e:
         raise HDETConfigError(f"deepspeed_config: file {path!r} is not valid JSON: {e}") from None
     from hdet_scale.ds_keys import hf_model_type
 
-    if hf_model_type(ds) is not None:  # one line, not 30 unknown keys (tester round 27)
+    if hf_model_type(ds) is not None:  # one line, not 30 unknown keys
         raise HDETConfigError(f"deepspeed_config: file {path!r} is a Hugging Face model config (model_type "
                               f"{hf_model_type(ds)!r}), not a DeepSpeed config; hdet-train's model is set by the "
                               "model.* keys (docs/config.md), the DeepSpeed JSON holds the optimizer, batch keys "

@@ -21,8 +21,8 @@ def _node(ds: dict, key: str) -> Any:
 
 def refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None:
     """``deepspeed.<key>={}`` where the DeepSpeed JSON has a non-empty object: overrides
-    merge, so ``{}`` changes nothing (tester round 18: ``deepspeed.hdet.axes={}`` kept the
-    packaged lr spread without a word)."""
+    merge, so ``{}`` changes nothing (``deepspeed.hdet.axes={}`` would keep the packaged
+    lr spread without a word)."""
     for o in overrides:
         key, value = (part.strip() for part in o.split("=", 1))
         if not key.startswith("deepspeed.") or value.replace(" ", "") != "{}":
@@ -38,8 +38,8 @@ def refuse_empty_over_full(overrides: list[str], ds: dict, ds_path: str) -> None
 def kept_by_merge(overrides: list[str], ds: dict, ds_path: str) -> list[str]:
     """Note lines for ``deepspeed.<key>={...}`` overrides (a mapping) over an object of the
     DeepSpeed JSON ``ds`` that has keys the mapping leaves out: overrides merge, so those
-    stay (tester round 29: ``deepspeed.hdet.axes={weight_decay: {...}}`` read as "these
-    axes only" kept the packaged lr spread without a word). Never raises."""
+    stay (``deepspeed.hdet.axes={weight_decay: {...}}`` meant as "these axes only" would
+    keep the packaged lr spread without a word). Never raises."""
     import yaml
 
     notes = []
@@ -80,7 +80,7 @@ def empty_over_full(given: Any, base: Any, key: str) -> tuple[str, list] | None:
 
 def container_clash(base: Any, over: Any, key: str) -> str | None:
     """The first key where ``over`` puts a list over an object of ``base`` or the reverse
-    (tester round 16: ``deepspeed.hdet.axes=[lr, dropout]`` was a traceback), as a message."""
+    (``deepspeed.hdet.axes=[lr, dropout]`` would be a traceback), as a message."""
     if isinstance(base, dict) and isinstance(over, dict):
         for k, v in over.items():
             found = container_clash(base.get(k), v, f"{key}.{k}") if k in base else None
@@ -96,8 +96,8 @@ def container_clash(base: Any, over: Any, key: str) -> str | None:
 
 def null_over_file_hint(overrides: list[str], ds: dict, ds_path: str, message: str) -> str | None:
     """The line added to a refusal of ``deepspeed.<key>=null`` where ``<key>`` is in the
-    DeepSpeed JSON (tester round 30: ``deepspeed.gradient_clipping=null``, meant as
-    "leave it out", was "must be a number >= 0, got None", not saying how to leave it
+    DeepSpeed JSON (``deepspeed.gradient_clipping=null``, meant as "leave it out", is
+    refused as "must be a number >= 0, got None", which does not say how to leave it
     out). ``message``: the refusal's text; the hint is given only for a key it names."""
     for o in overrides:
         key, _, value = (part.strip() for part in o.partition("="))

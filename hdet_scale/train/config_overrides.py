@@ -32,15 +32,15 @@ def parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         yaml_late = [o for o in bad if o.endswith((".yaml", ".yml"))]
-        first = (f"; a config file goes first: hdet-train {yaml_late[0]} key=value ..."  # tester round 27
+        first = (f"; a config file goes first: hdet-train {yaml_late[0]} key=value ..."
                  if yaml_late else "")
         raise HDETConfigError(f"overrides must be key=value (e.g. train.steps=10), got {bad}{first}")
     spaced = next((o for o in overrides if o.split("=", 1)[0] != o.split("=", 1)[0].strip()), None)
-    if spaced is not None:  # tester round 32: "train.steps = 30" was "train.steps : unknown key"
+    if spaced is not None:  # "train.steps = 30" is not "train.steps : unknown key"
         key, value = (part.strip() for part in spaced.split("=", 1))
         raise HDETConfigError(f"override {spaced!r}: spaces around the key; write {key}={value} (no spaces around "
                               "'=')")
-    # tester round 12: "=5" read as the key '' of the config, "train..steps=5" as "train"
+    # "=5" would read as the key '' of the config, "train..steps=5" as "train"
     bad = [o for o in overrides if not all(o.split("=", 1)[0].split("."))]
     if bad:
         raise HDETConfigError(f"override {bad[0]!r}: the key before '=' must be dotted names without an empty part "
@@ -56,12 +56,12 @@ def parse_overrides(overrides: list[str]) -> tuple[Any, dict]:
                                   "quote it for a string, e.g. 'run_dir=\"a,b\"'") from None
         tree = OmegaConf.to_container(node, resolve=False)
         if value.strip().lower() in YAML11_BOOLS and isinstance(OmegaConf.select(node, key.strip()), bool):
-            # tester round 13: train.overwrite=yes replaced a run; the docs promise true/false only
+            # train.overwrite=yes would replace a run; the docs promise true/false only
             raise HDETConfigError(f"override {o!r}: write true or false ({value.strip()!r} is YAML 1.1's spelling "
                                   f"of a boolean, which hdet-train does not take), or quote a string: "
                                   f"'{key.strip()}=\"{value.strip()}\"'")
         if OCTAL.fullmatch(value.strip()) and isinstance(OmegaConf.select(node, key.strip()), int):
-            # tester round 14: train.steps=010 trained 8 steps (YAML 1.1 octal)
+            # train.steps=010 would train 8 steps (YAML 1.1 octal)
             raise HDETConfigError(f"override {o!r}: {ambiguous(value)}; write the number without the leading 0")
         check_sections(tree, "", yaml_form=False)
         for leaf in _leaves(tree):

@@ -192,7 +192,7 @@ def _walk(top: str, rel_top: str, real_top: str, walked: set[tuple[int, int]], f
             with os.scandir(dirpath) as it:
                 names = sorted((e.name, e.is_symlink()) for e in it if not e.name.startswith("."))
         except OSError as e:
-            # tester: a folder's unreadable files and folders were left out without a word
+            # a folder's unreadable files and folders must not be left out without a word
             unreadable.append((rel_dir, dirpath, e.errno or errno.EACCES, True))
             continue
         subdirs = []
@@ -215,7 +215,7 @@ def _walk(top: str, rel_top: str, real_top: str, walked: set[tuple[int, int]], f
                 subdirs.append((full, rel, os.path.join(real_dir, name)))
             elif stat.S_ISREG(st.st_mode):
                 progress.count()
-                if not _readable(full):  # tester: 16 of 28 files chmod 000 were dropped without a word
+                if not _readable(full):  # files chmod 000 must not be dropped without a word
                     unreadable.append((rel, full, errno.EACCES, False))
                     continue
                 found.append((rel, full, ident,
@@ -239,7 +239,7 @@ def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, i
             real path is in /proc or /sys; files or folders inside it that this process
             may not read (:func:`_refuse_unreadable`, naming ``part``, the item of
             ``data.path``); a linked folder that is ``run_dir``, lies inside it or holds
-            it (tester round 52: found only at the resume, once run_dir held files).
+            it (else found only at the resume, once run_dir holds files).
     """
     found: _Found = []
     walked = {ident}
@@ -268,8 +268,8 @@ def _folder_files(folder: pathlib.Path, progress: _Progress, ident: tuple[int, i
 def _refuse_unreadable(part: str, unreadable: _Unreadable) -> None:
     """Refuse folder ``part`` of ``data.path`` for its unreadable files and folders: how
     many, the first :data:`UNREADABLE_SHOWN` paths (sorted), the OS's reason and the fix.
-    Training on the rest would train on part of the corpus without a word (tester: 16 of
-    28 files ``chmod 000``, the run trained on 42% of the corpus)."""
+    Training on the rest would train on part of the corpus without a word (e.g. 16 of
+    28 files ``chmod 000``: 42% of the corpus)."""
     unreadable = sorted(unreadable)
     if unreadable[0][0] == "":  # the folder named itself: one line, as for a file named directly
         raise HDETConfigError(f"data.path: folder {part!r} cannot be read: {os.strerror(unreadable[0][2])}")
@@ -344,7 +344,7 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
     raw = path.split(",")
     parts = [p.strip() for p in raw if p.strip()]
     if parts and len(parts) != len(raw):
-        # tester round 13: "a,,b" and "a," were read as "a,b" and "a" without a word
+        # "a,,b" and "a," would read as "a,b" and "a" without a word
         whole = os.path.lexists(os.path.expanduser(path.strip()))
         raise HDETConfigError(f"data.path={path!r} has an empty item between its commas: give each path once, "
                               "separated by single commas" + (" (a path with commas cannot be given: rename it or "
@@ -390,8 +390,8 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
         new: list[tuple[str, str, tuple[int, int]]] = []
         for key, full, ident, real in entries:
             if inside is not None and real.startswith(inside):
-                # tester round 27: check_apart compares data.path's own parts; a link in a
-                # data folder into run_dir made the run's files training data all the same
+                # check_apart compares data.path's own parts; a link in a data folder into
+                # run_dir would make the run's files training data all the same
                 raise HDETConfigError(f"data.path: {full!r} leads into run_dir {run_dir!r} (real path {real!r}): "
                                       "the run's own files (metrics, checkpoints) would be read as training data; "
                                       "remove the link or put run_dir elsewhere")
@@ -402,7 +402,7 @@ def collect(path: str, run_dir: str | None = None) -> tuple[Files, str]:
     # Keys are prefixed by the item's place among the items that add files, when several
     # do, so that equal relative paths under different folders hash differently. An item
     # that adds nothing (a repeat, a file of an earlier folder) changes no key, hence not
-    # the split (tester round 31: data.path=docs,docs moved files between the splits).
+    # the split (data.path=docs,docs must not move files between the splits).
     adding = [item for item in added if item]
     for place, item in enumerate(adding):
         prefix = f"{place}:" if len(adding) > 1 else ""

@@ -42,8 +42,8 @@ def check_apart(path: str | None, run_dir: str) -> None:
 
     A run_dir inside a data folder makes the run's own files (``metrics.jsonl``,
     checkpoints, ``latest``) training data: a resume then trains on other bytes than the
-    run it continues, or is refused for a split that shrank (tester round 23: "data set
-    too small: it has 13 bytes", the ``latest`` file). Data inside run_dir is removed by
+    run it continues, or is refused for a split that shrank ("data set too small: it
+    has 13 bytes", the ``latest`` file). Data inside run_dir is removed by
     ``train.overwrite=true``. Compared by real path (links resolved).
 
     Raises:

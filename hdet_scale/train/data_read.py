@@ -3,8 +3,8 @@
 
 Only the files that are read are opened: a file of a ``data.path`` folder is judged text
 (:meth:`hdet_scale.train.data_files.Files.is_text`) when the reading comes to it, so a
-folder of 100k files costs a walk and ``data.max_bytes``, not 100k opens (tester round
-26: ``data.path=/usr`` took 42 s before anything was printed). The result is the one of
+folder of 100k files costs a walk and ``data.max_bytes``, not 100k opens (judging first,
+``data.path=/usr`` takes 42 s before anything is printed). The result is the one of
 judging every file first: the same files, order and split.
 """
 
@@ -28,8 +28,8 @@ def hash_unit(key: str, seed: int) -> float:
 
 def at_most(fh: Any, n: int) -> int:
     """``n``, or the bytes left in the open file if fewer: ``read(n)`` allocates ``n`` up
-    front, so a ``data.max_bytes`` meaning "everything" (1e10, 2**63) raised MemoryError
-    or OverflowError (tester round 13)."""
+    front, so a ``data.max_bytes`` meaning "everything" (1e10, 2**63) would raise
+    MemoryError or OverflowError."""
     return max(0, min(n, os.fstat(fh.fileno()).st_size - fh.tell()))
 
 
@@ -123,7 +123,7 @@ def read_splits(files: Files, val_fraction: float, max_bytes: int, seed: int,
         train_chunks, _ = _fill(files, [i for i in train_set if i != moved] + ([moved] if val_found else []),
                                 train_budget)
     for name, chunks in (("train", train_chunks), ("validation", val_chunks)):
-        if not chunks:  # tester round 60: one text file and an empty one read as a riddle
+        if not chunks:  # one text file and an empty one must not read as a riddle
             texts = sum(files.is_text(i) for i in range(len(files)))
             raise HDETConfigError(f"data.path: {where!r} yields no readable, non-empty files for the {name} split: "
                                   f"its {texts} text files (empty ones included) are split by file, and every "

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 from hdet_scale.backends import BACKENDS
 from hdet_scale.config import HDETConfig
 from hdet_scale.errors import HDETConfigError, HDETStateError

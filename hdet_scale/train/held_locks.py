@@ -1,7 +1,7 @@
-"""The op-build locks this process created, removed when a signal stops it (issue 9, F9).
+"""The op-build locks this process created, removed when a signal stops it.
 
-A rank stopped while torch's loader held ``<extensions dir>/<op>/lock`` used to leave it
-behind, and every later start waited on it. Inside ``startup.watch_op_locks`` torch's
+A rank stopped while torch's loader holds ``<extensions dir>/<op>/lock`` would leave it
+behind, and every later start would wait on it. Inside ``startup.watch_op_locks`` torch's
 ``FileBaton.try_acquire`` / ``release`` are routed through :func:`_tracking_batons`, which
 records each lock this process itself creates (SIGINT/SIGTERM/SIGHUP blocked across the
 create and the record); while one is held, a stop signal first removes it

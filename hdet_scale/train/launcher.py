@@ -43,8 +43,8 @@ def die_with_launcher(launcher: int) -> None:
 class _RankMessages:
     """The ranks' refusals (``str``) for the launcher: one pipe per rank, written by that
     rank alone. Not a ``SimpleQueue``: its two locks are semaphores, which
-    multiprocessing's resource tracker reported as "leaked" (a raw ``UserWarning``) when
-    the launcher was killed (tester round 52). The launcher keeps every writing end open,
+    multiprocessing's resource tracker reports as "leaked" (a raw ``UserWarning``) when
+    the launcher is killed. The launcher keeps every writing end open,
     so a reader never meets an end-of-file."""
 
     def __init__(self, ctx: Any, n: int) -> None:
@@ -89,21 +89,21 @@ def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: in
     except (ImportError, OSError) as e:
         if op_missing(e) is None:
             raise
-        # tester round 44: the op build this rank waited on (another rank's) ended without
-        # the op, stopped by the Ctrl-C that reached its ninja or failed; the builder's
-        # error, or the launcher's stop line, says why: this rank's ImportError traceback
-        # only repeated it. The launcher names this exit (describe_failures).
+        # the op build this rank waited on (another rank's) ended without the op, stopped
+        # by the Ctrl-C that reached its ninja, or it failed; the builder's error, or the
+        # launcher's stop line, says why: this rank's ImportError traceback would only
+        # repeat it. The launcher names this exit (describe_failures).
         sys.exit(OP_MISSING)
     except RuntimeError as e:
         if build_interrupted(e):
-            # tester round 44: a Ctrl-C reaches the op build (ninja, in this rank's process
+            # a Ctrl-C reaches the op build (ninja, in this rank's process
             # group) while the rank ignores it: the launcher got it too and prints the stop line
             sys.exit(BUILD_STOPPED)
         if not peer_lost(e):
             raise
-        # tester round 28: one rank killed, and each of the others printed gloo's "Connection
-        # reset by peer" traceback. The launcher names the rank that ended first and the
-        # last checkpoint; this rank's part is only that it lost that peer.
+        # one rank killed, and each of the others would print gloo's "Connection reset by
+        # peer" traceback. The launcher names the rank that ended first and the last
+        # checkpoint; this rank's part is only that it lost that peer.
         sys.exit(PEER_LOST)
     if rank == 0:
         print(json.dumps(summary, indent=2), flush=True)
@@ -117,9 +117,9 @@ class StopSignals:
 
     A second signal means "stop waiting, kill the ranks" only when it comes
     :data:`REPEAT_S` seconds or more after the first: GNU ``timeout`` and batch
-    schedulers signal the launcher and then its whole process group at once (tester
-    round 22: that copy SIGKILLed a rank building a DeepSpeed op, and the op's lock it
-    held then refused every later start). ``clock``: seconds, monotonic."""
+    schedulers signal the launcher and then its whole process group at once (that copy
+    would SIGKILL a rank building a DeepSpeed op, and the op's lock it held would then
+    refuse every later start). ``clock``: seconds, monotonic."""
 
     def __init__(self, clock: Any = time.monotonic) -> None:
         self.received: list[int] = []
@@ -177,8 +177,8 @@ def raise_stop(signum: int, frame: Any) -> None:
 
 def start_lines(run: dict) -> list[str]:
     """What ``launch_local`` says before it starts the ranks: that they start, and the
-    launcher variables it does not read (tester round 39: up to 49 s of silence while the
-    ranks built their engines; ``MASTER_PORT=abc`` accepted without a word)."""
+    launcher variables it does not read (else up to 49 s of silence while the ranks
+    build their engines, and ``MASTER_PORT=abc`` accepted without a word)."""
     n, hdet = run["nproc"], run["deepspeed"].get("hdet") or {}
     replicas = hdet.get("replicas", 1)
     lines = []
@@ -187,8 +187,8 @@ def start_lines(run: dict) -> list[str]:
         lines.append(f"hdet-train: note: {' '.join(ignored)} in the environment is not used: hdet-train starts its "
                      f"{n} ranks itself, at 127.0.0.1 on a free port; MASTER_ADDR/MASTER_PORT are read under torchrun "
                      "or the deepspeed launcher (with RANK and WORLD_SIZE)")
-    # tester round 45: "2 replica groups of 1 rank" used "replica group" for one model copy,
-    # where the dry run and the docs mean the ranks holding one shard index in every replica
+    # not "2 replica groups of 1 rank": "replica group" would name one model copy, where
+    # the dry run and the docs mean the ranks holding one shard index in every replica
     lines.append(f"hdet-train: starting {n} ranks on this machine ({run['backend']}: {replicas} replica"
                  f"{'s' if replicas != 1 else ''} of the model, {n // replicas} rank{'s' if n // replicas != 1 else ''} "
                  "each); the "
@@ -208,10 +208,10 @@ def under_launcher() -> bool:
 
 def unlaunched_world_note() -> str | None:
     """A note for any rank when ``RANK``/``WORLD_SIZE``/``MASTER_*`` are set but no known
-    launcher started this process (tester round 40: left in a shell, they made hdet-train
-    rank 0 of a world whose other ranks never came, ``nproc`` unused, and nothing said so
-    for 60 s; tester round 59: the same with a leftover RANK=1, silent because only rank 0
-    spoke). ``None`` under a launcher, or when the world is this process alone."""
+    launcher started this process (left in a shell, they make hdet-train rank 0 of a
+    world whose other ranks never come, ``nproc`` unused, and nothing would say so for
+    60 s; the same with a leftover RANK=1, where only rank 0 would speak). ``None`` under
+    a launcher, or when the world is this process alone."""
     env = os.environ
     if under_launcher() or env.get("WORLD_SIZE", "1").strip() == "1":
         return None
@@ -227,8 +227,8 @@ def shared_store_restarts() -> str | None:
     ``--max-restarts`` >= 1 (``TORCHELASTIC_MAX_RESTARTS``) with its rendezvous store shared
     with the ranks (``TORCHELASTIC_USE_AGENT_STORE=True``, unless
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). The restarted gloo world then reads the dead
-    attempt's addresses (pytorch issue 135712): tester round 43 saw restart 1 fail with
-    "connectFullMesh failed" and restart 2 wait until killed. Read from the environment
+    attempt's addresses (pytorch issue 135712): restart 1 fails with "connectFullMesh
+    failed" and restart 2 waits until killed. Read from the environment
     only, the same on every rank, before any collective."""
     try:
         restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
@@ -265,7 +265,7 @@ def launch_local(run: dict) -> int:
     if run["backend"] == "deepspeed":  # asked once here, not twice in every rank (backends/ds_cpuinfo.py)
         from hdet_scale.backends.ds_cpuinfo import share
 
-        # tester round 27: Ctrl-C in the cpuinfo subprocess's wait (a second or two) was a
+        # Ctrl-C in the cpuinfo subprocess's wait (a second or two) would be a
         # KeyboardInterrupt traceback, a SIGTERM an exit without a word
         saved = {sig: signal.signal(sig, raise_stop) for sig in STOP_SIGNALS
                  if signal.getsignal(sig) is not signal.SIG_IGN}
@@ -282,7 +282,7 @@ def launch_local(run: dict) -> int:
     ctx = get_context("spawn")
     # multiprocessing's resource tracker ignores SIGINT and SIGTERM but dies of SIGHUP, which
     # a closing terminal sends to the whole process group: "process died unexpectedly" and
-    # KeyError tracebacks after a clean stop (tester round 27). Started here with SIGHUP
+    # KeyError tracebacks after a clean stop. Started here with SIGHUP
     # ignored (kept through its exec), before the queue's lock would start it.
     from multiprocessing import resource_tracker
 
@@ -312,8 +312,8 @@ def launch_local(run: dict) -> int:
     # signal while many ranks start stops the starting.
     # A stop signal ignored when hdet-train started stays ignored, as Python and bash leave
     # it: `nohup hdet-train &` goes on when the terminal closes (SIGHUP), a script's
-    # background job is not stopped by the terminal's Ctrl-C (SIGINT). Before, the launcher
-    # took both over and the terminal's close stopped a nohup run.
+    # background job is not stopped by the terminal's Ctrl-C (SIGINT). Taking both over
+    # would let the terminal's close stop a nohup run.
     taken = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
     if signal.SIGTERM in taken:
         signal.signal(signal.SIGTERM, on_signal)
@@ -371,6 +371,6 @@ def launch_local(run: dict) -> int:
             # now, a repeat after a stop (the group's copy of timeout's SIGTERM, a late
             # second Ctrl-C) or a first one after the ranks ended, must not turn it into a
             # KeyboardInterrupt traceback or, once Python's teardown put SIGINT back to its
-            # default, a silent death by the signal (tester round 27: exit 130, no line, for
-            # a completed run).
+            # default, a silent death by the signal (exit 130, no line, for a completed
+            # run).
             signal.signal(s, signal.SIG_IGN)

@@ -58,8 +58,8 @@ def _quiet_deepspeed() -> None:
     show = warnings.showwarning
 
     def show_unless_shown(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-        # the prefixes cli.SHOWN_ONCE names (tester round 36: the "hdet_scale: " note on the
-        # validation split came once more from every rank, as a raw warning)
+        # the prefixes cli.SHOWN_ONCE names (else the "hdet_scale: " note on the
+        # validation split comes once more from every rank, as a raw warning)
         if not (issubclass(category, UserWarning) and str(message).startswith(("hdet.", "hdet_scale: "))):
             show(message, category, *args, **kwargs)
 
@@ -115,8 +115,8 @@ class Probe:
 def progress_bar(total: int, initial: int) -> Any:
     """Rank 0's tqdm bar of optimizer steps. tqdm's default lock holds a multiprocessing
     RLock, a named semaphore that a spawned rank registers with the launcher's resource
-    tracker: a rank ended by a signal never unregisters it, and the tracker then warned of
-    "1 leaked semaphore objects" after the stop line (tester round 32). One bar in one
+    tracker: a rank ended by a signal never unregisters it, and the tracker then warns of
+    "1 leaked semaphore objects" after the stop line. One bar in one
     process needs only a thread lock."""
     import threading
 
@@ -154,7 +154,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     if rank == 0:
         rundir.prepare_run_dir(run, start)  # before the logger opens metrics.jsonl
         restarted = rundir.restart_line(run, start)
-        if restarted:  # tester round 25: a torchrun restart's resume showed only in summary.json
+        if restarted:  # a torchrun restart's resume would show only in summary.json
             print(f"hdet-train: {restarted}", file=sys.stderr, flush=True)
     fault = fault_hook.fault_point()
     # a resumed run continues its W&B run (the id its checkpoint recorded), not a new one
@@ -165,8 +165,8 @@ def train(run: dict, checked: tuple | None = None) -> dict:
                            on_step=lambda s: note_step(max(s, attempt_step() or 0)))
     d = run["data"]
     micro = batch_sizes(run["deepspeed"], world)[0]
-    # only where auto-LR calls it (tester round 63: the library's unused-probe warning
-    # spoke of a probe the user never gave)
+    # only where auto-LR calls it (else the library's unused-probe warning speaks of a
+    # probe the user never gave)
     probe = Probe(corpus.train, d["seq_len"], micro, run, hcfg, rank, world) if hcfg.uses_probe else None
     # The engine builds the model: after the process groups, so that it can be sharded as
     # it is built (model.sharded_init).
@@ -232,12 +232,12 @@ def train(run: dict, checked: tuple | None = None) -> dict:
             checkpoint_s += saving
             t_last += saving  # tokens/s counts training time only
         if bar is not None:
-            # the LR this step ran with, beside its loss (tester round 39: get_last_lr is the next
+            # the LR this step ran with, beside its loss (get_last_lr is the next
             # step's); set before the count moves, so no line pairs step k with step k-1's values
             bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{sched.taken_lr[0]:.2e}", refresh=False)
             if sched.step_count < steps:
                 bar.update(1)
-            else:  # close() draws the final line: once (tester round 41: update drew it too)
+            else:  # close() draws the final line: once (update would draw it too)
                 bar.n += 1
     if bar is not None:
         bar.close()
@@ -245,7 +245,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
     if run["train"]["checkpoint"]:
         # before the end's average: a run stopped before total_steps keeps each replica, as
         # a mid-run checkpoint does, so its resume continues the uninterrupted run exactly
-        # (tester round 64: the average at the stop moved every later step)
+        # (the average at the stop would move every later step)
         run_checkpoint.save(engine, ckpt, keep, run, logger.run_id, data)
     sched.finish()  # end with one model (at total_steps step() did; before it, now), logged
     per_rank = max(1, run["train"]["eval_batches"] // world)
@@ -273,7 +273,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         "params": engine.param_count(),
         "backward_passes": engine.backward_passes,  # this rank's, this process's
         "tokens_seen": engine.tokens * world,
-        # the mean over all ranks, as train/loss (tester round 40: rank 0's alone, undocumented)
+        # the mean over all ranks, as train/loss (not rank 0's alone)
         "final_train_loss": final_loss if final_loss is not None and math.isfinite(final_loss) else None,
         "train_bytes": int(corpus.train.numel()),
         "val_bytes": int(corpus.val.numel()),
@@ -281,7 +281,7 @@ def train(run: dict, checked: tuple | None = None) -> dict:
         **memory,
     }
     if rank == 0 and run["train"]["checkpoint"] and sched.step_count < sched.total_steps:
-        # tester round 65: the checkpoint of a run stopped before total_steps holds each
+        # the checkpoint of a run stopped before total_steps holds each
         # replica (so that its resume continues the schedule exactly); val_loss is of their
         # average, which no file holds
         print(f"hdet-train: note: train.steps={sched.step_count} < deepspeed.hdet.schedule.total_steps="

@@ -34,12 +34,12 @@ def no_latest_message(ckpt: str, steps: int | None = None) -> str:
         msg += (f"Its {LAYOUT_FILE} lists complete checkpoint(s) {listed}: to resume from the newest, write its tag "
                 f"into it (echo {tag} > {os.path.join(ckpt, LATEST_FILE)}). ")
         if isinstance(steps, int) and index[tag] >= steps:
-            # noticed in round 56: the advice led to "nothing is left to do"
+            # the resume advice alone would lead to "nothing is left to do"
             msg += (f"That checkpoint is at train.steps={steps}: the run it belongs to finished its training, and a "
                     "resume from it trains only with a larger train.steps (up to the schedule's length). ")
     elif on_disk := tag_folders(ckpt):
-        # tester round 54: with the layout emptied too, the one way named was the overwrite
-        # that deletes these folders
+        # with the layout emptied too, the one way named must not be the overwrite that
+        # deletes these folders
         layout = os.path.join(ckpt, LAYOUT_FILE)
         why = "is missing" if not os.path.lexists(layout) else "cannot be read (damaged?)"
         msg += (f"It holds checkpoint folder(s) {', '.join(on_disk)}, but its {LAYOUT_FILE}, which lists the "

@@ -1,16 +1,16 @@
 """``deepspeed.optimizer.type=SGD`` over a DeepSpeed JSON written for another optimizer.
 
 Overrides merge into the DeepSpeed JSON (the packaged one, or ``deepspeed_config``), so a
-new ``optimizer.type`` kept the file's ``optimizer.params``: the packaged AdamW's
-``betas`` and ``eps`` went to SGD, which was refused, and ``null`` cannot remove a key
-(tester round 18). A type change from the command line or the YAML is a new optimizer:
+new ``optimizer.type`` would keep the file's ``optimizer.params``: the packaged AdamW's
+``betas`` and ``eps`` would go to SGD, which refuses them, and ``null`` cannot remove a
+key. A type change from the command line or the YAML is a new optimizer:
 the file's params that the new type does not take are dropped, the ones it takes (``lr``,
 ``weight_decay``) are kept, and params the user set next to the type are kept as given
 (a wrong one is still refused, naming it). One note says what was dropped and from where.
 
 The same for ``deepspeed.hdet.schedule.name``: a new schedule over the file's drops the
-file's keys of the old one (tester round 52: ``schedule.name=constant`` over the packaged
-OneCycle block warned that ``pct_start`` and ``final_div_factor`` are not read and said
+file's keys of the old one (otherwise ``schedule.name=constant`` over the packaged
+OneCycle block warns that ``pct_start`` and ``final_div_factor`` are not read and says
 "remove them", which no override can do).
 """
 
@@ -33,8 +33,8 @@ def drop_foreign_params(file_ds: Mapping, given: Mapping, merged: dict, torch_en
     (``ds_values.optimizer_accepts``: imports torch, so only on a type change). An
     unknown type, or one whose constructor takes ``**kwargs``, drops nothing (the checks
     name what is wrong). ``torch_engine``: the ddp / fsdp2 / fairscale engines, which take
-    the type in any case (``sgd`` is SGD: tester round 25, where the file's betas then
-    reached SGD and were refused); DeepSpeed looks torch.optim classes up by their exact
+    the type in any case (``sgd`` is SGD, so the file's betas must not reach it, where
+    they are refused); DeepSpeed looks torch.optim classes up by their exact
     name. Never raises."""
     old, new = _type(file_ds), _type(given)
     if old is None or new is None or old.lower() == new.lower():

@@ -25,7 +25,7 @@ def gloo_reason(e: BaseException) -> str:
     """gloo's error in a few words: its first sentence without the source location
     (``[.../pair.cc:537] Read error [127.0.0.1]:2455: Connection reset by peer. This is
     typically caused by ...`` -> ``Read error [127.0.0.1]:2455: Connection reset by
-    peer``; tester round 51: cut mid-word at 200 characters)."""
+    peer``, not cut mid-word at 200 characters)."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text)
     text = text.split(". ")[0].rstrip(".")

@@ -3,8 +3,8 @@
 ``torchrun --max-restarts N`` restarts every rank when one exits non-zero, whatever the
 exit code. A bad input found by the ranks' own checks (a ``modules`` pattern matching
 nothing, ``axes.lr.groups: [3]``) is refused again by every attempt, each paying the
-import of torch, DeepSpeed and transformers: 53 s for 4 DeepSpeed ranks with 3 restarts
-(tester round 18). The first attempt's ranks leave the message in a marker; a restarted
+import of torch, DeepSpeed and transformers: 53 s for 4 DeepSpeed ranks with 3 restarts.
+The first attempt's ranks leave the message in a marker; a restarted
 attempt reads it before importing anything and exits at once with the same message.
 
 The marker is keyed by the elastic agent's process id (the ranks' parent, the same for
@@ -122,8 +122,8 @@ def forget_agent(agent_pid: int) -> None:
 
 
 # What the agent saw fail, for the ranks it then ends (launchers/torchrun_quiet.py): a rank
-# cannot tell the agent's SIGTERM after a failure from a user's signal it forwards (tester
-# round 51: rank 0 said "stopped by SIGTERM" after another rank was killed).
+# cannot tell the agent's SIGTERM after a failure from a user's signal it forwards (rank 0
+# would say "stopped by SIGTERM" after another rank was killed).
 def _failure_file(agent_pid: int) -> str:
     return os.path.join(_folder(), f"{agent_pid}-failed")
 
@@ -167,8 +167,8 @@ def failure_noted() -> str | None:
         return None
 
 
-# Rank 0's word to the agent that the run completed (tester round 53: a rank that died after
-# summary.json was reported as a failed run, exit 1): the agent then restarts nothing and
+# Rank 0's word to the agent that the run completed (a rank that dies after summary.json
+# would otherwise be reported as a failed run, exit 1): the agent then restarts nothing and
 # exits 0 (launchers/torchrun_quiet.py), as hdet-train's own launcher does.
 def _completed_file(agent_pid: int) -> str:
     return os.path.join(_folder(), f"{agent_pid}-completed")

@@ -43,7 +43,7 @@ import math
 import os
 from typing import Any
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, checkpoint_index, read_latest, write_atomic
 from hdet_scale.backends.checkpoints import read_layout
 from hdet_scale.config import HDETConfig
@@ -76,9 +76,9 @@ _ERRORS = {
     "deepspeed.hdet.sync_interval": _HDET_STATE,
     "deepspeed.hdet.auto.controller": _HDET_STATE,
     "deepspeed.hdet.auto.groups": _HDET_STATE,
-    # tester round 45: "train.steps sets it unless ... total_steps is given" read as a way to
-    # lengthen the run; giving it then failed ("shorter than train.steps"); round 63: "at
-    # most the checkpoint's value" was refused too (a smaller train.steps shortens the schedule)
+    # "train.steps sets it unless ... total_steps is given" reads as a way to lengthen the
+    # run, and giving it fails ("shorter than train.steps"); "at most the checkpoint's
+    # value" is refused too (a smaller train.steps shortens the schedule)
     "deepspeed.hdet.schedule.total_steps": "the schedule's length (train.steps sets it unless "
                                            "deepspeed.hdet.schedule.total_steps is given), which a resumed run "
                                            "keeps: resume with the same train.steps, or to stop earlier add "
@@ -183,7 +183,7 @@ def _fold_lone_axes(rec: dict, other: dict) -> dict:
 def _error_reason(key: str, saved: dict, now: dict) -> str | None:
     backend = now.get("backend", "deepspeed")
     if key == "deepspeed.zero_optimization.stage" and backend != "deepspeed":
-        return None  # tester round 20: the other engines never read it (their note says so)
+        return None  # the other engines never read it (their note says so)
     if key in ("deepspeed.bf16.enabled", "deepspeed.fp16.enabled") and backend != "deepspeed":
         return ("the precision the saved weights and optimizer state were written in; converge first and start "
                 "a new run to change it")
@@ -217,7 +217,7 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         if name in _axis_keys(now):
             return f"{uses}: HDET sets it every step (deepspeed.hdet.axes.{name})"
         if name == "betas" and "beta2" in _axis_keys(now) and isinstance(new, list) and len(new) == 2:
-            # tester round 19: "keeps the checkpoint's value" while the new beta2 was used
+            # not "keeps the checkpoint's value" while the new beta2 is used
             old = saved.get(key)
             beta1 = ("" if isinstance(old, list) and old[:1] == new[:1] else
                      "; beta1 keeps the checkpoint's (the optimizer's parameter groups are restored with its state)")
@@ -246,11 +246,11 @@ def _uses(key: str, new: Any, saved: dict, now: dict, step: int) -> str:
         return f"no effect: the {now.get('backend')} backend does not read it"
     if key.startswith("deepspeed.hdet.axes.") and key.endswith(".auto") and new is False and \
             saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved):
-        # tester round 20: "uses false" hid that the learned multiplier stays, frozen
+        # "uses false" would hide that the learned multiplier stays, frozen
         return f"{uses}: what auto-LR learned for it up to the checkpoint (restored from it) stays, no longer moved"
     axis = _model_axis(key, now)
     if axis and saved.get("deepspeed.hdet.auto.enabled") and step >= _first_meta_step(saved) \
-            and saved.get(f"deepspeed.hdet.axes.{axis}.auto"):  # tester round 18: "uses 0.2" hid the learned shift
+            and saved.get(f"deepspeed.hdet.axes.{axis}.auto"):  # "uses 0.2" would hide the learned shift
         if saved.get("deepspeed.hdet.auto.controller") == "paper":
             return (f"the resumed run keeps the {axis} axis' meta-updated base saved in the checkpoint (the 'paper' "
                     "controller continues from it); the new value is not used")
@@ -277,7 +277,7 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
     for key in sorted(set(saved) | set(now)):
         old, new = saved.get(key, _UNSET), now.get(key, _UNSET)
         if key in _WANDB_PLACE and old != new and saved.get(WANDB_RUN_ID) and now.get("wandb.enabled"):
-            # tester round 57: a resume told "continues the W&B run X" logged into another project
+            # a resume told "continues the W&B run X" would log into another project
             changes.append(f"{key}: {_fmt(old)} -> {_fmt(new)}: the resumed run opens its W&B run "
                            f"{saved[WANDB_RUN_ID]!r} in the new {key.split('.')[1]}; W&B knows a run by its project "
                            f"and id, so that is a new W&B run there, and the records up to step {step} stay in the "
@@ -290,7 +290,7 @@ def compare(saved: dict, now: dict, step: int) -> tuple[list[str], list[str]]:
         if old == new or (key == "deepspeed.optimizer.type" and str(old).lower() == str(new).lower()):
             continue  # DeepSpeed reads optimizer names case-insensitively
         if key == "data.path" and _same_paths(old, new):
-            continue  # tester round 56: data1/ and its absolute path are one folder
+            continue  # data1/ and its absolute path are one folder
         if key == "deepspeed.hdet.axes.dropout.value" and (saved.get("model.dropout"), now.get("model.dropout")) \
                 == (old, new):
             continue  # hdet-train fills it from model.dropout: that key's line says it
@@ -317,8 +317,8 @@ def data_change(saved: dict, now: dict, data: dict | None) -> str | None:
     recorded (``saved[DATA_FINGERPRINT]``; ``now``: this run's :func:`record`; ``data``:
     its ``data.fingerprint``), or ``None``: the same bytes, no record of them (a checkpoint
     saved before they were recorded), or a changed ``data.path`` / ``data.max_bytes`` /
-    ``data.val_fraction`` / ``seed``, whose own line says it (tester round 56: files added
-    to the data folder, or lines appended, were trained on without a word)."""
+    ``data.val_fraction`` / ``seed``, whose own line says it (files added to the data
+    folder, or lines appended, would be trained on without a word)."""
     old = saved.get(DATA_FINGERPRINT)
     if not isinstance(old, dict) or not isinstance(data, dict) or old == data:
         return None
@@ -340,7 +340,7 @@ def _saved_record(save_dir: str) -> tuple[dict | None, str | None, int]:
     path = os.path.join(save_dir, RECORD_FILE)
     if not os.path.exists(path) and not os.path.islink(path):
         # every hdet-train save writes it: without it a changed model shape would reach
-        # the ranks' load and fail there, after the start (tester round 9)
+        # the ranks' load and fail there, after the start
         raise HDETStateError(f"train.resume: {path} is missing; every hdet-train save writes it (the settings each "
                              "checkpoint was saved with, compared before a resume). Restore it from a copy, or "
                              f"write {_EMPTY_RECORD} into it to resume without the comparison (then every setting "

@@ -55,8 +55,8 @@ LOW_SPACE_BYTES = 64 * 2**20  # below this after a failed save, the failure is c
 
 def check_resume_writable(run_dir: str, ckpt: str) -> None:
     """Before a resume starts any rank: what the resumed run writes must be writable
-    (tester round 34: a read-only ``checkpoint/`` failed with a traceback at the first save,
-    51 s in, and a read-only ``metrics.jsonl`` was silently replaced by a writable copy).
+    (a read-only ``checkpoint/`` would fail with a traceback at the first save, 51 s in,
+    and a read-only ``metrics.jsonl`` be silently replaced by a writable copy).
     Checked: ``run_dir``, its ``metrics.jsonl``, ``summary.json`` and ``plots``, and the
     checkpoint folder with its entries (``latest``, the layout, the settings record, the
     ``replica_*`` folders). Read-only: no write permission bit at all (also for root,
@@ -91,9 +91,9 @@ def save_error(path: str, step: int, error: BaseException, low_bytes: int = LOW_
     naming a full disk (``ENOSPC``, or less than ``low_bytes`` left on ``path``'s device:
     torch's writer says "unexpected pos" or "iostream error" without an errno), a disk
     quota (``EDQUOT``) or the file size limit (``EFBIG``; torch's errno-less error too while
-    this process has a finite ``ulimit -f``: tester round 32), the free space and the
-    checkpoint ``latest`` still names (tester round 26: two tracebacks and no word of the
-    disk); ``error`` itself otherwise."""
+    this process has a finite ``ulimit -f``), the free space and the checkpoint
+    ``latest`` still names (not two tracebacks and no word of the disk); ``error``
+    itself otherwise."""
     try:
         free = shutil.disk_usage(path).free
     except OSError:

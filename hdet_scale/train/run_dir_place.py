@@ -1,4 +1,4 @@
-"""Where a ``run_dir`` is, before anything is written to it (tester round 59): the
+"""Where a ``run_dir`` is, before anything is written to it: the
 filesystem root is refused, and a folder that already holds the user's own files (and
 no run of ours) gets one note naming what the run will write beside them. A folder of
 config files is a fine run_dir, so nothing else is refused here. Split from
@@ -63,8 +63,8 @@ _WANDB_NAMES = ("offline-run-", "run-", "latest-run", "debug")  # what W&B write
 def _wandb_folder(path: str) -> bool:
     """Whether ``path`` is a W&B folder (``run_dir/wandb``: only W&B's run folders, its
     ``latest-run`` link and debug logs): an earlier start's own, stopped before its first
-    checkpoint (tester round 65: the restart the stop line advised was told the run_dir
-    held the user's files)."""
+    checkpoint (so that the restart the stop line advises is not told the run_dir holds
+    the user's files)."""
     try:
         names = os.listdir(path)
     except OSError:
@@ -79,8 +79,8 @@ def _listing(names: list[str]) -> tuple[int, str]:
 
 def foreign_files_note(run: dict) -> str | None:
     """One note when ``run_dir`` already holds entries of the user's and no run of ours
-    (tester round 59: run_dir=/ or a folder of one's own files trained and wrote beside
-    them without a word), or ``None``. Printed once, before any rank starts
+    (a run in a folder of one's own files would otherwise train and write beside them
+    without a word), or ``None``. Printed once, before any rank starts
     (``start_notes.print_engine_notes``). Nothing of the user's is removed."""
     run_dir = run["run_dir"]
     entries = foreign_entries(run_dir)
@@ -95,7 +95,7 @@ def foreign_files_note(run: dict) -> str | None:
 def kept_wandb_note(run: dict) -> str | None:
     """One note when ``train.overwrite=true`` replaces a run of ours whose W&B folder
     (``<wandb.dir or run_dir>/wandb``) holds run folders (``offline-run-*``, ``run-*``),
-    or ``None`` (tester round 64: they were kept without a word, beside the new run's).
+    or ``None`` (they are kept, beside the new run's: said, not silent).
     The replace removes the run's own files only (``rundir.RUN_FILES``, plots); W&B's
     stay, since an offline run not yet synced may be the only copy of its charts."""
     from hdet_scale.train.rundir import RUN_FILES  # rundir imports this module

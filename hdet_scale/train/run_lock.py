@@ -4,7 +4,7 @@ one run_dir").
 
 Standard library only, and imported before torch: the launcher refuses a run_dir in use
 within a second, not after the 20-30 s a loaded machine takes to import torch and
-DeepSpeed (tester, issue 9). :mod:`hdet_scale.train.rundir` re-exports these names.
+DeepSpeed. :mod:`hdet_scale.train.rundir` re-exports these names.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def holder(run_dir: str) -> str | None:
 def check_not_in_use(run_dir: str) -> None:
     """:func:`hold_run_dir`'s refusal, without taking the lock: the launcher asks first,
     so that a job started in a run_dir in use is told so, not given advice about the
-    running job's files (tester round 13: a resume was told to start over).
+    running job's files (a resume is not told to start over).
 
     Raises:
         HDETConfigError: as :func:`hold_run_dir`.

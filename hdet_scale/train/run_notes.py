@@ -13,8 +13,8 @@ from hdet_scale.ds_values import batch_sizes
 
 
 def never_notes(run: dict) -> list[str]:
-    """Settings that never act in a run of ``train.steps`` steps (tester round 13: said
-    nothing): a sync interval, checkpoint cadence or logging cadence longer than the run, a
+    """Settings that never act in a run of ``train.steps`` steps (nothing else says
+    so): a sync interval, checkpoint cadence or logging cadence longer than the run, a
     schedule longer than the run (it never anneals); an auto-LR probe that reads more
     micro-batches at each sync than the ranks train between syncs (:func:`probe_note`); a
     data.path that names one file or folder twice (:func:`repeated_data_note`); values that
@@ -29,7 +29,7 @@ def never_notes(run: dict) -> list[str]:
     """
     steps, hdet = run["train"]["steps"], run["deepspeed"].get("hdet") or {}
     notes = []
-    try:  # validated already; the defaults the block leaves out count too (tester round 28)
+    try:  # validated already; the defaults the block leaves out count too
         cfg = HDETConfig.from_dict(hdet)
     except Exception:  # noqa: BLE001 - a note is never worth failing a validated run
         return notes
@@ -64,7 +64,7 @@ def never_notes(run: dict) -> list[str]:
 
 
 def off_notes(run: dict, cfg: HDETConfig) -> list[str]:
-    """Settings of something the run does not do (tester round 49: each was silent):
+    """Settings of something the run does not do (each is otherwise silent):
     ``auto.*`` with auto-LR off, ``warm_init.*`` with warm init off, ``train.keep_checkpoints``
     without ``train.checkpoint_every`` (the run saves one checkpoint, at its end), and
     ``overlap_gradient_sharing=false`` / ``model.sharded_init=false`` on a backend that
@@ -91,12 +91,12 @@ def off_notes(run: dict, cfg: HDETConfig) -> list[str]:
             notes.append(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: "
                          f"deepspeed.hdet.{block}.enabled is false (set it to true to use "
                          f"{'it' if len(unused) == 1 else 'them'})")
-    if cfg.warm_init.enabled and cfg.warm_init.nu == 0:  # tester round 53: allowed, and does nothing
+    if cfg.warm_init.enabled and cfg.warm_init.nu == 0:  # allowed, and does nothing
         notes.append("deepspeed.hdet.warm_init.nu=0 adds no noise: warm init with it on changes nothing (the replicas "
                      "start equal, as with warm_init.enabled=false); the paper uses nu=0.01")
     t = run["train"]
     if t["keep_checkpoints"] != TrainConfig.keep_checkpoints and not t["checkpoint"]:
-        # tester round 53 (checkpoint_every > 0 with checkpoint=false is refused)
+        # checkpoint_every > 0 with checkpoint=false is refused
         notes.append(f"train.keep_checkpoints={t['keep_checkpoints']} has no effect: train.checkpoint=false saves no "
                      "checkpoint")
     elif t["keep_checkpoints"] != TrainConfig.keep_checkpoints and not t.get("checkpoint_every"):
@@ -119,9 +119,8 @@ def probe_note(run: dict, cfg: HDETConfig) -> list[str]:
     ``sync_interval x gradient_accumulation_steps`` micro-batches a rank trains between
     syncs (a forward pass is about a third of a forward and backward: more than 3 probe
     micro-batches per trained one), the syncs take most of the run and it looks stalled at
-    each one (tester round
-    30: ``train.probe_batches=100000`` said nothing). Bounded above by the training split
-    (a larger value is refused in ``train/loop.py``)."""
+    each one, which nothing else says (e.g. ``train.probe_batches=100000``). Bounded above
+    by the training split (a larger value is refused in ``train/loop.py``)."""
     if cfg.replicas <= 1 or not cfg.uses_probe or cfg.sync_interval > run["train"]["steps"]:
         return []
     _, gas = batch_sizes(run["deepspeed"], run["nproc"])
@@ -138,7 +137,7 @@ def repeated_data_note(run: dict) -> list[str]:
     """``data.path`` naming a file or folder again (``a,a``; the same real path), or a path
     inside a folder named before it: the corpus holds each file once, at its first place,
     and such an item changes nothing, the split included (``data_files.collect``), so a
-    repeat meant to weight a file does nothing (tester rounds 30, 31)."""
+    repeat meant to weight a file does nothing."""
     path = run["data"].get("path")
     if not isinstance(path, str):
         return []
@@ -156,7 +155,7 @@ def repeated_data_note(run: dict) -> list[str]:
 
 
 def unread_notes(run: dict, cfg: HDETConfig) -> list[str]:
-    """Values the run reads otherwise than given, or not at all (tester round 32: each was
+    """Values the run reads otherwise than given, or not at all (each is otherwise
     silent): ``optimizer.params.lr`` beside ``hdet.schedule.max_lr`` (the schedule sets
     the LR of every step from max_lr); ``train.eval_batches`` not a multiple of the ranks
     (each rank evaluates ``eval_batches // ranks``, at least 1); ``train.probe_batches``
@@ -193,7 +192,7 @@ def eval_overlap_note(run: dict, windows: int, val_bytes: int) -> list[str]:
     """The validation loss reads ``windows`` evenly spaced windows of ``data.seq_len + 1``
     bytes (``data.ByteBatches.eval_batches``); when they hold more bytes than the
     validation split they overlap, and the loss rests on that split's ``val_bytes`` only
-    (tester round 33: a 3 kB split was read 8 times over without a word). Fewer windows
+    (a 3 kB split may be read 8 times over: said, not silent). Fewer windows
     than the split has are checked in ``loop.validate``."""
     d = run["data"]
     read = windows * (d["seq_len"] + 1)
@@ -206,22 +205,22 @@ def eval_overlap_note(run: dict, windows: int, val_bytes: int) -> list[str]:
 
 
 def split_note(run: dict, train_bytes: int, val_bytes: int) -> list[str]:
-    """Data read by neither split (tester round 49: two files, the larger held out for
-    validation and cut at its budget, 100 kB of it unused while training had room, without a
+    """Data read by neither split (e.g. two files, the larger held out for validation and
+    cut at its budget, 100 kB of it unused while training has room: otherwise without a
     word). With several files the split is by file and each split reads its files up to
     its share of ``data.max_bytes`` (``data_read.read_splits``): a full validation split
     beside a training split short of its share means files held out for validation beyond
     that share are read by neither. Otherwise, a validation split holding more than twice
-    ``data.val_fraction`` of the bytes read (and 10 points more) gets a note too (tester
-    round 50: 76% with 0.1, few files of unequal size)."""
+    ``data.val_fraction`` of the bytes read (and 10 points more) gets a note too (e.g.
+    76% with 0.1, few files of unequal size)."""
     d = run["data"]
     train_budget = max(1, int(d["max_bytes"] * (1.0 - d["val_fraction"])))
     val_budget = max(1, d["max_bytes"] - train_budget)
     if val_bytes < val_budget or train_bytes >= train_budget:
         share = val_bytes / max(1, train_bytes + val_bytes)
         if share > max(2 * d["val_fraction"], d["val_fraction"] + 0.1):
-            # tester round 50: three files, the largest held out: 76% of the bytes validated
-            # with val_fraction 0.1, without a word
+            # e.g. three files, the largest held out: 76% of the bytes validated with
+            # val_fraction 0.1, otherwise without a word
             return [f"data: validation holds {val_bytes} of the {train_bytes + val_bytes} bytes read ({share:.0%}; "
                     f"data.val_fraction={d['val_fraction']}): with several files the split is by file, so a few files "
                     "split unevenly (to train on more, give more or smaller files, or a single file, which is split "
@@ -235,8 +234,8 @@ def split_note(run: dict, train_bytes: int, val_bytes: int) -> list[str]:
 
 def wandb_env_notes(run: dict, resuming: bool, saved_id: str | None) -> list[str]:
     """What W&B variables of the environment do to this run: ``WANDB_DIR`` is not read
-    (the run's W&B files stay in ``wandb.dir``); ``WANDB_RUN_ID`` (tester round 56: two
-    unrelated runs shared one W&B id, and a resume ignored it, without a word): W&B takes
+    (the run's W&B files stay in ``wandb.dir``); ``WANDB_RUN_ID`` (two unrelated runs
+    may share one W&B id, and a resume ignores it, so both are said): W&B takes
     it as the id of a new run; a resumed run continues the W&B run its checkpoint
     recorded (``saved_id``), whatever the variable says.
 
@@ -248,7 +247,7 @@ def wandb_env_notes(run: dict, resuming: bool, saved_id: str | None) -> list[str
     notes = []
     wandb_dir = os.environ.get("WANDB_DIR", "").strip()
     if run["wandb"]["enabled"] and wandb_dir:
-        # tester round 57: documented, but nothing said it at the start
+        # documented, but nothing else says it at the start
         where = run["wandb"].get("dir") or os.path.join(run["run_dir"], "wandb")
         notes.append(f"WANDB_DIR={wandb_dir!r} is not read: W&B's files go to {where} (wandb.dir, run_dir unless "
                      "set; set wandb.dir to choose)")

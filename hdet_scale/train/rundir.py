@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 
-from hdet_scale.safe_parse import json_load, json_loads  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load, json_loads  # deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import LATEST_FILE, LAYOUT_FILE, read_latest, write_atomic
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.train import resume_config
@@ -61,7 +61,7 @@ def restarted_job(run_dir: str) -> bool:
 def restart_line(run: dict, start: str) -> str | None:
     """What this start does with an earlier run in ``run_dir`` (``start``: its
     :func:`start_mode`), in one line for rank 0 to print: the checkpoint a resume loads
-    (``train.resume=true``: tester round 41 found no line naming it), or what a torchrun
+    (``train.resume=true``: nothing else names it), or what a torchrun
     restart of this job does. ``None`` for a fresh or replacing start of the user's own."""
     resumed = start == "resume" and run["train"]["resume"]
     if not resumed and not restarted_job(run["run_dir"]):
@@ -74,8 +74,8 @@ def restart_line(run: dict, start: str) -> str | None:
         where += f" (the state after optimizer step {step})"
     if resumed:  # the tag latest names: not always the newest (a user may point it back)
         newer = [f"{t} (step {s})" for t, s in index.items() if step is not None and isinstance(s, int) and s > step]
-        # tester round 57: a resume from a checkpoint latest was pointed back to replaced
-        # the newer ones as it saved, without a word
+        # a resume from a checkpoint latest was pointed back to replaces the newer ones as
+        # it saves: said, not silent
         later = (f"; newer checkpoint(s) {', '.join(newer)} are replaced or removed as this run saves (copy "
                  "checkpoint/ first to keep them)" if newer else "")
         return f"train.resume: resuming from the checkpoint checkpoint/latest names, {where}{later}"
@@ -87,10 +87,10 @@ def restart_line(run: dict, start: str) -> str | None:
 
 def _why_no_checkpoint(held: list[str], run_dir: str) -> str:
     """Why a run whose files ``held`` (of :data:`RUN_FILES`) lack ``checkpoint/`` has none:
-    a ``summary.json`` is written only when a run completes (tester round 41: a completed
-    ``train.checkpoint=false`` run was said to have stopped before its first save), and
-    says whether it saved a final checkpoint (``checkpointed``; tester round 51: a deleted
-    ``checkpoint/`` was put down to ``train.checkpoint=false``). Never raises."""
+    a ``summary.json`` is written only when a run completes (a completed
+    ``train.checkpoint=false`` run is not said to have stopped before its first save), and says whether
+    it saved a final checkpoint (``checkpointed``: a deleted ``checkpoint/`` is not put
+    down to ``train.checkpoint=false``). Never raises."""
     if "summary.json" not in held:
         return "it stopped before its first save; train.checkpoint_every=N saves every N steps"
     try:
@@ -124,8 +124,8 @@ def start_mode(run: dict) -> str:
     _check_kinds(run_dir)
     _refuse_inside_a_checkpoint(run_dir)
     if os.path.exists(os.path.join(run_dir, LAYOUT_FILE)) and not os.path.exists(os.path.join(run_dir, "checkpoint")):
-        # tester round 27: run_dir=<run>/checkpoint (the Hugging Face habit of naming the
-        # checkpoint folder) trained from step 0 into the other run's checkpoint folder
+        # run_dir=<run>/checkpoint (the Hugging Face habit of naming the checkpoint
+        # folder) would train from step 0 into the other run's checkpoint folder
         parent = os.path.dirname(os.path.abspath(run_dir.rstrip(os.sep)))
         raise HDETConfigError(f"run_dir: {run_dir} is a checkpoint folder (it holds {LAYOUT_FILE}); give the run's "
                               f"own folder, run_dir={parent}" + (" (with train.resume=true to continue it)"
@@ -148,7 +148,7 @@ def start_mode(run: dict) -> str:
                               f"from ({_why_no_checkpoint(held, run_dir)}): start it over with train.resume=false "
                               "train.overwrite=true, or choose another run_dir")
     if held and not t["overwrite"]:
-        # no checkpoint/ at all (has_latest is False here): a resume is no way on (tester round 39)
+        # no checkpoint/ at all (has_latest is False here): a resume is no way on
         resume = ("continue it with train.resume=true (needs its checkpoint/latest), " if os.path.isdir(ckpt) else
                   f"it has no checkpoint to resume from ({_why_no_checkpoint(held, run_dir)}); ")
         raise HDETConfigError(f"run_dir: {run_dir} already holds a run ({', '.join(held)}); {resume}choose another "
@@ -159,9 +159,9 @@ def start_mode(run: dict) -> str:
 
 
 def _refuse_inside_a_checkpoint(run_dir: str) -> None:
-    """Refuse a ``run_dir`` inside another run's ``checkpoint/`` folder (tester round 35:
-    accepted without a word, then removed with everything in it, its lock held or not, by
-    ``train.overwrite=true`` on the outer run). Compared by real path.
+    """Refuse a ``run_dir`` inside another run's ``checkpoint/`` folder (accepted, it would
+    be removed with everything in it, its lock held or not, by ``train.overwrite=true``
+    on the outer run). Compared by real path.
 
     Raises:
         HDETConfigError: naming the outer run and the way out.
@@ -183,9 +183,9 @@ _OWN_CHECKPOINT_ENTRY = re.compile(r"(latest|hdet_layout\.json|hdet_run_config\.
 
 
 def _refuse_foreign_files(ckpt: str) -> None:
-    """Refuse a ``checkpoint/`` folder holding files hdet-train does not write (tester
-    round 37: a user's ``checkpoint/my_model.bin`` was called "a run" and then removed
-    by ``train.overwrite=true``). Only the folder's top level is judged: the replica
+    """Refuse a ``checkpoint/`` folder holding files hdet-train does not write (a user's
+    ``checkpoint/my_model.bin`` would be called "a run" and then removed by
+    ``train.overwrite=true``). Only the folder's top level is judged: the replica
     folders below are hdet-train's. A link is removed as a link (:func:`_remove`).
 
     Raises:
@@ -217,9 +217,9 @@ def _refuse_runs_in(ckpt: str) -> None:
 def _refuse_plots_in_the_way(run_dir: str) -> None:
     """A new run in a ``run_dir`` whose ``plots`` folder already holds files of the names
     the run gives its plots at the end, other than the plots its record
-    (``plot_out.RECORD``) lists as drawn from this run_dir's metrics (tester round 31: a
-    user's own ``plots/loss.png`` was replaced without a word; ``hdet-plot`` refuses the
-    same folder)."""
+    (``plot_out.RECORD``) lists as drawn from this run_dir's metrics (a user's own
+    ``plots/loss.png`` would be replaced without a word; ``hdet-plot`` refuses the same
+    folder)."""
     from hdet_scale.plot_out import plot_files, read_record
 
     folder = os.path.join(run_dir, "plots")
@@ -262,10 +262,10 @@ def check_writable(run_dir: str, key: str = "run_dir") -> None:
     if broken is not None:
         raise HDETConfigError(f"{key}: {broken} is a symbolic link to {os.readlink(broken)!r}, which does not "
                               f"exist; create its target, remove the link, or choose another {key}")
-    refuse_root(run_dir, key)  # tester round 59: run_dir=/ trained and wrote among the system's folders
+    refuse_root(run_dir, key)  # run_dir=/ would train and write among the system's folders
     refuse_kernel_fs(run_dir, key)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        # makedirs would say only "File exists" (a tester: run_dir=afile, run_dir=/dev/null)
+        # makedirs would say only "File exists" (run_dir=afile, run_dir=/dev/null)
         if os.path.isfile(run_dir):
             raise HDETConfigError(f"{key}: {run_dir} is a file, not a folder: choose another {key}, or move the "
                                   "file away")
@@ -301,8 +301,8 @@ def truncate_metrics(path: str, step: int, every: int = 1) -> int:
     with ``hdet/final_converge`` and no ``hdet/sync``: a run stopped before total_steps
     averaged after saving each replica, and the resume goes on from those, not from the
     average), the per-step record of ``step`` when ``logging.every`` (``every``) would not
-    have written it (the stopped run's last step is always logged; tester round 66: the
-    resumed metrics then held a record the uninterrupted run's lack), and a torn last
+    have written it (the stopped run's last step is always logged; kept, the resumed
+    metrics would hold a record the uninterrupted run's lack), and a torn last
     line, atomically. Returns how many records were dropped."""
     if not os.path.exists(path):
         return 0
@@ -362,12 +362,12 @@ def _remove_plots(run_dir: str) -> None:
 def trim_for_resume(run: dict, step: int, every: int = 1) -> None:
     """Rank 0, after the checkpoint loaded and before the first new record: keep the
     metrics up to ``step``, the optimizer step the load restored (the scheduler's own,
-    not ``hdet_layout.json``'s index: tester round 26, an index naming another step for
-    the tag left the records of steps 21-25 twice), so ``metrics.jsonl`` reads like one
+    not ``hdet_layout.json``'s index: an index naming another step for the tag would
+    leave the records of steps 21-25 twice), so ``metrics.jsonl`` reads like one
     uninterrupted run, and drop the stopped run's ``summary.json``. When the file holds
     no record of the last step ``every`` (``hdet.logging.every``) logs at or before
     ``step`` (deleted, or cut short by hand), a note on stderr names the steps whose
-    records are gone: the resumed run appends after them (tester round 64: a silent gap)."""
+    records are gone: the resumed run appends after them (not a silent gap)."""
     run_dir = run["run_dir"]
     path = os.path.join(run_dir, "metrics.jsonl")
     truncate_metrics(path, step, every)
@@ -400,7 +400,7 @@ def last_record_step(path: str) -> int | None:
 
 def _remove(path: str) -> None:
     if os.path.islink(path):
-        # a link in the run_dir (tester round 14: rmtree raised on every start): remove the
+        # a link in the run_dir (rmtree would raise on every start): remove the
         # link, never what it points at, which may be another run's
         os.unlink(path)
     elif os.path.isdir(path):

@@ -25,7 +25,7 @@ def yaml_top(path: str | None) -> Any:
     try:
         from hdet_scale.safe_parse import yaml_load
 
-        with open(path) as f:  # safe_parse: never a cyclic value for the checks (tester round 45)
+        with open(path) as f:  # safe_parse: never a cyclic value for the checks
             return yaml_load(f.read())
     except Exception:  # noqa: BLE001 - see the docstring
         return UNREAD
@@ -48,14 +48,14 @@ def print_engine_notes(run: dict, path: str | None = None, overrides: list[str] 
     file_ds = load_deepspeed_json(ds_path)
     notes = (engine_notes(run["deepspeed"], run["backend"]) + switch_notes(run, file_ds) + never_notes(run)
              + kept_by_merge(overrides or [], file_ds, shown))
-    place = [n for n in (foreign_files_note(run), kept_wandb_note(run)) if n]  # rounds 59, 64
+    place = [n for n in (foreign_files_note(run), kept_wandb_note(run)) if n]
     for note in empty_file_notes(path) + place + notes:
         print(f"hdet-train: note: {note}", file=sys.stderr, flush=True)
 
 
 def empty_file_notes(path: str | None) -> list[str]:
-    """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
-    file) ran the packaged defaults without a word."""
+    """A note for an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
+    file), which would otherwise run the packaged defaults without a word."""
     data = yaml_top(path)
     if data is UNREAD:
         return []

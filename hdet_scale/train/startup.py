@@ -22,7 +22,7 @@ Two checks use that rule: :func:`stale_trainer_locks` (the local launcher, befor
 starts) and :func:`watch_op_locks` (every rank, while it builds its engine: it names the
 lock its main thread is actually waiting on).
 
-A stopped start never leaves its own lock (a Ctrl-C during start-up used to block every
+A stopped start never leaves its own lock (one left by a Ctrl-C during start-up would block every
 later start; ``train/held_locks.py``): inside :func:`watch_op_locks` the rank records each lock it *itself* creates
 (torch's ``FileBaton.try_acquire`` succeeding; SIGINT/SIGTERM blocked across the create and
 the record, and across the remove and the unrecord), and while it holds one a SIGINT or
@@ -118,8 +118,8 @@ def check_extensions_dir(root: str | None = None) -> None:
     fix = ("point TORCH_EXTENSIONS_DIR at a folder you can write (or unset it for the default, "
            "~/.cache/torch_extensions), where DeepSpeed keeps its compiled ops")
     if given and not root.strip():
-        # torch reads "" as the working directory: every new folder compiled the ops again
-        # into itself, with no word (tester round 43)
+        # torch reads "" as the working directory: every new folder would compile the ops
+        # again into itself, with no word
         raise HDETConfigError(f"{name} is empty: torch would build DeepSpeed's ops into the working directory "
                               f"({os.getcwd()}), again from every other folder; {fix}")
     path = os.path.abspath(root or ".")
@@ -247,8 +247,8 @@ def _parent(pid: int) -> int | None:
 
 def _builder(holders: list[int] | None) -> str:
     """Who holds a lock this process waits on, in words: the job's own ranks share this
-    process's parent (the local launcher, or torchrun's agent). Tester round 45: "waiting
-    for process(es) [6469]" left a user to find that 6469 was the job's other rank."""
+    process's parent (the local launcher, or torchrun's agent): "waiting for process(es)
+    [6469]" would leave a user to find that 6469 is the job's other rank."""
     if not holders:
         return "another process (on another machine sharing this extensions folder?)"
     listed = ", ".join(map(str, holders))
@@ -259,8 +259,8 @@ def _builder(holders: list[int] | None) -> str:
 
 def _note_own_builds(building: dict[str, float], noted: set[str], note_s: float) -> None:
     """One line for each lock this process has held for ``note_s`` seconds: the op build
-    itself (tester round 41: a first run's ``fused_adam`` build, after the process group
-    forms, was ~115 s of silence; the ranks waiting on it are not the announcing one when
+    itself (a first run's ``fused_adam`` build, after the process group forms, is
+    ~115 s of silence otherwise; the ranks waiting on it are not the announcing one when
     local rank 0 is the builder). ``building`` maps each held lock to when it was first
     seen (locks no longer held are dropped); ``noted``: the locks already named, which
     the waiting note shares."""
@@ -297,7 +297,7 @@ def watch_op_locks(announce: bool, stale_after_s: float = STALE_AFTER_S, poll_s:
     done = threading.Event()
 
     def watch() -> None:
-        noted: set[str] = set()  # each lock's wait is noted once (tester round 42: only the first was)
+        noted: set[str] = set()  # each lock's wait is noted once, not only the first lock's
         waiting: tuple[str, float] | None = None  # the lock waited on, since when (monotonic)
         building: dict[str, float] = {}  # lock this process holds -> when first seen (monotonic)
         while not done.wait(poll_s):

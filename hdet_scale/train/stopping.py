@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from hdet_scale.safe_parse import json_load  # tester round 45: deep nesting is a ValueError
+from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 from hdet_scale.backends.checkpoint_io import LAYOUT_FILE, latest_step, read_latest
 
 #: Seconds the launcher gives its ranks to end after SIGTERM before it kills them.
@@ -105,8 +105,8 @@ def failed_message(failure: str, run: dict[str, Any], step: int | None) -> str:
 
 def after_failure(run: dict[str, Any]) -> str:
     """What comes after a failure: under ``torchrun`` with restarts left, the restart (which
-    resumes by itself); otherwise :func:`resume_advice` (tester round 56: a rank that lost
-    its peer advised train.overwrite=true beside the agent's "restarts the job"). Never raises."""
+    resumes by itself); otherwise :func:`resume_advice` (a rank that lost its peer must not
+    advise train.overwrite=true beside the agent's "restarts the job"). Never raises."""
     from hdet_scale.train.refusals import attempts
 
     used, limit = attempts() or (0, 0)
@@ -121,24 +121,24 @@ def after_failure(run: dict[str, Any]) -> str:
 def resume_advice(run: dict[str, Any]) -> str:
     """Where the last checkpoint of ``run`` is and how to continue from it (or that there
     is none and what to do instead): the second half of :func:`stop_message`, also said
-    after a rank failed (tester round 28). Never raises."""
+    after a rank failed. Never raises."""
     run_dir = run["run_dir"]
     saved = last_checkpoint(run_dir)
     if saved is not None:
         folder, ck_step = saved
         of = f" (step {ck_step})" if ck_step is not None else ""
         if _an_earlier_runs(run):
-            # tester round 52: a train.overwrite=true run stopped before its start replaced
-            # the earlier run was told to resume that run's final checkpoint (then refused)
+            # a train.overwrite=true run stopped before its start replaced the earlier run
+            # must not be told to resume that run's final checkpoint (which is refused)
             return (f"No checkpoint of this run was saved: {folder}{of} is the earlier run's in {run_dir}, which "
                     f"this run had not yet replaced (nothing of it was changed); start again with the same command.")
         if ck_step is not None and ck_step >= run["train"]["steps"]:
-            # tester round 56: a stop between the final checkpoint and summary.json was told to
-            # resume, which is refused (nothing is left to do at train.steps)
+            # a stop between the final checkpoint and summary.json is not told to resume,
+            # which is refused (nothing is left to do at train.steps)
             sched = ((run.get("deepspeed") or {}).get("hdet") or {}).get("schedule") or {}
             total = sched.get("total_steps") if isinstance(sched, dict) else None
-            # tester round 66: "continue with a larger train.steps" was refused when the
-            # schedule ends at train.steps (a resume keeps total_steps)
+            # "continue with a larger train.steps" is refused when the schedule ends at
+            # train.steps (a resume keeps total_steps)
             on = (f"to train on, continue with a larger train.steps (up to deepspeed.hdet.schedule.total_steps="
                   f"{total}) and train.resume=true" if isinstance(total, int) and total > ck_step else
                   "the schedule ends there, so a resume has nothing left to train: the checkpoint holds the trained "
@@ -150,7 +150,7 @@ def resume_advice(run: dict[str, Any]) -> str:
                 f"({run_dir}) and config.{_restart_note()}")
     every = run["train"].get("checkpoint_every") or 0
     why = f"train.checkpoint_every={every}" if every else "train.checkpoint_every=0 saves only at the end"
-    # tester round 27: a stop before the first record left only the lock, and a plain rerun works
+    # a stop before the first record leaves only the lock, and a plain rerun works
     held = [n for n in ("metrics.jsonl", "summary.json", "checkpoint") if os.path.lexists(os.path.join(run_dir, n))]
     again = (f"start again in {run_dir} with train.overwrite=true, or choose another run_dir" if held
              else f"start again with the same command (no checkpoint or metrics of this run were written in "
@@ -181,8 +181,8 @@ def _an_earlier_runs(run: dict[str, Any]) -> bool:
 def _wandb_left(run_dir: str) -> str:
     """What W&B keeps in ``run_dir`` after a stop before the first record: its run folder
     (the newest of ``run_dir/wandb``, W&B's folder with the default ``wandb.dir``), which
-    a rerun does not mind and which is the user's to keep (tester round 32: the stop line
-    said "nothing of this run is kept" next to it). Never raises."""
+    a rerun does not mind and which is the user's to keep (the stop line must not say
+    "nothing of this run is kept" next to it). Never raises."""
     folder = os.path.join(run_dir, "wandb")
     try:
         runs = [e.path for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)
@@ -224,10 +224,10 @@ def exit_completed() -> None:
     """End this rank of a completed run (every file written and closed, train's last
     barrier passed) with code 0: the atexit handlers run (W&B's teardown), the
     interpreter's own teardown does not. Its full garbage collection of torch's and
-    DeepSpeed's module graphs kept each rank alive 3-6 s after summary.json on a loaded
-    2-core machine (measured); and under torchrun a C++ destructor in it aborted a rank
-    once after a restart ("terminate called without an active exception", SIGABRT), which
-    torchrun reported as a failed run (tester round 53). Never returns."""
+    DeepSpeed's module graphs keeps each rank alive 3-6 s after summary.json on a loaded
+    2-core machine (measured); and under torchrun a C++ destructor in it can abort a rank
+    after a restart ("terminate called without an active exception", SIGABRT), which
+    torchrun reports as a failed run. Never returns."""
     import atexit
 
     atexit._run_exitfuncs()
@@ -260,8 +260,8 @@ def run_completed(run: dict[str, Any], since: float) -> bool:
 def completed_message(what: int | str, run: dict[str, Any], since: float | None = None) -> str:
     """The line for a stop that came after the run completed (:func:`run_completed`):
     ``what`` is the signal, or what ended the ranks in words (``rank_failures.describe_failures``:
-    tester round 34, a rank killed during the end-of-run plots was reported as a failed
-    run, exit 1, with advice to resume that was then refused). ``since``: this attempt's
+    a rank killed during the end-of-run plots is not reported as a failed run, exit 1,
+    with advice to resume that would then be refused). ``since``: this attempt's
     start (``time.time()``), to tell whether the end-of-run plots were written (a stop
     during them leaves none: the line names ``hdet-plot``). Never raises."""
     what = f"{_NAMES.get(what, signal.Signals(what).name)} came" if isinstance(what, int) else what
@@ -277,7 +277,7 @@ def _plots_left(run: dict[str, Any], since: float | None) -> str:
         return ""
     from hdet_scale.plot_out import plotted_since
 
-    # tester round 53: one PNG of several written counted as "written"
+    # one PNG of several written does not count as "written"
     if plotted_since(os.path.join(run["run_dir"], "plots"), since):
         return ""
     return f"; its plots were not all written: hdet-plot {run['run_dir']} writes them"
@@ -312,8 +312,8 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
     from hdet_scale.train.startup import release_held_locks
 
     since = time.time()
-    # tester round 52: a kill -9 of torchrun's agent left its ranks training, orphaned,
-    # holding the run_dir; the kernel now sends SIGTERM to this handler when it dies
+    # a kill -9 of torchrun's agent would leave its ranks training, orphaned, holding
+    # the run_dir; the kernel sends SIGTERM to this handler when it dies
     launcher = os.getppid()
     die_with_launcher(launcher)
 

@@ -44,7 +44,7 @@ def _in_trainer_terms(e: HDETConfigError) -> HDETConfigError:
     text = re.sub(r"(?<![\w.])(hdet\.|scheduler:|zero_optimization\.|fp16\.|train_batch_size:|optimizer\.type:|optimizer\.params\.|gradient_predivide_factor:)",
                   r"deepspeed.\1", str(e))
     # hdet-train fills the dropout axis' value from model.dropout (train/config.py), which
-    # is the key to change (tester round 18: the message named the axis' value)
+    # is the key to change (not the axis' value)
     # (a value of the wrong type is the user's own axis value: named as it is)
     text = re.sub(r"deepspeed\.hdet\.axes\.dropout\.value: (?=\S+ with spread_ratio)",
                   "model.dropout (the base of deepspeed.hdet.axes.dropout in hdet-train): ", text)
@@ -60,8 +60,8 @@ _NOT_DIVIDING = re.compile(r"deepspeed\.hdet\.replicas: (\d+) replicas do not di
 
 def in_nproc_terms(e: HDETConfigError, nproc: int, given: bool) -> HDETConfigError:
     """``e`` with the world-size refusal reworded for ``hdet-train``'s own launcher, whose
-    world is ``nproc`` (``given``: set by the user, else the default): tester round 59,
-    ``nproc=1`` was asked whether a script had been started with plain ``python``. ``e``
+    world is ``nproc`` (``given``: set by the user, else the default), so that ``nproc=1``
+    is not asked whether a script was started with plain ``python``. ``e``
     itself when it holds no such refusal (other lines of a collected error are kept)."""
     def words(m: re.Match) -> str:
         replicas, divisors = int(m.group(1)), m.group(3)
@@ -123,7 +123,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
             check_group_count(hcfg, PARAM_GROUPS)
     except HDETConfigError as e:
         # the optimizer-side axes' checks below, said with this error rather than once it
-        # is fixed (tester round 19)
+        # is fixed
         extra = [line for line in optimizer_axis_errors(run["deepspeed"].get("hdet"), run["deepspeed"], backend,
                                                         prefix="deepspeed.hdet") if line not in str(e)]
         if extra:
@@ -142,12 +142,12 @@ def validate(run: dict, world_size: int, build_model: bool = True):
         msg = iterates.schedule_warning(OPTIMIZERS[kind], hcfg.schedule.name)
         if msg:
             warnings.warn(f"hdet_scale: deepspeed.{msg}", UserWarning, stacklevel=1)  # printed once
-    elif not run["deepspeed"].get("optimizer"):  # the trainer builds it from the block (tester round 27)
+    elif not run["deepspeed"].get("optimizer"):  # the trainer builds it from the block
         raise HDETConfigError("deepspeed.optimizer: hdet-train builds the optimizer from this block, and "
                               f"{run['deepspeed_config'] or 'the DeepSpeed JSON'} has none; add one, e.g. "
                               "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-3}}")
     # dropout / temperature must find modules to set in the model hdet-train builds: on
-    # the meta model here, not after every rank started (tester round 17: 29 s on DDP)
+    # the meta model here, not after every rank started (29 s on DDP)
     model_side = hcfg.enabled and any(a in hcfg.axes for a in ("dropout", "temperature"))
     if build_model or model_side:  # what transformers refuses, before train.overwrite removes anything
         meta = check_buildable(ModelConfig(**run["model"]))
@@ -172,7 +172,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     check_apart(d["path"], run["run_dir"])
     wdir = run["wandb"].get("dir")
     if run["wandb"]["enabled"] and isinstance(wdir, str) and wdir and d["path"] is not None:
-        # tester round 56: W&B's logs inside data.path were training data at the resume
+        # W&B's logs inside data.path would be training data at the resume
         if (part := holding_part(str(d["path"]), wdir)) is not None:
             raise HDETConfigError(f"wandb.dir: {wdir!r} is inside data.path {part!r}: W&B's logs would be read "
                                   "as training data (at a resume); put wandb.dir outside data.path")
@@ -186,7 +186,7 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     val = ByteBatches(corpus.val, d["seq_len"], 1, run["seed"], 0, 1, key="data (validation split, data.val_fraction)")
     if hcfg.uses_probe and isinstance(micro, int):
         # the probe's fixed windows are built at once on every rank, like eval_batches
-        # (tester round 12: probe_batches=100000 allocated gigabytes, then a traceback)
+        # (probe_batches=100000 would allocate gigabytes, then a traceback)
         shards = world_size // hcfg.replicas
         probe = run["train"]["probe_batches"] * shards * micro
         if probe > train_windows:
@@ -196,8 +196,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
                 f"bytes, and the training split has {train_windows}: at most "
                 f"{max(1, train_windows // (micro * shards))}")
     # evaluation reads evenly spaced windows of the split, built at once on every rank:
-    # more than the split has would read each several times and (100000 batches, tester
-    # round 10) allocate gigabytes before failing with a traceback
+    # more than the split has would read each several times and (100000 batches)
+    # allocate gigabytes before failing with a traceback
     asked = max(1, run["train"]["eval_batches"] // world_size) * world_size * micro
     if isinstance(micro, int) and asked > val.num_windows:
         most = max(1, val.num_windows // (micro * world_size)) * world_size
@@ -225,8 +225,8 @@ def validate(run: dict, world_size: int, build_model: bool = True):
         except HDETUntrustedFileError:
             raise  # names the file; no setting resumes it
         except HDETStateError as e:
-            # a layout or backend mismatch: the settings that resume it (tester round 44: this
-            # run's own values, listed right after "resume with the same", read as the fix)
+            # a layout or backend mismatch: the settings that resume it (this run's own
+            # values, listed right after "resume with the same", would read as the fix)
             this = ""
             if "written by" in str(e):
                 saved = read_layout(ckpt)
