@@ -171,6 +171,11 @@ def specs(steps: int = 200, device: str = "cpu", model_size: str = "default") ->
                         "group": f"HDET defaults + schedule-free, probe between x and y, start {where}",
                         "kind": "hdet", "optimizer": "schedulefree", "lr": SF_STARTS[where], "seed": s,
                         "hdet": SF_SLOW, "probe_point": "between_xy", "probe_alpha": 0.5})
+            for alpha in (0.25, 0.1):
+                out.append({"name": f"hdet between xy a{alpha:g} + schedule-free AdamW/{where}/s{s}",
+                            "group": f"HDET defaults + schedule-free, probe x + {alpha:g} (y - x), start {where}",
+                            "kind": "hdet", "optimizer": "schedulefree", "lr": SF_STARTS[where], "seed": s,
+                            "hdet": SF_SLOW, "probe_point": "between_xy", "probe_alpha": alpha})
     # a prototype: every replica weights its z's into x as the spread's top LR would
     for where in ("default", "10x high"):
         for s in SEEDS:
