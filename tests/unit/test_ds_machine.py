@@ -52,3 +52,18 @@ def test_both_offloads_to_nvme_name_each_key_once(tmp_path):
                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "o")}})
     assert sum("offload_param.nvme_path" in e for e in got) == 1 and sum("offload_optimizer.nvme_path" in e for e in got) == 1
     assert sum("async_io" in e for e in got) == (0 if _aio_ok() else 2), got
+
+
+def test_fp16_is_refused_exactly_where_the_accelerator_has_none():
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        check_accelerator({"fp16": {"enabled": True}})
+        refused = None
+    except HDETConfigError as e:
+        refused = str(e)
+    if get_accelerator().is_fp16_supported():
+        assert refused is None, refused
+    else:
+        assert refused and "fp16.enabled: this machine's DeepSpeed accelerator" in refused, refused
+    check_accelerator({"fp16": {"enabled": False}, "bf16": {"enabled": True}})
