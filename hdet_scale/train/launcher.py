@@ -21,23 +21,64 @@ from hdet_scale.train.rank_failures import BUILD_STOPPED, OP_MISSING, PEER_LOST,
 USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
 _REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what the launcher acts on
+LAUNCHER_PID_ENV = "HDET_LAUNCHER_PID"  # tells the fork server whose death ends it (fork_server.py)
 REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
 
 
-def die_with_launcher(launcher: int) -> None:
+def die_with_launcher(launcher: int, parent: int | None = None) -> None:
     """Ask the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) to send this rank SIGTERM when
-    the launcher dies, even by SIGKILL or the OOM killer: ranks must never train on
+    its parent dies, even by SIGKILL or the OOM killer: ranks must never train on
     unseen, holding the machine and writing into a run_dir a restart would reuse.
-    ``launcher``: the parent's process id (this launcher's, torchrun's agent, the
-    deepspeed launcher's). Sends SIGTERM at once when the parent is already gone."""
+    ``launcher``: the launcher's process id (this launcher's, torchrun's agent, the
+    deepspeed launcher's). ``parent``: the process this rank was forked from when that is
+    not the launcher (hdet-train's fork server, which exits when the launcher does).
+    Sends SIGTERM at once when either is already gone."""
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: nothing to ask for
         return
-    if os.getppid() != launcher:  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != (launcher if parent is None else parent) or (parent is not None and not _alive(launcher)):
+        os.kill(os.getpid(), signal.SIGTERM)  # gone before the request took effect
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a reused pid)
+        return True
+    return True
+
+
+RANK_START_ENV = "HDET_RANK_START"
+RANK_STARTS = ("forkserver", "spawn")
+
+
+def rank_start_method() -> str:
+    """How :func:`launch_local` starts its ranks, ``HDET_RANK_START``: ``"forkserver"``
+    (the default: forked from one server that imported what every rank needs) or
+    ``"spawn"`` (each rank a fresh interpreter importing everything itself: slower to start,
+    the fallback where forking a process that imported torch is unwanted).
+
+    Raises:
+        HDETConfigError: another value, naming the variable and the two it takes.
+    """
+    method = os.environ.get(RANK_START_ENV, "") or "forkserver"
+    if method not in RANK_STARTS:
+        raise HDETConfigError(f"{RANK_START_ENV}: expected one of {', '.join(RANK_STARTS)}, got {method!r}")
+    return method
+
+
+def rank_preload(backend: str) -> list[str]:
+    """The modules every rank of ``backend`` imports before its first step, which the
+    fork server the ranks start from (:func:`launch_local`) imports once for all of them."""
+    mods = ["hdet_scale.train.fork_server", "hdet_scale.train.loop", "transformers",
+            "transformers.models.llama.modeling_llama"]
+    return mods + (["deepspeed", "hdet_scale.backends.deepspeed"] if backend == "deepspeed" else
+                   [f"hdet_scale.backends.{backend}"])
 
 
 class _RankMessages:
@@ -68,7 +109,8 @@ class _RankMessages:
 
 
 def _rank_main(run: dict, rank: int, world: int, port: int, errors, launcher: int, progress) -> None:
-    die_with_launcher(launcher)
+    parent = os.getppid()  # the fork server (launch_local), or the launcher itself
+    die_with_launcher(launcher, None if parent == launcher else parent)
     if rank == 0:
         from hdet_scale.train.stopping import share_progress
 
@@ -279,7 +321,15 @@ def launch_local(run: dict) -> int:
                 signal.signal(sig, handler)
     for line in start_lines(run):
         print(line, file=sys.stderr, flush=True)
-    ctx = get_context("spawn")
+    # Ranks are forked from one server process that imported torch, transformers' model
+    # code and the training loop once (rank_preload): a spawned rank imports them itself,
+    # 3-4 s of CPU each, which a machine with fewer cores than ranks pays one rank after
+    # another. The server starts like a spawned process (nothing of this launcher's state
+    # is forked) and exits when this launcher does; its ranks are its children.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    ctx = get_context(rank_start_method())
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(rank_preload(run["backend"]))
     # multiprocessing's resource tracker ignores SIGINT and SIGTERM but dies of SIGHUP, which
     # a closing terminal sends to the whole process group: "process died unexpectedly" and
     # KeyError tracebacks after a clean stop. Started here with SIGHUP

@@ -95,3 +95,17 @@ def hostfile_standins(folder) -> dict:
     (folder / "hostfile").write_text("localhost slots=4\n")
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOSTFILE": str(folder / "hostfile"),
             "PYTHON": sys.executable}
+
+
+def rank_processes(launcher_pid: int) -> list[psutil.Process]:
+    """The live ranks of hdet-train's own launcher ``launcher_pid``, oldest first: the
+    children of its fork server (``launcher.launch_local``)."""
+    ranks = []
+    try:
+        servers = [c for c in psutil.Process(launcher_pid).children()
+                   if "multiprocessing.forkserver" in " ".join(c.cmdline())]
+        for server in servers:
+            ranks += [r for r in server.children() if r.status() != psutil.STATUS_ZOMBIE]
+    except psutil.Error:  # the launcher or its server gone, or a rank between two looks
+        pass
+    return sorted(ranks, key=lambda p: p.pid)

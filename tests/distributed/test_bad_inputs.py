@@ -472,6 +472,8 @@ CASES = [
      ["seed: must be an integer in [-2**63, 2**64)", "36893488147419103232"], None),
     ("hdet_seed_beyond_torch_range", ["deepspeed.hdet.seed=36893488147419103232"], {}, 2,
      ["deepspeed.hdet.seed: must be an integer in [-2**63, 2**64)"], None),
+    ("rank_start_unknown", [], {"HDET_RANK_START": "fork"}, 2,
+     ["HDET_RANK_START: expected one of forkserver, spawn, got 'fork'"], None),
     ("steps_per_print_zero", ["deepspeed.steps_per_print=0"], {}, 2,
      ["deepspeed.steps_per_print: must be an integer >= 1"], None),
     # refused exactly where DeepSpeed's own accelerator says no (a CPU without AVX512-FP16

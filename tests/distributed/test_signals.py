@@ -37,7 +37,7 @@ import time
 
 import pytest
 import torch
-from cli_processes import ENV, hostfile_standins, left_behind, processes_with, run_cli, with_marker
+from cli_processes import ENV, hostfile_standins, left_behind, processes_with, rank_processes, run_cli, with_marker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -333,13 +333,8 @@ def test_a_signal_after_the_ranks_ended_leaves_the_completed_runs_exit_code(tmp_
         while not (run_dir / "summary.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.01)
-        # the ranks (spawned children) gone: what is left is the launcher's own ending
-        def rank_alive(child) -> bool:
-            with contextlib.suppress(psutil.Error):  # gone, or a zombie the launcher has not reaped
-                return "multiprocessing.spawn" in " ".join(child.cmdline())
-            return False
-
-        while any(rank_alive(c) for c in launcher.children()):
+        # the ranks gone: what is left is the launcher's own ending
+        while rank_processes(launcher.pid):
             time.sleep(0.005)
         time.sleep(0.3)  # past the launcher's next look at its ranks (every 0.2 s): its loop has ended
         while proc.poll() is None:
@@ -376,8 +371,7 @@ def test_a_rank_killed_after_the_run_completed_is_not_a_failed_run(tmp_path):
         while not (run_dir / "summary.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.01)
-        ranks = sorted((c for c in psutil.Process(proc.pid).children()
-                        if "multiprocessing.spawn" in " ".join(c.cmdline())), key=lambda c: c.pid)
+        ranks = rank_processes(proc.pid)
         assert len(ranks) == 2 and ranks[1].is_running(), ranks  # rank 1 (started second) waits at the barrier
         ranks[1].kill()
         _, err = proc.communicate(timeout=60)
