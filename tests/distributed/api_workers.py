@@ -179,7 +179,7 @@ def run(tmp: str) -> dict:
             warnings.simplefilter("always")
             loaded = again.load_checkpoint(f"{tmp}/{backend}")
         # other betas and eps than the checkpoint's: the load keeps the checkpoint's, and
-        # says so (tester round 65: without a word)
+        # says so
         changed = copy.deepcopy(CONFIG)
         changed["optimizer"]["params"].update(betas=[0.5, 0.6], eps=1e-6)
         other = hdet_scale.prepare(rank_tools.build_model(), changed, backend=backend)
@@ -197,15 +197,15 @@ def run(tmp: str) -> dict:
                         "resume_warnings": resume_warnings, "crafted": crafted,
                         "replica": again.topology.replica_index}
         # step 5 is no sync (T = 2): the replicas part; Ensemble.converge joins them (a
-        # loop that stops before total_steps; tester round 61: there was no such call)
+        # loop that stops before total_steps)
         train_steps(again, 5, 5)
         out[backend]["apart"] = weights(again)
         again.converge()
         out[backend]["converged"] = weights(again)
         # each rank builds other weights (a user seeding by rank): prepare must start
-        # every replica from one model all the same (tester round 58: DeepSpeed did not)
+        # every replica from one model all the same, DeepSpeed included
         # fc1 frozen (a frozen embedding, a LoRA base): DeepSpeed's optimizer does not
-        # hold it, and the start copy missed it (tester round 59)
+        # hold it, and the start copy must cover it too
         model = rank_tools.build_model(seed=100 + rank_tools.rank())
         model.fc1.requires_grad_(False)
         apart = hdet_scale.prepare(model, copy.deepcopy(CONFIG), backend=backend)

@@ -330,7 +330,7 @@ BAD_CONFIGS = {
 def no_local_rank_worker() -> dict:
     """The ranks of a world given by ``RANK``/``WORLD_SIZE``/``MASTER_*`` alone (no
     ``LOCAL_RANK``, as a shell leaves them): ``build_topology`` must join that world over
-    ``env://`` (tester round 60: DeepSpeed's MPI discovery raised ModuleNotFoundError)."""
+    ``env://`` (not DeepSpeed's MPI discovery, which raises ModuleNotFoundError without mpi4py)."""
     import os
 
     import torch.distributed as dist
@@ -344,7 +344,7 @@ def no_local_rank_worker() -> dict:
     dist.all_reduce(ranks)
     out = {"world": dist.get_world_size(), "rank_sum": ranks.item(), "replicas": topology.replicas,
            "local_rank": os.environ.get("LOCAL_RANK")}
-    # then train under zero.Init, which reads LOCAL_RANK (tester round 61: a KeyError),
+    # then train under zero.Init, which reads LOCAL_RANK (a KeyError if nothing sets it),
     # and again with the launcher's LOCAL_RANK: the same weights after the same steps
     for name in ("without", "with"):
         os.environ["LOCAL_RANK"] = out["local_rank"] if name == "without" else own

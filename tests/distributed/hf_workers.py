@@ -246,7 +246,7 @@ def run(tmp: str) -> dict:
 
     # A callback stops the run at step 3 (as EarlyStoppingCallback does), between the
     # syncs of steps 2 and 4: train() ends with the replicas' average all the same
-    # (tester round 63: they were left apart)
+    # (not with the replicas left apart)
     stopped = HDETTrainer(model=build_model(), args=args(f"{tmp}/stopped", ds_config(hdet_block(0.2, False)), 6),
                           train_dataset=data)
 

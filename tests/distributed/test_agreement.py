@@ -83,7 +83,7 @@ What must agree, and how closely (measured values: ``MEASURED``, printed by
   consecutive noise values, at any offset, stays below 0.9. Under independence
   |r| > 0.9 on 32 pairs has probability 1.0e-12 (r^2 ~ Beta(1/2, 31/2)); over the ~1e5
   (offset, start) pairs of a vector and the 12 vectors checked, < 2e-6. Repeated draws
-  give 1.0 (fairscale before the fix of ``OSSBackend.noise_parts``). Measured: 0.73.
+  would give 1.0 (as fairscale's would without ``OSSBackend.noise_parts``). Measured: 0.73.
 - The forward pass right after initialize reads the noisy weights: every rank's output
   on a fixed input equals this process's forward with the rank's full parameters, rtol /
   atol ``FORWARD_TOL`` = 1e-6 (the same float32 operations, at most another summation
@@ -284,7 +284,7 @@ def test_model_side_temperature_axis_matches_the_simulator(runs, backend):
         np.testing.assert_allclose(rank["params"], sim["params"], rtol=PARAM_RTOL, atol=PARAM_ATOL)
         _measure(("params", backend, "temperature"), np.max(np.abs(rank["params"] - sim["params"])))
     assert all(abs(t[0][0] - t[1][0]) > 0.1 for t in sim["taus"][:-1])  # replicas at different temperatures
-    # after the last step every replica runs the shared base (tester round 65)
+    # after the last step every replica runs the shared base
     assert sim["taus"][-1][0] == sim["taus"][-1][1]
     assert abs(sim["syncs"][-1]["tau_base"] - 1.0) > 1e-2  # auto moved the base
     assert np.max(np.abs(sim["params"] - runs[("sim", "log", "global")]["params"])) > 100 * PARAM_ATOL

@@ -93,10 +93,10 @@ def test_replicas_start_from_one_model_when_ranks_build_other_weights(runs):
     world; DeepSpeed: from each shard group's first rank, then from replica 0 over the
     replica groups) that model is global rank 0's. FSDP2 keeps each rank's own chunk
     inside a replica, so its start is replica 0's two chunks, taken by replica 1: equal
-    everywhere, but no single rank's build. Before the replica broadcast, DeepSpeed's
-    replica 1 kept rank 2's weights and FSDP2's replica 1 its own chunks. fc1 is frozen
-    (outside DeepSpeed's optimizer partitions): DeepSpeed's replica 1 kept its own fc1
-    until the start copy covered frozen parameters (tester round 59)."""
+    everywhere, but no single rank's build. Without the replica broadcast, DeepSpeed's
+    replica 1 would keep rank 2's weights and FSDP2's replica 1 its own chunks. fc1 is
+    frozen (outside DeepSpeed's optimizer partitions): DeepSpeed's replica 1 would keep its
+    own fc1 if the start copy did not cover frozen parameters."""
     rank0 = np.concatenate([p.detach().flatten().numpy() for p in rank_tools.build_model(seed=100).parameters()])
     for backend in A.BACKENDS:
         for rank in range(1, 4):
@@ -121,12 +121,12 @@ def test_ensemble_converge_averages_the_replicas_between_steps(runs):
 
 
 def test_a_load_says_which_optimizer_settings_the_checkpoint_replaced(runs):
-    """Tester round 65: an Ensemble built with other betas and eps than its checkpoint's
-    loaded it and trained on with the checkpoint's, bit for bit, without a word (torch's
-    load_state_dict restores each group's settings; hdet-train warned from its own
-    config). Every engine now warns (HDETResumeWarning) naming each replaced setting, and
-    a load with the same settings warns of nothing: the LR, which HDET sets every step,
-    is never named."""
+    """An Ensemble built with other betas and eps than its checkpoint's loads it and
+    trains on with the checkpoint's, bit for bit (torch's load_state_dict restores each
+    group's settings; hdet-train warns from its own config): every engine warns
+    (HDETResumeWarning) naming each replaced setting, so that this is not without a
+    word, and a load with the same settings warns of nothing: the LR, which HDET sets
+    every step, is never named."""
     for backend in A.BACKENDS:
         w = runs[0][backend]["resume_warnings"]
         assert w["same"] == [], (backend, w["same"])

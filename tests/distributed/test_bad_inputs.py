@@ -114,7 +114,7 @@ def setup_cases(d) -> None:
     (d / "empty.txt").write_text("")
     (d / "hdet_null.json").write_text('{"train_micro_batch_size_per_gpu": 2, "hdet": null}')
     (d / "lr_nan.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}')
-    # issue 9, config & dryrun: repeated keys, sections given as a value, DeepSpeed JSONs for hdet-dryrun
+    # repeated keys, sections given as a value, DeepSpeed JSONs for hdet-dryrun
     (d / "twice.yaml").write_text("train:\n  steps: 10\n  steps: 20\n")
     (d / "section_list.yaml").write_text("train:\n  - 1\n  - 2\n")
     zero3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
@@ -123,22 +123,22 @@ def setup_cases(d) -> None:
     for name, edit in {"lr_negative": {"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "bf16_true": {"bf16": True},
                        "total_steps_fraction": {"hdet": {**zero3["hdet"], "schedule": {"total_steps": 10.5}}}}.items():
         (d / f"{name}.json").write_text(json.dumps({**zero3, **edit}))
-    # round 2: a batch key < 1, a key twice in the hdet block, no total_steps and other errors
+    # a batch key < 1, a key twice in the hdet block, no total_steps and other errors
     (d / "gas_negative.json").write_text(json.dumps({**zero3, "gradient_accumulation_steps": -1}))
     (d / "hdet_twice.json").write_text(json.dumps(zero3).replace('"replicas": 2', '"replicas": 2, "replicas": 4'))
     (d / "no_total_scheduler.json").write_text(json.dumps(
         {**zero3, "scheduler": {"type": "WarmupLR", "params": {}}, "zero_optimization": {"stage": 2},
          "hdet": {"replicas": 2, "sync_interval": 10}}))
-    # round 3 (issue 9 F4): an optimizer the ddp engine cannot build (hdet-train refuses it)
+    # an optimizer the ddp engine cannot build (hdet-train refuses it)
     (d / "lamb.json").write_text(json.dumps({**zero3, "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}))
-    # round 27: no optimizer block (Megatron-DeepSpeed style): a KeyError in every rank
+    # no optimizer block (Megatron-DeepSpeed style): unchecked, a KeyError in every rank
     (d / "no_optimizer.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "optimizer"}))
-    # round 28: no hdet block: plain data parallelism without a word
+    # no hdet block: unchecked, plain data parallelism without a word
     (d / "no_hdet.json").write_text(json.dumps({k: v for k, v in zero3.items() if k != "hdet"}))
     (d / "hdett.json").write_text(json.dumps({**{k: v for k, v in zero3.items() if k != "hdet"}, "hdett": zero3["hdet"]}))
-    # round 5: a config path naming a FIFO blocked in open() forever, printing nothing
+    # a config path naming a FIFO must not block in open() forever, printing nothing
     os.mkfifo(d / "fifo.json")
-    # round 6: hdet-dryrun's cost model on Hugging Face configs it cannot build
+    # hdet-dryrun's cost model on Hugging Face configs it cannot build
     (d / "valid.json").write_text(json.dumps(zero3))
     (d / "hf_negative.json").write_text('{"model_type": "llama", "hidden_size": -64, "num_hidden_layers": 2}')
     (d / "hf_heads.json").write_text('{"model_type": "llama", "hidden_size": 65, "num_attention_heads": 4}')
@@ -146,7 +146,7 @@ def setup_cases(d) -> None:
     (d / "hf_twice.json").write_text('{"model_type": "llama", "hidden_size": 64, "hidden_size": 128}')
     (d / "yaml11.yaml").write_text("wandb:\n  name: on\n  project: no\n")
     (d / "hf_unknown.json").write_text('{"model_type": "nonexistent_model", "hidden_size": 64}')
-    # round 12: a --total-steps that differs from the file hid the file's other errors
+    # a --total-steps that differs from the file must not hide the file's other errors
     (d / "nan_inf.json").write_text(json.dumps(zero3).replace('"sync_interval": 10', '"sync_interval": 10, "axes": '
                                                               '{"lr": {"spread_ratio": NaN}}'))
 
@@ -221,17 +221,17 @@ CASES = [
     ("ds_section_scalar", ["deepspeed=5"], {}, 2, ["deepspeed:", "mapping"], None),
     ("ds_json_fifo", ["deepspeed_config={d}/fifo.json"], {}, 2, ["fifo.json' is not a regular file but a FIFO"], None),
     ("yaml_fifo", ["{d}/fifo.json"], {}, 2, ["config file", "fifo.json' is not a regular file but a FIFO"], None),
-    # round 2: each override alone (not YAML, a section then its key, a key twice), interpolations at load
+    # each override alone (not YAML, a section then its key, a key twice), interpolations at load
     ("override_not_yaml", ["train.steps=[1,"], {}, 2, ["override 'train.steps=[1,'", "not a valid YAML value"], None),
     ("section_then_its_key", ["train=[1,2]", "train.progress=false"], {}, 2, ["train: must be a mapping"], None),
     ("override_twice", ["train.steps=5", "train.steps=7"], {}, 2,
      ["multiple values for train.steps: 'train.steps=5' and 'train.steps=7'"], None),
     ("interpolation_env_unset", ["run_dir=${{oc.env:HDET_TEST_NOPE_NOT_SET}}"], {}, 2,
      ["run_dir: the interpolation '${{oc.env:HDET_TEST_NOPE_NOT_SET}}'", "Environment variable"], None),
-    # F1: DeepSpeed asserted in every rank after 29 s
+    # unchecked, DeepSpeed would assert in every rank after 29 s
     ("ds_json_gas_negative", ["deepspeed_config={d}/gas_negative.json"], {}, 2,
      ["deepspeed.gradient_accumulation_steps: must be an integer >= 1", "got -1"], None),
-    # a DeepSpeed block given as a value: DeepSpeed's TypeError inside every rank named no key
+    # a DeepSpeed block given as a value: unchecked, DeepSpeed's TypeError inside every rank names no key
     ("ds_bf16_value", ["deepspeed.bf16=true"], {}, 2, ['deepspeed.bf16: must be a JSON object, e.g. {{"enabled": true}}'],
      None),
     ("ds_zero_value", ["deepspeed.zero_optimization=5"], {}, 2,
@@ -252,24 +252,24 @@ CASES = [
     ("wrong_type", ["train.steps=ten"], {}, 2, ["train.steps"], None),
     ("unknown_key", ["train.stepz=10"], {}, 2, ["stepz"], None),
     ("nproc_zero", ["nproc=0"], {}, 2, ["nproc"], None),
-    # 100000 local ranks were started until the out-of-memory killer took the machine down
+    # unchecked, 100000 local ranks would start until the out-of-memory killer takes the machine down
     ("nproc_beyond_memory", ["nproc=100000"], {}, 2, ["nproc=100000", "GiB available", "ranks fit"], None),
     ("bad_backend", ["backend=fsdp"], {}, 2, ["backend"], None),
     # data
     ("data_missing", ["data.path=/nonexistent/corpus"], {}, 2, ["data.path"], None),
     ("data_too_small", ["data.path={d}/tiny.txt"], {}, 2, ["data.seq_len"], None),
     ("data_empty", ["data.path={d}/empty.txt"], {}, 2, ["data.path"], None),
-    # an empty value (an unset $DATA) is not null: it trained on the built-in corpus without a word
+    # an empty value (an unset $DATA) is not null: it would train on the built-in corpus without a word
     ("data_path_empty", ["data.path="], {}, 2, ["data.path: empty value", "data.path=null", "built-in corpus"], None),
     ("run_dir_empty", ["run_dir="], {}, 2, ["run_dir: empty value", "runs/default"], None),
-    # tester round 65: the run went to the W&B project "hdet" without a word
+    # an empty project: the run would go to the W&B project "hdet" without a word
     ("wandb_project_empty", ["wandb.project="], {}, 2, ["wandb.project: empty value", "a W&B project name",
                                                        "hdet-scale"], None),
-    # issue 9 round 8 (F4): said "Incompatible value 'None'" and no valid value
+    # named with the valid values, not "Incompatible value 'None'"
     ("backend_empty", ["backend="], {}, 2,
      ["backend: empty or null value", "one of deepspeed, fsdp2, ddp, fairscale"], None),
-    # issue 9 round 8 (F2): DeepSpeed-only memory and precision keys were ignored silently
-    # by the other engines (a run that needs CPU offload to fit would fail hours in)
+    # DeepSpeed-only memory and precision keys, which the other engines would ignore silently
+    # (a run that needs CPU offload to fit would fail hours in)
     ("offload_under_fairscale", ["backend=fairscale", "deepspeed.zero_optimization.offload_optimizer.device=cpu"],
      {}, 2, ["deepspeed.zero_optimization.offload_optimizer: DeepSpeed's offload to 'cpu'", "fairscale backend"],
      None),
@@ -287,13 +287,13 @@ CASES = [
      None),
     ("data_fifo", ["data.path={run}.fifo"], {}, 2, ["{run}.fifo' is not a regular file but a FIFO"],
      lambda run: os.mkfifo(f"{run}.fifo")),
-    # issue 9 round 4: procfs trained on the live system's files without a word
+    # procfs: unchecked, a run would train on the live system's files without a word
     ("data_procfs", ["data.path=/proc/self"], {}, 2, ["'/proc/self' is in /proc, a kernel pseudo-filesystem"], None),
     # layout (world = nproc; replicas must divide it)
     ("replicas_not_dividing", ["deepspeed.hdet.replicas=3"], {}, 2,
      ["deepspeed.hdet.replicas: nproc=4 (the default) gives a world of 4 ranks", "multiple of 3"], None),
     ("world_not_divisible", ["nproc=3"], {}, 2, ["nproc=3 gives a world of 3 ranks", "multiple of 2"], None),
-    # round 59: nproc=1 was asked whether a script had been started with plain python
+    # nproc=1 is not asked whether a script was started with plain python
     ("world_of_nproc_1", ["nproc=1"], {}, 2,
      ["deepspeed.hdet.replicas: nproc=1 gives a world of 1 rank, and deepspeed.hdet.replicas=2 needs nproc to be a "
       "multiple of 2"], None),
@@ -315,23 +315,23 @@ CASES = [
     ("fairscale_optimizer_param", ["backend=fairscale", "deepspeed.optimizer.params.amsgrad_typo=true"], {}, 2,
      ["deepspeed.optimizer.params"], None),
     ("ddp_replicas_not_dividing", ["backend=ddp", "deepspeed.hdet.replicas=3"], {}, 2, ["hdet.replicas"], None),
-    # round 5: W&B failed on rank 0 after the start (online without a key: a UsageError
-    # traceback), or silently wrote elsewhere (an unwritable wandb.dir)
+    # W&B would fail on rank 0 after the start (online without a key: a UsageError
+    # traceback), or silently write elsewhere (an unwritable wandb.dir)
     ("wandb_online_without_key", ["wandb.mode=online"], {"WANDB_API_KEY": "", "NETRC": "{run}.netrc"}, 2,
      ["wandb.mode=online, but no W&B API key is configured", "wandb.mode=offline"], None),
-    # under a file: unwritable even for root (/proc, the old case here, is refused below)
+    # under a file: unwritable even for root (/proc is refused below)
     ("wandb_dir_unwritable", ["wandb.mode=offline", "wandb.dir={d}/list.yaml/wandb"], {}, 2,
      ["wandb.dir: cannot write to {d}/list.yaml/wandb"], None),
     # run_dir
     ("run_dir_under_a_file", ["run_dir={d}/a_file/run"], {}, 2, ["run_dir", "a_file"], None),
     ("run_dir_unwritable", ["run_dir=/proc/hdet_run"], {}, 2, ["run_dir", "/proc/hdet_run"], None),
-    # round 59: the filesystem root trained and wrote checkpoint/, plots/... among the system's folders
+    # the filesystem root: a run would train and write checkpoint/, plots/... among the system's folders
     ("run_dir_root", ["run_dir=/"], {}, 2, ["run_dir: / is the filesystem root", "run_dir=runs/my_run"], None),
-    # round 6: found by rank 0 at the trim of a resume, with 4 tracebacks
+    # found before the start, not by rank 0 at the trim of a resume, with 4 tracebacks
     ("run_dir_metrics_a_folder", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["{run}/metrics.jsonl is not a file"], _ckpt(damage=lambda c: (os.remove(c.parent / "metrics.jsonl"),
                                                                  (c.parent / "metrics.jsonl").mkdir()))),
-    # a link to nothing was reported as "File exists"
+    # a link to nothing: named as such, not "File exists"
     ("run_dir_broken_link", ["run_dir={run}"], {}, 2, ["run_dir: {run} is a symbolic link to", "does not exist"],
      lambda run: (run.parent.mkdir(parents=True, exist_ok=True), run.symlink_to(run.parent / "nowhere"))),
     ("run_dir_holds_a_run", ["run_dir={run}"], {}, 2, ["already holds a run", "train.overwrite=true"],
@@ -346,43 +346,43 @@ CASES = [
     ("resume_latest_names_nothing", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["checkpoint/latest names 'global_step99', which hdet_layout.json does not list", "global_step10 (step 10)"],
      _ckpt(latest="global_step99")),
-    # round 7: a path in latest passed the start-up check and failed inside every rank
+    # a path in latest: refused by the start-up check, not failing inside every rank
     ("resume_latest_a_path", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["names '../../other/checkpoint/replica_0/global_step10', which hdet_layout.json does not list"],
      _ckpt(latest="../../other/checkpoint/replica_0/global_step10")),
-    # round 7: an archive of other content in place of a checkpoint file: the KeyError named no file
+    # an archive of other content in place of a checkpoint file: named (a KeyError would name no file)
     ("resume_model_file_replaced", ["run_dir={run}", "train.resume=true", "backend=ddp", "nproc=2"], {}, 2,
      ["/global_step10/model_optim.pt is not what this backend wrote there: no ['model', 'optimizer'] entry",
       "it holds []"], lambda run: _ddp_ckpt_with_foreign_file(run)),
     ("wandb_mode_env_unknown", ["wandb.enabled=true"], {"WANDB_MODE": "bogus"}, 2,
      ["WANDB_MODE='bogus' is not a W&B mode"], None),
-    # round 26: refused by rank 0's wandb.init after the ranks started, told to check the network
+    # refused before the start, not by rank 0's wandb.init after the ranks start with advice to check the network
     ("wandb_project_slash", ["wandb.enabled=true", "wandb.mode=offline", "wandb.project=a/b"], {}, 2,
      ["wandb.project: Invalid project name 'a/b': cannot contain characters"], None),
     ("wandb_dir_procfs", ["wandb.enabled=true", "wandb.dir=/proc/hdet_wandb"], {"WANDB_MODE": "offline"}, 2,
      ["wandb.dir: /proc/hdet_wandb is in /proc, a kernel filesystem"], None),
     ("model_rope_theta_inf", ["model.rope_theta=1e400"], {}, 2, ["model.rope_theta must be a finite number > 0"],
      None),
-    # round 11: a yes/no key given 2 replaced the run (OmegaConf reads 2 as true)
+    # a yes/no key given 2 would replace the run (OmegaConf reads 2 as true)
     ("bool_key_given_an_integer", ["train.overwrite=2"], {}, 2, ["train.overwrite: must be true or false, got 2"],
      None),
-    # round 11: a multiplicative weight-decay spread of a decay of 0 explored nothing
+    # a multiplicative weight-decay spread of a decay of 0 would explore nothing
     ("multiplicative_axis_on_zero", ["backend=ddp", "deepspeed.hdet.axes.weight_decay={{spread_ratio: 0.5}}",
                                      "deepspeed.optimizer.params.weight_decay=0"], {}, 2,
      ["deepspeed.hdet.axes.weight_decay: a multiplicative spread of a weight_decay of 0", "nothing is explored"],
      None),
-    # round 10: 100000 eval batches allocated gigabytes, then a traceback after 60 s
+    # 100000 eval batches would allocate gigabytes, then a traceback after 60 s
     ("eval_batches_beyond_the_split", ["train.eval_batches=100000", "data.max_bytes=200000"], {}, 2,
      ["train.eval_batches=100000 asks for", "validation split (20000 bytes", "at most"], None),
-    # round 9: a deleted settings record let a changed model shape reach the ranks' load
+    # a deleted settings record must not let a changed model shape reach the ranks' load
     ("resume_run_config_lost", ["run_dir={run}", "train.resume=true", "model.hidden_size=64"], {}, 2,
      ["checkpoint/hdet_run_config.json is missing", 'write {{"runs": {{}}}} into it'],
      _ckpt(record=[], damage=lambda c: os.remove(c / "hdet_run_config.json"))),
-    # round 9: a head size transformers' RoPE refuses failed in every rank, after W&B
-    # started (and after train.overwrite removed the earlier run)
+    # a head size transformers' RoPE refuses would fail in every rank, after W&B
+    # starts (and after train.overwrite removes the earlier run)
     ("model_odd_head_size", ["model.hidden_size=30", "model.num_heads=2"], {}, 2,
      ["model.hidden_size=30 / model.num_heads=2 gives heads of 15 dimensions", "even head size"], None),
-    # round 9: an additive weight-decay spread below 0 trained one replica at -0.5
+    # an additive weight-decay spread below 0 would train one replica at -0.5
     ("additive_decay_below_zero", ["backend=ddp", "deepspeed.hdet.axes.weight_decay={{spread_ratio: 0.5, kind: additive}}",
                                    "deepspeed.optimizer.params.weight_decay=0.0"], {}, 2,
      ["deepspeed.hdet.axes.weight_decay.spread_ratio: an additive spread of 0.5", "to -0.5 for one replica"], None),
@@ -391,7 +391,7 @@ CASES = [
     ("resume_layout_list", ["run_dir={run}", "train.resume=true"], {}, 2, ["hdet_layout.json", "damaged"],
      _ckpt(damage=lambda c: (c / "hdet_layout.json").write_text("[4, 2, 2]"))),
     # the older checkpoint the layout lists is offered as the way on only where its folders are
-    # (tester round 64: two incomplete tags were offered as the way on from each other)
+    # (two incomplete tags are not offered as the way on from each other)
     ("resume_model_states_cut", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["replica_1/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", "truncated", "global_step5 (step 5)"],
      _ckpt(damage=lambda c: (_copy_tag(c, "global_step10", "global_step5"),
@@ -406,8 +406,8 @@ CASES = [
     ("resume_hdet_state_cut", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["replica_0/global_step10/hdet_shard_1.pt", "truncated"],
      _ckpt(damage=lambda c: cut(c / "replica_0/global_step10/hdet_shard_1.pt", 50))),
-    # round 34: a read-only checkpoint folder failed at the first save, 51 s in, with a
-    # traceback; a read-only metrics.jsonl was replaced by a writable copy without a word
+    # a read-only checkpoint folder would fail at the first save, 51 s in, with a
+    # traceback; a read-only metrics.jsonl would be replaced by a writable copy without a word
     ("resume_checkpoint_read_only", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["train.resume: {run}/checkpoint is read-only", "chmod -R u+w {run}"], _ckpt(damage=lambda c: os.chmod(c, 0o555))),
     ("resume_metrics_read_only", ["run_dir={run}", "train.resume=true"], {}, 2,
@@ -420,7 +420,7 @@ CASES = [
      _ckpt(damage=lambda c: os.remove(c / "replica_0/global_step10/hdet_shard_1.pt"))),
     ("resume_other_layout", ["run_dir={run}", "train.resume=true"], {}, 2, ["2 replicas x 1 shards"],
      _ckpt(layout={**LAYOUT, "world_size": 2, "shard_size": 1})),
-    # tester round 44: the parenthesis listed this run's values right after "resume with the same backend"
+    # the parenthesis gives the checkpoint's values (to resume it), not this run's
     ("resume_other_backend", ["run_dir={run}", "train.resume=true"], {}, 2,
      ["fsdp2 backend", "(to resume it: backend=fsdp2, a world of 4 ranks from nproc or the launcher, "
                        "deepspeed.hdet.replicas=2; or use another run_dir)"],
@@ -453,19 +453,19 @@ CASES = [
      None),
     ("env_rank_out_of_range", [], {"RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
      2, ["RANK not in [0, WORLD_SIZE)", "env -u RANK"], None),
-    # round 59: a leftover RANK other than 0 said nothing (no note, not even the refusal), then waited 30 min
+    # a leftover RANK other than 0 speaks (the note and the refusal), not silent and waiting 30 min
     ("env_leftover_rank_1", ["train.stpes=3"], {"RANK": "1", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
                                                 "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29999"}, 2,
      ["no launcher (torchrun, deepspeed, srun, mpirun) started this process: it joins that world as rank 1",
       "env -u RANK -u WORLD_SIZE", "train.stpes"], None),
-    # issue 9, F1/F2: an extensions folder torch's loader cannot use (a raw traceback before, in the launcher or each rank)
+    # an extensions folder torch's loader cannot use (unchecked, a raw traceback in the launcher or each rank)
     ("extensions_dir_is_a_file", [], {"TORCH_EXTENSIONS_DIR": "{d}/a_file"}, 2,
      ["TORCH_EXTENSIONS_DIR='{d}/a_file' is a file"], None),
     ("extensions_dir_not_creatable", [], {"TORCH_EXTENSIONS_DIR": "/proc/hdetx"}, 2,
      ["TORCH_EXTENSIONS_DIR='/proc/hdetx' cannot be created in /proc"], None),
     ("stale_op_lock", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "rm {run}_ext/fused_adam/lock", "prebuilt"], plant_stale_lock),
-    # round 12: raw tracebacks on every rank after start-up, silent acceptances, misleading messages
+    # unchecked: raw tracebacks on every rank after start-up, silent acceptances, misleading messages
     ("probe_batches_beyond_split", ["train.probe_batches=100000", "data.max_bytes=200000"], {}, 2,
      ["train.probe_batches=100000 asks for", "the training split has", "at most"], None),
     ("seed_beyond_torch_range", ["seed=36893488147419103232"], {}, 2,
@@ -485,13 +485,13 @@ CASES = [
      ["deepspeed.optimizer.type: 'Lamb' needs DeepSpeed's FusedLamb op", "(cpu)"], None),
     ("deepspeed_json_without_hdet", ["deepspeed_config={d}/no_hdet.json", "backend=ddp"], {}, 2,
      ["deepspeed.hdet: {d}/no_hdet.json has no hdet block, so the run would be plain data parallelism"], None),
-    # round 39: told to "add" the block the user believed they had, its look-alike unnamed
+    # the look-alike block is named, not advice to "add" the block the user believes they have
     ("deepspeed_json_hdett_block", ["deepspeed_config={d}/hdett.json", "backend=ddp"], {}, 2,
      ["deepspeed.hdet: {d}/hdett.json has no hdet block ('hdett' is not read: did you mean 'hdet'?)"], None),
     ("deepspeed_json_without_optimizer", ["deepspeed_config={d}/no_optimizer.json", "train.steps=50"], {}, 2,
      ["deepspeed.optimizer: hdet-train builds the optimizer from this block, and {d}/no_optimizer.json has none"],
      None),
-    # tester round 25: a traceback from every rank after a minute (no async_io op), nvme_path never checked
+    # nvme_path is checked (unchecked: a traceback from every rank after a minute, no async_io op)
     ("nvme_path_missing", ["deepspeed.zero_optimization.offload_param.device=nvme",
                            "deepspeed.zero_optimization.offload_param.nvme_path={d}/no_such_folder"], {}, 2,
      ["deepspeed.zero_optimization.offload_param.nvme_path: '{d}/no_such_folder' is not an existing folder"], None),
@@ -504,13 +504,13 @@ CASES = [
     ("override_empty_key_part", ["train..steps=5"], {}, 2, ["override 'train..steps=5'", "empty part"], None),
     ("override_empty_key", ["=5"], {}, 2, ["override '=5'"], None),
     ("help_after_overrides", ["train.steps=3", "--help"], {}, 2, ["--help goes first"], None),
-    # round 13: YAML 1.1 booleans replaced a run (train.overwrite=yes); an empty data.path item read silently
+    # YAML 1.1 booleans would replace a run (train.overwrite=yes); an empty data.path item be read silently
     ("bool_yaml11_spelling", ["train.overwrite=yes"], {}, 2,
      ["override 'train.overwrite=yes': write true or false"], None),
     ("data_path_empty_item", ["data.path={d}/tiny.txt,,{d}/tiny.txt"], {}, 2,
      ["has an empty item between its commas"], None),
-    # round 14: FusedAdam's AMSGrad refusal in every rank; torch flags taking any truthy value;
-    # YAML 1.1 octal and booleans (train.steps=010 trained 8 steps; project: no named it "False")
+    # unchecked: FusedAdam's AMSGrad refusal in every rank; torch flags taking any truthy value;
+    # YAML 1.1 octal and booleans (train.steps=010 would train 8 steps; project: no name it "False")
     ("amsgrad_on_deepspeed_adam", ["deepspeed.optimizer.type=AdamW", "deepspeed.optimizer.params.amsgrad=true"], {}, 2,
      ["deepspeed.optimizer.params.amsgrad: DeepSpeed's Adam (FusedAdam, CPU Adam) has no AMSGrad"], None),
     ("torch_flag_not_a_boolean", ["backend=ddp", "deepspeed.optimizer.type=AdamW", "deepspeed.optimizer.params.maximize=1"],
@@ -522,8 +522,8 @@ CASES = [
      ["yaml11.yaml' line 3: wandb.project: no is YAML 1.1's spelling of a boolean"], None),
     ("stale_op_lock_folder", ["run_dir={run}"], {"TORCH_EXTENSIONS_DIR": "{run}_ext"}, 3,
      ["{run}_ext/fused_adam/lock", "a folder", "(rmdir {run}_ext/fused_adam/lock)"], plant_stale_lock_folder),
-    # issue 9, fresh tester: data.seq_len was blamed; groups the trainer's one-group optimizer lacks were
-    # refused in every rank after W&B started (18-39 s); a wrong type drew a verdict on its default too
+    # model.max_seq_len is named, not data.seq_len; groups the trainer's one-group optimizer lacks are refused
+    # before the start (in every rank after W&B starts: 18-39 s); a wrong type draws no verdict on its default
     # (the single line: test_misconfig.py)
     ("model_max_seq_len_zero", ["model.max_seq_len=0"], {}, 2, ["model.max_seq_len must be an integer >= 1; got 0"],
      None),
@@ -533,15 +533,15 @@ CASES = [
      ["deepspeed.hdet.schedule.max_lr: 3 values for 1 parameter groups"], None),
     ("sync_interval_float", ["deepspeed.hdet.sync_interval=5.0"], {}, 2,
      ["deepspeed.hdet.sync_interval: expected int, got 5.0"], None),
-    # round 18: a string value drew "two base values" that looked equal; {} kept the packaged
-    # spread without a word; the bounds message named the axis' value, not model.dropout
+    # a string value is refused by type, not as "two base values" that look equal; {} would keep
+    # the packaged spread without a word; the bounds message names model.dropout, not the axis' value
     ("dropout_value_a_string", ["model.dropout=0.1",
                                 'deepspeed.hdet.axes={{dropout: {{spread_ratio: 0.05, kind: additive, value: "0.1"}}}}'],
      {}, 2, ["deepspeed.hdet.axes.dropout.value: expected float | None, got '0.1'"], None),
     ("empty_object_over_the_packaged_axes", ["deepspeed.hdet.axes={{}}"], {}, 2,
      ["override 'deepspeed.hdet.axes={{}}': overrides merge into", "changes nothing there (it keeps lr)"], None),
-    # round 20: DeepSpeed's assertions in every rank (an untested ZeRO optimizer, a predivide
-    # factor, ZeRO++ quantization on CPU); hpZ trained with a wrong loss; {} in the run YAML
+    # unchecked: DeepSpeed's assertions in every rank (an untested ZeRO optimizer, a predivide
+    # factor, ZeRO++ quantization on CPU); hpZ would train with a wrong loss; {} in the run YAML
     ("zero_untested_optimizer", ["deepspeed.optimizer.type=SGD"], {}, 2,
      ["deepspeed.optimizer.type: DeepSpeed's ZeRO refuses 'SGD'", "unless zero_allow_untested_optimizer is true"],
      None),
@@ -648,23 +648,23 @@ DRYRUN_CASES = [
     ("dryrun_bf16_value", ["{d}/bf16_true.json"], ['bf16: must be a JSON object, e.g. {"enabled": true}; got true']),
     ("dryrun_total_steps_fraction", ["{d}/total_steps_fraction.json"],
      ["hdet.schedule.total_steps: expected int | None, got 10.5"]),  # the only line: test_dryrun.py
-    # round 2: rc 0 before for the first two; the third hid the other errors behind the missing total_steps
+    # errors (exit 2), not accepted; the third does not hide the other errors behind the missing total_steps
     ("dryrun_gas_negative", ["{d}/gas_negative.json"], ["gradient_accumulation_steps: must be an integer >= 1", "got -1"]),
     ("dryrun_key_twice", ["{d}/hdet_twice.json"], ["hdet_twice.json", "has the key 'replicas' twice in one object"]),
     ("dryrun_no_total_steps_and_more", ["{d}/no_total_scheduler.json"],
      ["pass --total-steps", "  scheduler:", "  zero_optimization.stage"]),
-    # round 3: rc 0 before; the words of hdet-train's engines.check_engine_config
+    # refused (exit 2) in the words of hdet-train's engines.check_engine_config
     ("dryrun_lamb_ddp", ["{d}/lamb.json", "--backend", "ddp", "--total-steps", "10"],
      ["optimizer.type: the ddp backend builds a torch optimizer", "got 'Lamb'"]),
     ("dryrun_fifo", ["{d}/fifo.json", "--total-steps", "10"], ["fifo.json' is not a regular file but a FIFO"]),
-    # round 6: the cost model's inputs (a hang, tracebacks, silent nonsense before)
+    # the cost model's inputs (unchecked: a hang, tracebacks, silent nonsense)
     ("dryrun_hf_config_fifo", ["{d}/valid.json", "--hf-config", "{d}/fifo.json"],
      ["--hf-config:", "fifo.json' is not a regular file but a FIFO"]),
     ("dryrun_hf_config_negative", ["{d}/valid.json", "--hf-config", "{d}/hf_negative.json"],
      ["--hf-config:", "hf_negative.json' does not build a causal LM", "negative dimension"]),
     ("dryrun_hf_config_heads", ["{d}/valid.json", "--hf-config", "{d}/hf_heads.json"],
      ["hf_heads.json' does not build a causal LM", "not a multiple of the number of attention heads"]),
-    # round 22: built for 149 s without a line of output, then exit 0
+    # refused, not built for 149 s without a line of output, then exit 0
     ("dryrun_hf_config_too_deep", ["{d}/valid.json", "--hf-config", "{d}/hf_deep.json"],
      ["hf_deep.json' has num_hidden_layers=100000", "at most 2000", "--params N"]),
     ("dryrun_hf_config_key_twice", ["{d}/valid.json", "--hf-config", "{d}/hf_twice.json"],
@@ -672,16 +672,16 @@ DRYRUN_CASES = [
     ("dryrun_params_absurd", ["{d}/valid.json", "--params", "1e40"], ["--params: expected a whole number"]),
     ("dryrun_bandwidth_absurd", ["{d}/valid.json", "--params", "1B", "--bandwidth-gbps", "1e-300"],
      ["--bandwidth-gbps: expected a number in"]),
-    # round 7: a second line judged warmup_steps against the refused run length
+    # no second line judging warmup_steps against the refused run length
     ("dryrun_total_steps_negative", ["{d}/valid.json", "--total-steps", "-5"],
      ["--total-steps: must be an integer >= 1", "got -5"]),
-    # round 4: argparse kept the last of two values
-    # round 12: the --total-steps mismatch was the only line; the NaN spread is reported with it now
+    # the NaN spread is reported with the --total-steps mismatch, not hidden behind it
     ("dryrun_total_steps_mismatch_and_more", ["{d}/nan_inf.json", "--total-steps", "500"],
      ["--total-steps 500 is longer than hdet.schedule.total_steps=100", "hdet.axes.lr.spread_ratio: must be finite"]),
-    # round 13: the message kept the tail of transformers' list of model types, not the reason
+    # the message gives the reason, not the tail of transformers' list of model types
     ("dryrun_hf_config_unknown_type", ["{d}/valid.json", "--hf-config", "{d}/hf_unknown.json"],
      ["hf_unknown.json' does not build a causal LM", "nonexistent_model"]),
+    # an option given twice is refused (argparse would keep the last of two values)
     ("dryrun_option_twice", ["{d}/ds.json", "--total-steps", "100", "--total-steps", "10"],
      ["--total-steps given twice"]),
 ]
@@ -751,7 +751,7 @@ SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLU
 @pytest.mark.parametrize("script,env,needle", [
     ("torchrun_single_node.sh", {"GPUS": "abc"}, "torchrun_single_node.sh: GPUS=abc: expected an integer in [1, 4096]"),
     ("torchrun_single_node.sh", {"GPUS": "1", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: expected an integer in [0, "),
-    # round 30: 08 was bash's "value too great for base" and a refusal; 10^20 a silent growing torchrun
+    # 10^20 is refused, not a silently growing torchrun (and 08 no bash "value too great for base")
     ("torchrun_single_node.sh", {"GPUS": "99999999999999999999"}, "GPUS=99999999999999999999: expected an integer "
                                                                   "in [1, 4096]"),
     ("torchrun_multi_node.sh", {**MULTI_NODE, "GPUS": "99999999999999999999"}, "GPUS=99999999999999999999: "
@@ -761,29 +761,29 @@ SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLU
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_without_slots"},
      "GPUS=<empty>: expected an integer in [1, 4096] (set GPUS, or give the first host of {d}/hostfile_without_slots "
      "slots"),
-    # the hostfile script's own check: 08 was bash's "value too great for base" and a refusal
-    # (08 is 8 here: the ssh check that follows answers); 10^20 wrapped around and passed
+    # the hostfile script's own check: 08 is 8, not bash's "value too great for base" and a refusal
+    # (the ssh check that follows answers); 10^20 is refused, not wrapped around and passed
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh", "GPUS": "08"},
      "cannot be reached by passwordless ssh"),
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh", "GPUS": "99999999999999999999"},
      "deepspeed_hostfile.sh: GPUS=99999999999999999999: expected an integer in [1, 4096]"),
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh", "MAX_RESTARTS": "99999999999999999999"},
      "deepspeed_hostfile.sh: MAX_RESTARTS=99999999999999999999: expected an integer in [0, 1000000]"),
-    # the same bound on MAX_RESTARTS in every launcher (torchrun_multi_node.sh had none)
+    # the same bound on MAX_RESTARTS in every launcher (torchrun_multi_node.sh included)
     ("torchrun_multi_node.sh", {**MULTI_NODE, "MAX_RESTARTS": "1000001"},
      "torchrun_multi_node.sh: MAX_RESTARTS=1000001: expected an integer in [0, 1000000]"),
     ("torchrun_single_node.sh", {"GPUS": "1", "MAX_RESTARTS": "1000001"},
      "torchrun_single_node.sh: MAX_RESTARTS=1000001: expected an integer in [0, 1000000]"),
-    # round 22: DeepSpeed's "not reachable via ssh" traceback, retried MAX_RESTARTS times
+    # named before the start, not DeepSpeed's "not reachable via ssh" traceback, retried MAX_RESTARTS times
     ("deepspeed_hostfile.sh", {"HOSTFILE": "{d}/hostfile_no_ssh"},
      "host 127.0.0.1 (first in {d}/hostfile_no_ssh) cannot be reached by passwordless ssh"),
-    # round 26: torchrun's ValueError traceback for the port; NODE_RANK >= NNODES was accepted
+    # named, not torchrun's ValueError traceback for the port; NODE_RANK >= NNODES is refused too
     *[("torchrun_multi_node.sh", {**MULTI_NODE, **e}, n) for e, n in [
         ({"MASTER_PORT": "abc"}, "torchrun_multi_node.sh: MASTER_PORT=abc: expected an integer in [1, 65535]"),
         ({"MASTER_PORT": "99999"}, "torchrun_multi_node.sh: MASTER_PORT=99999: expected an integer in [1, 65535]"),
         ({"NODE_RANK": "5"}, "torchrun_multi_node.sh: NODE_RANK=5: expected an integer < NNODES=1"),
     ]],
-    # round 26: torchrun's tracebacks under slurm.sbatch, checked before scontrol / srun run
+    # slurm.sbatch's values, checked before scontrol / srun run (unchecked: torchrun's tracebacks)
     # (the SLURM_* variables of a job are set, but no scontrol / srun exists here)
     *[("slurm.sbatch", {**SLURM_JOB, **e}, n) for e, n in [
         ({"GPUS_PER_NODE": "abc"}, "slurm.sbatch: GPUS_PER_NODE=abc: expected an integer >= 1"),
@@ -793,10 +793,10 @@ SLURM_JOB = {"SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1", "SLU
     ]],
 ])
 def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_path):
-    """Tester round 20: the launchers passed GPUS=abc, MAX_RESTARTS=-1 or a hostfile line
-    without slots= to torchrun / deepspeed, whose tracebacks named no variable; round 26:
-    the same for MASTER_PORT, NODE_RANK >= NNODES and slurm.sbatch's values. Each now
-    exits 2 before starting anything, naming the variable and what it expects."""
+    """The launchers check GPUS, MAX_RESTARTS, a hostfile line without slots=,
+    MASTER_PORT, NODE_RANK >= NNODES and slurm.sbatch's values before passing them to
+    torchrun / deepspeed, whose tracebacks would name no variable: each exits 2 before
+    starting anything, naming the variable and what it expects."""
     (tmp_path / "hostfile_without_slots").write_text("localhost\n")
     (tmp_path / "hostfile_no_ssh").write_text("127.0.0.1 slots=1\n")  # no sshd answers here
     env = {k: v.format(d=tmp_path) for k, v in env.items()}
@@ -807,10 +807,10 @@ def test_launcher_scripts_name_a_bad_environment_value(script, env, needle, tmp_
 
 
 def test_the_single_node_launcher_says_when_it_falls_back_to_one_rank(tmp_path):
-    """Tester round 57: with GPUS unset on a machine without GPUs the script started one
-    rank, and the trainer's refusal of a world of 1 said nothing of GPUS. The script now
-    says so first. A PATH without torchrun (or nvidia-smi) stops it right after that line
-    (exit 127, its own message), so no rank starts here."""
+    """With GPUS unset on a machine without GPUs the script starts one rank and says so
+    first (the trainer's refusal of a world of 1 says nothing of GPUS). A PATH without
+    torchrun (or nvidia-smi) stops it right after that line (exit 127, its own message),
+    so no rank starts here."""
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "GPUS"}
@@ -825,13 +825,12 @@ def test_the_single_node_launcher_says_when_it_falls_back_to_one_rank(tmp_path):
 
 
 def test_a_refusal_under_the_torchrun_launcher_is_exit_2_once_without_a_restart(tmp_path):
-    """Tester round 48: ``launchers/torchrun_single_node.sh`` with a misspelled key printed
-    rank 0's message three times (the first attempt and each restart, which cannot fix a
-    bad input), the agent's "closing signal" / "failed (exitcode: 2)" lines, then
-    torchrun's ChildFailedError traceback, and exited 1 (torchrun's code for any failure).
-    Now: exit 2, the message once, nothing of the agent's, no restart, and no refusal
-    marker left for restarts that do not come (train/refusals.py). A crash is still
-    restarted: test_resume's torchrun test runs through the same launcher script."""
+    """``launchers/torchrun_single_node.sh`` with a misspelled key exits 2 with rank 0's
+    message once: no restart (which cannot fix a bad input, and would print the message
+    again), nothing of the agent's ("closing signal" / "failed (exitcode: 2)" lines,
+    torchrun's ChildFailedError traceback, exit 1: torchrun's code for any failure), and
+    no refusal marker left for restarts that do not come (train/refusals.py). A crash is
+    still restarted: test_resume's torchrun test runs through the same launcher script."""
     # a private temporary folder: the job's refusal marker goes there (tempfile reads
     # TMPDIR), apart from other jobs' on this machine
     tmp = tmp_path / "tmp"
@@ -852,10 +851,11 @@ def test_a_refusal_under_the_torchrun_launcher_is_exit_2_once_without_a_restart(
 
 @pytest.mark.parametrize("code,max_restarts,calls", [(3, "2", 1), (2, "2", 1), (1, "02", 3)])
 def test_deepspeed_hostfile_script_does_not_retry_what_a_restart_cannot_fix(tmp_path, code, max_restarts, calls):
-    """A tester: ``launchers/deepspeed_hostfile.sh`` reran hdet-train's exit 3 (a stale
-    DeepSpeed op build lock, which stays until removed) with train.resume=true. 3 and 2 (bad
+    """``launchers/deepspeed_hostfile.sh`` does not rerun hdet-train's exit 3 (a stale
+    DeepSpeed op build lock, which stays until removed) with train.resume=true: 3 and 2 (bad
     input) end the script with that code after one launch; a crash (1) is still rerun
-    MAX_RESTARTS times (02: read as 2). The deepspeed launcher is a stand-in exiting ``code``."""
+    MAX_RESTARTS times (02: read as 2). The deepspeed launcher is a stand-in exiting
+    ``code``."""
     env = hostfile_standins(tmp_path)
     (tmp_path / "bin" / "deepspeed").write_text(f'#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls"\nexit {code}\n')
     rc, err, seconds, leftovers = run_cli(["bash", os.path.join(ROOT, "launchers", "deepspeed_hostfile.sh"),

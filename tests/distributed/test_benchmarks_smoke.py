@@ -106,7 +106,7 @@ def test_extra_memory_is_at_most_one_bucket(records: list[dict]) -> None:
 
 
 def test_the_step_time_benchmark_runs_every_variant() -> None:
-    """``python -m benchmarks.step_time --tiny`` (issue 10: the suite checks that the
+    """``python -m benchmarks.step_time --tiny`` (the suite checks that the
     benchmarks run, at a tiny size; times are not checked beyond being positive and
     finite). Three variants (both engines; the rest differ by a flag) are timed in each
     of the 2 repeats; ``ds_global`` shared its

@@ -294,11 +294,11 @@ def test_exact_resume_and_checkpoint_layout(tmp_path):
     assert state["updates"] == 2 and state["log_m"][str(("lr", 0))] != 0
     assert "hdet/fitness/replica_1" in state["last_sync"]
 
-    # tester round 57: DeepSpeed's zero_to_fp32.py in replica_0 looks for latest there
+    # DeepSpeed's zero_to_fp32.py in a replica folder looks for latest there
     for r in range(REPLICAS):
         assert os.readlink(ckpt / f"replica_{r}" / "latest") == os.path.join("..", "latest")
         assert (ckpt / f"replica_{r}" / "latest").read_text().strip() == tag
-        # tester rounds 59, 60: DeepSpeed copies its scripts into replica_0 only
+        # DeepSpeed copies its scripts into replica_0 only: every replica folder gets them
         for script in ("zero_to_fp32.py", "zero_to_torch.py"):
             assert (ckpt / f"replica_{r}" / script).read_bytes() == (ckpt / "replica_0" / script).read_bytes(), script
     # Who wrote what: every rank (r, s) its own DeepSpeed shard files and HDET state in
@@ -344,14 +344,14 @@ def test_bad_config_fails_on_every_rank_without_hanging(case):
 
 def test_a_world_without_local_rank_joins_over_env_without_mpi():
     """``RANK``/``WORLD_SIZE``/``MASTER_*`` without ``LOCAL_RANK`` (a shell's leftovers,
-    or ranks started by hand): DeepSpeed's MPI discovery is not asked for (no mpi4py here;
-    it raised ModuleNotFoundError, tester round 60), and the 4 ranks form the env:// world:
+    or ranks started by hand): DeepSpeed's MPI discovery is not asked for (no mpi4py here:
+    it would raise ModuleNotFoundError), and the 4 ranks form the env:// world:
     every rank sees 4 ranks and the all-reduced rank sum 0+1+2+3 = 6 (exact in float32);
     LOCAL_RANK is set to 0 on CPU, so zero.Init and the engine train."""
     res = launch(W.no_local_rank_worker, timeout=120)
     for out in res:
         assert (out["world"], out["rank_sum"], out["replicas"], out["local_rank"]) == (4, 6.0, 2, "0"), out
-        # then 2 steps under zero.Init (tester round 61: KeyError 'LOCAL_RANK'), bit-equal to
+        # then 2 steps under zero.Init (no KeyError 'LOCAL_RANK'), bit-equal to
         # the same steps with the launcher's LOCAL_RANK: on CPU the index names one device
         np.testing.assert_array_equal(out["without"], out["with"])
     assert np.abs(res[0]["without"] - res[2]["without"]).max() > 0  # replicas at spread LRs diverged
@@ -360,7 +360,7 @@ def test_a_world_without_local_rank_joins_over_env_without_mpi():
 # ---- gradient sharing overlapped with the backward pass --------------------------------
 
 def test_overlapped_gradient_sharing_equals_the_hook():
-    """Issue 10 part 3: ``ds_overlap.py`` all-reduces each bucket's gradient partitions
+    """``ds_overlap.py`` all-reduces each bucket's gradient partitions
     over the replica group as ZeRO-3 writes them during the backward pass of the last
     micro-batch, instead of the whole partition in a hook before the step. Against the
     hook, in the same launch, same data: the fp32 masters after every step bit-equal

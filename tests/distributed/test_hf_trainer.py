@@ -92,7 +92,7 @@ def test_learning_rate_after_the_last_step_is_the_one_it_ran_with(runs):
     """The ``learning_rate`` ``Trainer`` logs after step s (``logging_steps=1``) is step
     s+1's, as the scheduler's ``get_last_lr`` then (the recorder's rows); after the last
     step (6, ``max_steps``) no step follows, and it is step 6's own, the one read after
-    step 5 (tester round 38: the value for a step past the run). The last sync's
+    step 5 (not a value for a step past the run). The last sync's
     meta-update moved the optimizer's LR, so the two differ on every rank."""
     for rank, out in enumerate(runs):
         rows, logged = out["hdet"]["steps"], out["hdet"]["logged_lr"]

@@ -9,7 +9,7 @@ runs in its own session; after it exits, its process group must be gone).
 The library case (one rank, gloo, ZeRO-3): an ``"hdett"`` block is refused before
 ``torch.distributed`` is touched; a misspelt key only warns and the engine trains; a
 loss of the wrong type given to ``engine.step(lr_kwargs=...)`` is refused before the
-update (DeepSpeed's TypeError fallback used to record ``train_batch_size``, 32, as the
+update (DeepSpeed's TypeError fallback would record ``train_batch_size``, 32, as the
 loss). Compared exactly (no tolerance): the fp32 master partition before and after the
 refused call (nothing ran), and the interval loss of the sync with the mean of the two
 losses handed over, computed here in float64 as the sync does (a sum of two float64

@@ -6,20 +6,19 @@ converge at 8), a checkpoint every 3 (at 3 and 6: on sync steps, saved right aft
 converge; the final one at 8), the newest 2 kept, attention dropout 0.1 (so the per-rank
 RNG must be restored). Rank 3 kills itself right after step 7 (``HDET_FAULT_KILL``, the
 trainer's fault-injection hook): mid-interval, after the step-6 checkpoint. The resumed
-run continues from step 6, a sync step. (Earlier the same shape at 12 steps, syncs and
-checkpoints every 5, the kill after step 11; shortened for the suite's time, every state
-the resume must restore is exercised as before.)
+run continues from step 6, a sync step. (The run is short for the suite's time; every
+state the resume must restore is exercised.)
 
 What "as if uninterrupted" is held to: the LR trace (every ``hdet/lr/*`` value of every
 step and sync record), the losses of every step, the interval losses and probe fitness of
 both syncs, and the final validation loss, all bit-equal: the same float operations in the
 same order (data keyed by the step; optimizer, HDET and RNG state restored), measured bit-
 equal on DeepSpeed and FSDP2. No slack: the state a checkpoint can miss shows in the last
-bits first. Measured (12-step version): DeepSpeed's CPU Adam kept beta**t outside the
-checkpoint (``backends/ds_adam.py``); without that fix the resume from step 10 differs from
-step 11 on by ~1e-7 relative, which a 1e-6 bound let pass. Without the RNG restore the
-losses part by up to 8.5e-5 (relative) and val_loss by 1.1e-5 (measured with checkpoints
-at 4 and 8).
+bits first. Measured on a 12-step version of this run: with DeepSpeed's CPU Adam keeping
+beta**t outside the checkpoint (what ``backends/ds_adam.py`` prevents) the resume would
+differ from the step after it on by ~1e-7 relative, which a 1e-6 bound would let pass.
+Without the RNG restore the losses would part by up to 8.5e-5 (relative) and val_loss by
+1.1e-5 (measured with checkpoints at 4 and 8).
 """
 
 from __future__ import annotations
@@ -89,13 +88,12 @@ def assert_same_run(run_dir, reference, resumed_from: int = 6) -> None:
 
 
 def test_a_run_in_two_parts_of_one_schedule_ends_as_the_uninterrupted_run(tmp_path, uninterrupted):
-    """Tester round 64: ``train.steps=5`` of ``schedule.total_steps=8`` (step 5 no sync
-    step, a checkpoint at 3 and at the end), then ``train.resume=true`` with
-    ``train.steps=8``, equals the uninterrupted run bit for bit (every LR, loss and sync
-    record, and the final val_loss): the first part saved each replica before averaging
-    them for its own evaluation (logged as ``hdet/final_converge`` at step 5, without a
-    sync, and dropped by the resume). Before, the average came first and every later
-    step differed."""
+    """``train.steps=5`` of ``schedule.total_steps=8`` (step 5 no sync step, a checkpoint at
+    3 and at the end), then ``train.resume=true`` with ``train.steps=8``, equals the
+    uninterrupted run bit for bit (every LR, loss and sync record, and the final val_loss):
+    the first part saved each replica before averaging them for its own evaluation (logged
+    as ``hdet/final_converge`` at step 5, without a sync, and dropped by the resume). Were
+    the average to come first, every later step would differ."""
     run_dir = tmp_path / "run"
     first = [a for a in SHORT if not a.startswith("train.steps=")]
     # FSDP2 (its uninterrupted run is shared with the restart tests; the loop is the same
@@ -105,7 +103,7 @@ def test_a_run_in_two_parts_of_one_schedule_ends_as_the_uninterrupted_run(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     end = [r for r in records(run_dir) if r.get("hdet/final_converge")]
     assert [(r["step"], "hdet/sync" in r) for r in end] == [(5, False)], end
-    # tester round 65: the averaged model val_loss measured is in no file: said
+    # the averaged model val_loss measured is in no file: said
     assert ("hdet-train: note: train.steps=5 < deepspeed.hdet.schedule.total_steps=8: the checkpoint holds each "
             "replica's own weights") in proc.stderr, proc.stderr[-3000:]
     proc = hdet_train([f"run_dir={run_dir}", "backend=fsdp2", *SHORT, "train.resume=true",
@@ -122,7 +120,7 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
     run_dir = tmp_path / "run"
     proc = hdet_train([f"run_dir={run_dir}", *SHORT], env=KILL)
     assert proc.returncode == 1 and "rank(s) [3] killed by SIGKILL (signal 9)" in proc.stderr, proc.stderr[-3000:]
-    # tester round 28: the failure line names the checkpoint to resume from, and the ranks
+    # the failure line names the checkpoint to resume from, and the ranks
     # that lost their peer print no gloo traceback each
     assert (f"Last checkpoint: {run_dir}/checkpoint/replica_*/global_step6 (step 6); continue with "
             "train.resume=true") in proc.stderr, proc.stderr[-3000:]
@@ -167,11 +165,11 @@ def test_a_rank_killed_mid_interval_resumes_as_if_uninterrupted(tmp_path, uninte
 
 
 def test_a_crash_with_no_restarts_left_names_the_checkpoint_without_a_traceback(tmp_path):
-    """Tester round 51: through the launchers' torchrun with no restarts left, a killed rank
-    ended in torchrun's ChildFailedError traceback, rank 0 said "stopped by SIGTERM" (the
-    agent's, after the kill), and no line named the checkpoint. Now exit 1 (torchrun's code
-    for a failure), one line of the launcher naming the killed rank, rank 0's naming the
-    failure and the checkpoint, no traceback, no agent lines, no marker left."""
+    """Through the launchers' torchrun with no restarts left, a killed rank exits 1
+    (torchrun's code for a failure) with one line of the launcher naming the killed rank,
+    rank 0's naming the failure and the checkpoint, no traceback (torchrun's
+    ChildFailedError), no agent lines, no marker left, and no "stopped by SIGTERM" from
+    rank 0 (the agent's, after the kill)."""
     run_dir, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
     quiet = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_quiet.py")
@@ -235,14 +233,14 @@ def _when_the_summary_appears(run_dir, tmp, act) -> tuple[subprocess.Popen, str,
 
 
 def test_a_rank_lost_after_the_run_completed_is_no_failed_run_under_torchrun(tmp_path):
-    """Tester round 53: after a torchrun restart the run completed (summary.json, plots) and
-    a rank then died in its exit (SIGABRT in the interpreter's teardown); the launchers'
-    torchrun reported a failed run with no restarts left, exit 1. Ranks now skip that
-    teardown (``stopping.exit_completed``), and a rank lost after rank 0 wrote summary.json
-    is reported once as after the run completed: exit 0, no restart although one is left,
-    no "failed" line, no traceback, no marker left. Rank 1 is killed as soon as
-    summary.json appears, while rank 0 writes the plots (or, if rank 0 is already in the
-    last barrier, it loses its peer there): either path must end the same way."""
+    """After a torchrun restart the run completes (summary.json, plots) and a rank may then
+    die in its exit (SIGABRT in the interpreter's teardown), which the launchers' torchrun
+    would report as a failed run with no restarts left, exit 1. Ranks skip that teardown
+    (``stopping.exit_completed``), and a rank lost after rank 0 wrote summary.json is
+    reported once as after the run completed: exit 0, no restart although one is left, no
+    "failed" line, no traceback, no marker left. Rank 1 is killed as soon as summary.json
+    appears, while rank 0 writes the plots (or, if rank 0 is already in the last barrier,
+    it loses its peer there): either path must end the same way."""
     import signal
 
     def kill_rank_1(proc) -> bool:
@@ -268,11 +266,11 @@ def test_a_rank_lost_after_the_run_completed_is_no_failed_run_under_torchrun(tmp
 
 
 def test_a_stop_after_the_run_completed_exits_0_under_torchrun(tmp_path):
-    """Noticed in round 56: a SIGTERM to the launchers' torchrun while rank 0 wrote the
-    end-of-run plots (summary.json written) exited 143 although rank 0's line said the run
-    completed (hdet-train's own launcher exits 0 then). The signal goes to torchrun's
-    process group, as torchrun_stop.sh sends it, once summary.json appears: exit 0, one
-    line, no stop line naming a resume, the summary of all 8 steps."""
+    """A SIGTERM to the launchers' torchrun while rank 0 writes the end-of-run plots
+    (summary.json written) exits 0, as hdet-train's own launcher does then, since rank
+    0's line says the run completed (not 143). The signal goes to torchrun's process
+    group, as torchrun_stop.sh sends it, once summary.json appears: exit 0, one line, no
+    stop line naming a resume, the summary of all 8 steps."""
     import signal
 
     def stop_the_group(proc) -> bool:
@@ -308,29 +306,30 @@ def test_torchrun_restarts_the_job_and_it_resumes_by_itself(tmp_path, uninterrup
     # the first attempt did die, and the launcher's one line says so and what comes next
     assert ("hdet-train: torchrun: failed: rank(s) [3] killed by SIGKILL (signal 9)" in proc.stderr
             and "torchrun ends the other ranks and restarts the job (restart 1 of 1)" in proc.stderr), proc.stderr[-3000:]
-    # and the restart says what it does (tester round 25: only summary.json's resumed_from_step did)
+    # and the restart says what it does (not only in summary.json's resumed_from_step)
     assert (f"hdet-train: torchrun restart 1: resuming from the newest checkpoint, "
             f"{run_dir}/checkpoint/replica_*/global_step6") in proc.stderr, proc.stderr[-3000:]
     # rank 0's line, if the agent's SIGTERM came first, names the failure and the restart
-    # (tester round 51: "stopped by SIGTERM", as if the user had sent it)
+    # (not "stopped by SIGTERM", as if the user had sent it)
     assert "stopped by SIGTERM" not in proc.stderr, proc.stderr[-3000:]
     ended = [line for line in proc.stderr.splitlines() if line.startswith("hdet-train: torchrun ended every rank")]
     assert all(f"It restarts the job (restart 1 of 1), which resumes from {run_dir}/checkpoint/replica_*/global_step6 "
                "(step 6) by itself." in line for line in ended), ended
-    # tester round 30: a rank that outlived the dead one printed gloo's connection-reset
-    # traceback; now one line when it happens (torchrun's own SIGTERM may come first)
+    # a rank that outlives the dead one prints one line, not gloo's connection-reset
+    # traceback, when it happens (torchrun's own SIGTERM may come first)
     assert not ("Traceback" in proc.stderr and "Connection reset by peer" in proc.stderr), proc.stderr[-3000:]
     assert_same_run(run_dir, uninterrupted("fsdp2"))
 
 
 def test_deepspeed_hostfile_script_restarts_and_resumes_with_the_users_own_train_resume(tmp_path, uninterrupted):
     """``launchers/deepspeed_hostfile.sh`` reruns a failed job with ``train.resume=true``
-    (the deepspeed launcher has no restart of its own). Tester round 25: given a user's own
-    ``train.resume=true`` (what a job submitted again and again carries) the rerun passed it
-    twice and was refused. The first attempt dies (rank 3 after step 7, as above); the
-    script's restart must replace the user's value, resume from step 6, exit 0, and end as
-    the uninterrupted run, bit-equal (the deepspeed launcher replaced by a stand-in that
-    runs the same module: no sshd or pdsh here; FSDP2, already run uninterrupted above)."""
+    (the deepspeed launcher has no restart of its own). Given a user's own
+    ``train.resume=true`` (what a job submitted again and again carries) the rerun must not
+    pass it twice (it would be refused). The first attempt dies (rank 3 after step 7, as
+    above); the script's restart must replace the user's value, resume from step 6, exit 0,
+    and end as the uninterrupted run, bit-equal (the deepspeed launcher replaced by a
+    stand-in that runs the same module: no sshd or pdsh here; FSDP2, already run
+    uninterrupted above)."""
     from cli_processes import hostfile_standins
 
     run_dir = tmp_path / "run"

@@ -1,13 +1,13 @@
 """A resume whose checkpoint holds another model than the run builds, the settings
-comparison before the start skipped (tester round 28).
+comparison before the start skipped.
 
 ``hdet-train`` refuses a changed ``model.*`` setting before any rank starts, from the
 settings each save records in ``checkpoint/hdet_run_config.json``; when that file is lost
 its refusal tells the user to write ``{"runs": {}}`` into it to resume without the
-comparison. A user who then resumed with ``model.num_layers=2`` got a raw
+comparison. A user who then resumes with ``model.num_layers=2`` would get a raw
 ``RuntimeError: Error(s) in loading state_dict`` traceback from every rank and exit 1
-(DDP, DeepSpeed), and FSDP2 loaded the first 2 of the checkpoint's 4 layers without a
-word and trained on. Now every rank compares the checkpoint's tensors (names and shapes,
+(DDP, DeepSpeed), and FSDP2 would load the first 2 of the checkpoint's 4 layers without a
+word and train on. Every rank compares the checkpoint's tensors (names and shapes,
 read without their data) with its model before the engine's load and agrees on the
 verdict: exit 2, one line naming the checkpoint folder, the differing tensors and the
 likely cause, no traceback, the stopped run's records untouched.

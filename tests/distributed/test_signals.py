@@ -185,10 +185,10 @@ QUIET_TORCHRUN = os.path.join(os.path.dirname(__file__), "..", "..", "launchers"
 @pytest.mark.parametrize("launcher", ["hdet-train", "torchrun"])
 def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, launcher):
     """SIGKILL (or the OOM killer) to the launcher itself, which can forward nothing: the
-    kernel ends its ranks (``prctl(PR_SET_PDEATHSIG)``), so none trains on unseen, holding
-    the machine and writing into a run_dir that a restart would reuse. Tester round 52:
-    under torchrun (the launchers' torchrun_quiet.py) a kill -9 of the agent left both
-    ranks training, orphaned, holding the run_dir lock; now they stop, rank 0 saying why
+    kernel ends its ranks (``prctl(PR_SET_PDEATHSIG)``), so none trains on unseen,
+    holding the machine and writing into a run_dir that a restart would reuse. Under
+    torchrun (the launchers' torchrun_quiet.py) a kill -9 of the agent does not leave
+    both ranks training, orphaned, holding the run_dir lock: they stop, rank 0 saying why
     and where the checkpoint is, and the run resumes from it."""
     run_dir = tmp_path / "run"
     start = ([sys.executable, QUIET_TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "hdet_scale.train.cli"]
@@ -197,8 +197,8 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, launcher):
                                                signal.SIGKILL, after=None)
     assert rc == -signal.SIGKILL
     assert seconds < STOP_S and not leftovers, (seconds, leftovers, err[-3000:])
-    # tester round 52: multiprocessing's "resource_tracker: There appear to be 2 leaked
-    # semaphore objects" warning (the launcher's SimpleQueue, now one pipe per rank)
+    # no multiprocessing "resource_tracker: There appear to be 2 leaked semaphore objects"
+    # warning (the launcher has one pipe per rank, no SimpleQueue)
     assert "Warning" not in err and "leaked" not in err, err[-3000:]
     if launcher == "torchrun":
         gone = [line for line in err.splitlines() if "is gone without stopping the ranks" in line]
@@ -214,12 +214,12 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path, launcher):
 
 
 def test_sighup_to_the_launcher_stops_like_sigterm(tmp_path):
-    """SIGHUP (the terminal closed): before, the ranks ended but the launcher printed no
-    line (exit 129 with a semaphore warning only). Now as SIGTERM: one line naming the
-    signal and the last checkpoint, exit 128 + 1, nothing left behind (DDP, 2 ranks).
-    Sent to the whole process group, as a closing terminal does: multiprocessing's
-    resource tracker died of it after the clean stop, with KeyError tracebacks (tester
-    round 27)."""
+    """SIGHUP (the terminal closed) stops the run as SIGTERM does: one line naming the
+    signal and the last checkpoint, exit 128 + 1, nothing left behind (DDP, 2 ranks),
+    not the ranks ended and no line from the launcher (exit 129 with a semaphore warning
+    only). Sent to the whole process group, as a closing terminal does:
+    multiprocessing's resource tracker must not die of it after the clean stop, with
+    KeyError tracebacks."""
     run_dir = tmp_path / "run"
     cmd = [*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", *ARGS]
     rc, err, seconds, leftovers, _ = interrupt(cmd, run_dir, signal.SIGHUP, after=None, group=True)
@@ -247,10 +247,10 @@ def test_under_nohup_a_closing_terminal_does_not_stop_the_run(tmp_path):
 
 @pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
 def test_a_signal_ends_a_rendezvous_whose_peers_never_come(tmp_path, backend):
-    """Tester round 24: with the launcher variables set and no peer ever joining (a stray
-    RANK / WORLD_SIZE, a wrong MASTER_ADDR), the rank waited in torch's TCPStore
-    rendezvous for 30 minutes and SIGINT / SIGTERM / ``timeout`` did nothing (the main
-    thread is in C++, Python handlers never run): only kill -9 ended it. Rank 0 of 2 alone
+    """With the launcher variables set and no peer ever joining (a stray RANK /
+    WORLD_SIZE, a wrong MASTER_ADDR), the rank waits in torch's TCPStore rendezvous for
+    30 minutes, its main thread in C++ where Python handlers never run, so SIGINT /
+    SIGTERM / ``timeout`` would do nothing and only kill -9 end it. Rank 0 of 2 alone
     here: once its store listens on MASTER_PORT it is in the rendezvous; a SIGTERM then
     ends it within seconds (the default action: exit by SIGTERM), leaving nothing."""
     import socket
@@ -291,12 +291,12 @@ def test_a_signal_ends_a_rendezvous_whose_peers_never_come(tmp_path, backend):
 
 @pytest.mark.parametrize("sig,to", [(signal.SIGINT, "group"), (signal.SIGTERM, "script")])
 def test_deepspeed_hostfile_script_stops_on_a_signal_without_a_restart(tmp_path, sig, to):
-    """Tester round 25: Ctrl-C (SIGINT to the terminal's process group) made
-    ``launchers/deepspeed_hostfile.sh`` restart the run with train.resume=true, and a SIGTERM
-    to the script alone (a scheduler's, ``kill PID``) ended the script and left the training
-    running. Either must now stop the run once: exit 130 / 143, the trainer's stop line, no
-    restart, nothing left behind (the deepspeed launcher replaced by a stand-in that runs the
-    same module on this host: no sshd or pdsh here; DDP, 2 ranks)."""
+    """Ctrl-C (SIGINT to the terminal's process group) to ``launchers/deepspeed_hostfile.sh``
+    must not restart the run with train.resume=true, nor a SIGTERM to the script alone (a
+    scheduler's, ``kill PID``) end the script and leave the training running. Either stops
+    the run once: exit 130 / 143, the trainer's stop line, no restart, nothing left behind
+    (the deepspeed launcher replaced by a stand-in that runs the same module on this host: no
+    sshd or pdsh here; DDP, 2 ranks)."""
     run_dir = tmp_path / "run"
     script = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "deepspeed_hostfile.sh")
     cmd = ["bash", script, f"run_dir={run_dir}", "nproc=2", "backend=ddp", *ARGS]
@@ -311,13 +311,13 @@ def test_deepspeed_hostfile_script_stops_on_a_signal_without_a_restart(tmp_path,
 
 
 def test_a_signal_after_the_ranks_ended_leaves_the_completed_runs_exit_code(tmp_path):
-    """Tester round 27: a SIGINT that reached the launcher after its ranks had ended (the
-    run complete, summary.json written) exited 130 without a line: Python's teardown puts
-    SIGINT back to its default action, or, a moment earlier, a KeyboardInterrupt
-    traceback. The launcher's outcome is decided then: SIGINT and SIGTERM are sent every
-    10 ms from 0.3 s after the last rank is gone (the launcher's teardown lasts 0.5-0.8 s
-    more here, measured) until the launcher exits, which must exit 0 (as without the
-    signals) without a traceback or a stop line (DDP, 2 ranks). Before the fix: -2, no line."""
+    """A SIGINT that reaches the launcher after its ranks have ended (the run complete,
+    summary.json written) must not exit 130 without a line (Python's teardown puts SIGINT
+    back to its default action) or, a moment earlier, with a KeyboardInterrupt traceback.
+    The launcher's outcome is decided then: SIGINT and SIGTERM are sent every 10 ms from
+    0.3 s after the last rank is gone (the launcher's teardown lasts 0.5-0.8 s more here,
+    measured) until the launcher exits, which must exit 0 (as without the signals)
+    without a traceback or a stop line (DDP, 2 ranks)."""
     import psutil
 
     run_dir = tmp_path / "run"
@@ -352,12 +352,11 @@ def test_a_signal_after_the_ranks_ended_leaves_the_completed_runs_exit_code(tmp_
 
 
 def test_a_rank_killed_after_the_run_completed_is_not_a_failed_run(tmp_path):
-    """Tester round 34: rank 1 killed with SIGKILL while rank 0 wrote the end-of-run plots
-    (summary.json and the final checkpoint written, rank 1 at the last barrier) was
-    reported as a failed run, exit 1, with advice to resume that was then refused
-    ("nothing is left to do"). Now as a signal in that window: exit 0, one line naming the
-    rank and that the run completed, no resume advice; the summary is the full run's
-    (DDP, 2 ranks, 30 steps, plots on: rank 0 plots for seconds, rank 1 waits)."""
+    """Rank 1 killed with SIGKILL while rank 0 writes the end-of-run plots (summary.json
+    and the final checkpoint written, rank 1 at the last barrier) is no failed run: exit
+    0, one line naming the rank and that the run completed, no resume advice (which a
+    resume would refuse: nothing is left to do); the summary is the full run's (DDP, 2
+    ranks, 30 steps, plots on: rank 0 plots for seconds, rank 1 waits)."""
     import psutil
 
     run_dir = tmp_path / "run"
@@ -391,13 +390,13 @@ def test_a_rank_killed_after_the_run_completed_is_not_a_failed_run(tmp_path):
                          ids=["single-node-SIGINT-to-group", "single-node-SIGTERM-to-script",
                               "single-node-SIGKILL-to-script", "multi-node-SIGHUP-to-group"])
 def test_torchrun_scripts_stop_on_a_signal_with_one_line_and_no_restart(tmp_path, script, sig, to):
-    """A tester: Ctrl-C (SIGINT to the terminal's process group) or a SIGTERM to
-    ``launchers/torchrun_single_node.sh`` printed the trainer's stop line, then torchrun's
-    ``SignalException`` traceback, and the script exited 1. Now: exit 130 / 143 / 129, the
-    one stop line, no traceback; torchrun got the signal itself (else it counts the ranks'
-    stop as a failure and restarts them, MAX_RESTARTS=2 here): no rank's exit was a failure
-    to it and the metrics go on from step 1 once; nothing left behind (DDP, 2 ranks).
-    ``torchrun_multi_node.sh`` (one node here) starts torchrun the same way."""
+    """Ctrl-C (SIGINT to the terminal's process group) or a SIGTERM to
+    ``launchers/torchrun_single_node.sh`` exits 130 / 143 / 129 with the one stop line, no
+    torchrun ``SignalException`` traceback after it, and no exit 1; torchrun gets the
+    signal itself (else it counts the ranks' stop as a failure and restarts them,
+    MAX_RESTARTS=2 here): no rank's exit is a failure to it and the metrics go on from
+    step 1 once; nothing left behind (DDP, 2 ranks). ``torchrun_multi_node.sh`` (one node
+    here) starts torchrun the same way."""
     import socket
 
     run_dir = tmp_path / "run"
@@ -413,8 +412,8 @@ def test_torchrun_scripts_stop_on_a_signal_with_one_line_and_no_restart(tmp_path
     assert rc == (-sig if sig == signal.SIGKILL else 128 + sig), (rc, err[-3000:])
     assert seconds < STOP_S and not leftovers, (seconds, leftovers)
     lines = stop_lines(err)
-    # tester round 52: a kill -9 of the script left torchrun and its ranks training,
-    # detached; torchrun now gets a SIGTERM when the script dies, and says why
+    # a kill -9 of the script must not leave torchrun and its ranks training, detached:
+    # torchrun gets a SIGTERM when the script dies, and says why
     said = "SIGTERM" if sig == signal.SIGKILL else sig.name
     assert len(lines) == 1 and said in lines[0] and f"replica_*/{latest(run_dir)}" in lines[0], err[-3000:]
     assert (sig != signal.SIGKILL) == ("its launcher script (process" not in err), err[-3000:]
@@ -428,12 +427,11 @@ def test_torchrun_scripts_stop_on_a_signal_with_one_line_and_no_restart(tmp_path
 
 
 def test_a_stop_during_a_rendezvous_that_gets_no_answer_ends_the_multi_node_script_at_once(tmp_path):
-    """Tester round 55: node 1 of ``torchrun_multi_node.sh`` whose MASTER_ADDR does not
-    answer printed nothing about waiting, and a SIGTERM ended it only 47 s later (torchrun
-    blocked in its store's connect, in C++, sees no signal). Now the script says it waits
-    for the rendezvous, and a stop with no rank started ends torchrun within about 10 s,
-    one line, exit 143, nothing left. The rendezvous endpoint here is a socket that
-    accepts connections and never answers."""
+    """Node 1 of ``torchrun_multi_node.sh`` whose MASTER_ADDR does not answer says it
+    waits for the rendezvous, and a stop with no rank started ends torchrun within about
+    10 s, one line, exit 143, nothing left (torchrun blocked in its store's connect, in
+    C++, sees no signal: a SIGTERM would end it only 47 s later, measured). The
+    rendezvous endpoint here is a socket that accepts connections and never answers."""
     import socket
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "launchers", "torchrun_multi_node.sh")
@@ -466,9 +464,9 @@ def test_a_stop_during_a_rendezvous_that_gets_no_answer_ends_the_multi_node_scri
 
 
 def test_scancel_of_the_slurm_script_stops_with_one_line_and_no_traceback(tmp_path):
-    """A tester: scancel (SIGTERM to every process of the job) put torchrun's
-    ``SignalException`` traceback into the job's output after the trainer's stop line.
-    ``launchers/slurm.sbatch`` now runs torchrun through ``torchrun_quiet.py``: the one stop
+    """scancel (SIGTERM to every process of the job) puts no torchrun ``SignalException``
+    traceback into the job's output after the trainer's stop line:
+    ``launchers/slurm.sbatch`` runs torchrun through ``torchrun_quiet.py``: the one stop
     line, no traceback, no restart (MAX_RESTARTS=2), nothing left behind. SLURM is absent
     here: ``scontrol`` and ``srun`` are stand-ins (one node, this host; srun runs its
     command), and the signal goes to the job's whole process group as scancel's does (DDP,
@@ -502,11 +500,10 @@ def test_scancel_of_the_slurm_script_stops_with_one_line_and_no_traceback(tmp_pa
 
 
 def test_a_note_from_the_checks_is_printed_once_not_by_every_rank(tmp_path):
-    """Tester round 36: the note on a validation split read on overlapping windows came
-    once as an hdet-train line and then once more from every rank as a raw Python warning
-    (file, line and source). Once now, as the line (DDP, 2 ranks, 10 steps). No other
-    UserWarning either (tester round 63: auto-LR off, every rank warned of hdet-train's
-    own probe, which nothing called)."""
+    """The note on a validation split read on overlapping windows comes once, as the
+    hdet-train line (DDP, 2 ranks, 10 steps), not once more from every rank as a raw
+    Python warning (file, line and source). No other UserWarning either (with auto-LR
+    off, no rank warns of hdet-train's own probe, which nothing calls)."""
     run_dir = tmp_path / "run"
     rc, err, _, leftovers = run_cli([*TRAIN, f"run_dir={run_dir}", "backend=ddp", "nproc=2", "train.steps=10",
                                      "data.max_bytes=40000", "wandb.enabled=false", "train.progress=false",

@@ -63,12 +63,13 @@ os.execv({real!r}, [{real!r}, *sys.argv[1:]])
 
 
 def test_a_signal_during_op_loading_leaves_no_lock(tmp_path):
-    """Issue 9, F9. SIGTERM to ``hdet-train`` (twice at once, as ``timeout`` sends it) while a rank holds an op-build lock (inside
-    torch's loader, running ninja) used to leave the lock, and every later start failed on
-    it (exit 3). Now the rank removes its own lock and stops its build before it ends: exit
-    143 well inside the launcher's 15 s grace (no SIGKILL needed), no ``lock`` anywhere in
-    the (private) extensions folder, no process left behind (the ninja stand-in included),
-    and the stop line says no step was trained ("before its first step")."""
+    """SIGTERM to ``hdet-train`` (twice at once, as ``timeout`` sends it) while a rank
+    holds an op-build lock (inside torch's loader, running ninja) must not leave the lock,
+    on which every later start would fail (exit 3): the rank removes its own lock and stops
+    its build before it ends: exit 143 well inside the launcher's 15 s grace (no SIGKILL
+    needed), no ``lock`` anywhere in the (private) extensions folder, no process left
+    behind (the ninja stand-in included), and the stop line says no step was trained
+    ("before its first step")."""
     built = startup.extensions_dir()
     ext = tmp_path / "ext"
     for op in ("deepspeed_shm_comm", "fused_adam"):
@@ -94,10 +95,10 @@ def test_a_signal_during_op_loading_leaves_no_lock(tmp_path):
         held = mark.read_text().split()[0]
         assert os.path.exists(os.path.join(held, "lock"))
         t0 = time.monotonic()
-        # Tester round 22: GNU timeout signals the launcher, then its whole group, so the
-        # launcher gets SIGTERM twice; on a loaded machine its handler ran in between, it
-        # took the second as a person's second Ctrl-C and SIGKILLed the rank holding the
-        # lock, which stayed. (Two signals before the handler runs are one to Python: the
+        # GNU timeout signals the launcher, then its whole group, so the launcher gets
+        # SIGTERM twice; on a loaded machine its handler runs in between, and must not take
+        # the second as a person's second Ctrl-C and SIGKILL the rank holding the lock,
+        # which would stay. (Two signals before the handler runs are one to Python: the
         # 0.3 s gap makes the case certain.)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -119,10 +120,10 @@ def test_a_signal_during_op_loading_leaves_no_lock(tmp_path):
 
 
 def test_torchrun_a_run_check_error_is_printed_once(tmp_path):
-    """Issue 9, round 3: an error the run's own checks find (``loop.validate``: here the
-    data path; the same files on every rank) was printed by every torchrun rank. Now each
-    rank runs the checks before ``train()`` and rank 0 alone prints: one line, exit 2 on
-    each rank, nothing left behind. (Measured before: 2 lines from 2 ranks.)"""
+    """An error the run's own checks find (``loop.validate``: here the data path; the
+    same files on every rank) is printed once, not by every torchrun rank: each rank
+    runs the checks before ``train()`` and rank 0 alone prints: one line, exit 2 on each
+    rank, nothing left behind."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "hdet_scale.train.cli", f"run_dir={tmp_path / 'run'}", "wandb.enabled=false",
            "data.path=/nonexistent/corpus"]

@@ -56,7 +56,7 @@ def check_zero_to_fp32(ckpt) -> None:
     """DeepSpeed's own consolidation (``zero_to_fp32``, what a user runs on a replica's
     folder) gives every replica the same parameter names, the tied LM head included, as
     one tensor with the embedding. DeepSpeed records the tied names on global rank 0 only:
-    replica_1's state dict lacked ``lm_head.weight`` before ds_shared (tester round 58).
+    without ds_shared, replica_1's state dict would lack ``lm_head.weight``.
     The replicas' values are compared nowhere here: they differ between syncs."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -101,7 +101,7 @@ def test_default_job_on_every_backend(tmp_path, backend):
 
 def check_progress_bar(run_dir, stderr: str, steps: int) -> None:
     """Each progress-bar update shows its step's loss beside the LR that step ran with on
-    replica 0 (tester round 39: the next step's), as metrics.jsonl records them; tqdm
+    replica 0 (not the next step's), as metrics.jsonl records them; tqdm
     prints at most every 0.1 s, so some steps have no update: the last one always does, once.
     Every update of a step shows that step's pair (none a step's count with the values of
     the step before)."""
@@ -110,7 +110,7 @@ def check_progress_bar(run_dir, stderr: str, steps: int) -> None:
     shown = [(int(m[1]), m[2], m[3]) for m in re.finditer(r"(\d+)/\d+ \[[^]]*, loss=([\d.]+), lr=([\d.e+-]+)\]",
                                                            stderr)]
     assert steps in {step for step, _, _ in shown}, stderr[-2000:]
-    # the final line once: tester round 41 saw it drawn by the last update and again by close()
+    # the final line once, not drawn by the last update and again by close()
     assert [step for step, _, _ in shown].count(steps) == 1, stderr[-2000:]
     for step, loss, lr in shown:
         assert lr == f"{records[step]['hdet/lr/replica_0/group_0']:.2e}", (step, lr)
@@ -138,7 +138,7 @@ def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) ->
     assert all(r["train/tokens_per_s"] > 0 for r in step_records)
     assert [r["hdet/step"] for r in syncs] == list(range(10, steps + 1, 10))
     loss_of = {r["step"]: r["train/loss"] for r in step_records}
-    # the last step's loss over all ranks, not rank 0's alone (tester round 40); the ranks
+    # the last step's loss over all ranks, not rank 0's alone; the ranks
     # train on different batches, so the two differ
     assert summary["final_train_loss"] == loss_of[steps] != step_records[-1]["hdet/loss"]
     for r in syncs:
@@ -151,7 +151,7 @@ def check_run(run_dir, proc, backend: str, steps: int = 40, warmup: int = 20) ->
         interval = [loss_of[t] for t in range(r["hdet/step"] - 9, r["hdet/step"] + 1)]
         assert sum(interval) / 10 == pytest.approx(sum(losses) / 2, rel=1e-6)
         assert r["hdet/converge_s"] >= 0
-        # the next step's base; after the last step there is none (tester round 38)
+        # the next step's base; after the last step there is none
         assert ("hdet/lr/group_0/base" in r) == (r["hdet/step"] < steps)
     # auto-LR from the first sync at or after the warm-up: softmax weights sum to 1; the
     # two replicas' LRs are the base times 1 -+ 0.111 (in that interval's permutation)
@@ -197,7 +197,7 @@ def test_bad_input_under_a_launcher_fails_on_every_rank_without_hanging(tmp_path
     prints the message: the check reads the same config on every rank."""
     argv = [f"run_dir={tmp_path / 'run'}", "deepspeed.hdet.axes.lr.spread_ratio=1.5"]
     t0 = time.monotonic()
-    # torchrun's own mark: a RANK without one is a shell's leftover and speaks (tester round 59)
+    # torchrun's own mark: a RANK without one is a shell's leftover and speaks
     results = run_ranks(cli_rank, 4, args=(argv,), timeout=90, env={"TORCHELASTIC_RUN_ID": "test"})
     assert [r["code"] for r in results] == [2, 2, 2, 2]
     assert "hdet.axes.lr.spread_ratio" in results[0]["stderr"]
@@ -210,7 +210,7 @@ def test_torchrun_restarts_repeat_a_refusal_without_checking_again(tmp_path):
     parameter group the optimizer lacks: found after torch and the engine code are
     imported) is refused by the first attempt; each of the 3 restarts repeats rank 0's
     message from the marker the first attempt left (``train/refusals.py``) instead of
-    importing and checking again (tester round 18: 53 s for 4 DeepSpeed ranks). Every
+    importing and checking again (53 s for 4 DeepSpeed ranks, measured). Every
     attempt's message is the first one's, word for word; the job ends within the 30 s
     bad-input bar."""
     argv = [f"run_dir={tmp_path / 'run'}", "backend=ddp", "wandb.enabled=false", "deepspeed.hdet.axes.lr.groups=[3]"]
@@ -231,12 +231,12 @@ def test_torchrun_restarts_repeat_a_refusal_without_checking_again(tmp_path):
 
 
 def test_a_quiet_rank_that_refuses_waits_for_the_launcher_to_end_it(tmp_path):
-    """A rank other than 0 that refuses an input prints nothing and, before the fix, exited
-    at once: torchrun's agent then ended rank 0 before it printed the one line (CI, stop
-    24: the last restart's message lost, 3 of 4 printed). It now waits (up to
-    ``refusals.QUIET_RANK_WAIT_S``) until the launcher ends it, as the agent does when
-    rank 0 exits; here the test plays the agent: the rank is still running after 2 s, and
-    a SIGTERM ends it at once. Rank 0 with the same input exits at once with the message."""
+    """A rank other than 0 that refuses an input prints nothing and does not exit at once:
+    torchrun's agent would then end rank 0 before it printed the one line (the last
+    restart's message lost, 3 of 4 printed). It waits (up to
+    ``refusals.QUIET_RANK_WAIT_S``) until the launcher ends it, as the agent does when rank
+    0 exits; here the test plays the agent: the rank is still running after 2 s, and a
+    SIGTERM ends it at once. Rank 0 with the same input exits at once with the message."""
     import signal
 
     argv = [f"run_dir={tmp_path / 'run'}", "wandb.enabled=false", "deepspeed.hdet.sync_intervall=3"]

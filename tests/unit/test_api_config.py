@@ -1,8 +1,8 @@
 """``hdet_scale.prepare`` on the torch engines (ddp, fsdp2, fairscale) checks the DeepSpeed
 keys and values as the deepspeed engine, ``hdet-train`` and ``hdet-dryrun`` do, before
-``torch.distributed`` is touched (tester round 23: a negative ``gradient_clipping`` ran
-unclipped, an ``"hdet_config"`` block was ignored without a word, a text LR, a one-number
-``betas`` or ``"bf16": true`` raised a TypeError / IndexError / AttributeError after the
+``torch.distributed`` is touched (unchecked, a negative ``gradient_clipping`` would run
+unclipped, an ``"hdet_config"`` block would be ignored without a word, a text LR, a one-number
+``betas`` or ``"bf16": true`` would raise a TypeError / IndexError / AttributeError after the
 process group had started, and ``prepare(model, None)`` a TypeError).
 
 Each case is refused with an HDETConfigError naming the key, in this process, with no
@@ -53,7 +53,7 @@ def test_prepare_names_a_config_that_is_neither_a_path_nor_a_dict(config, line):
 
 
 def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
-    # tester round 65: JSON's own names for what the file holds, not Python's ("NoneType")
+    # JSON's own names for what the file holds, not Python's ("NoneType")
     for text, line in (("[1, 2]", "must hold a JSON object ({\"hdet\": {...}, ...}), got a JSON array"),
                        ("null", "got a JSON null"), ('"x"', "got a JSON string"), ("{nope", "is not valid JSON")):
         path = tmp_path / "ds.json"
@@ -64,9 +64,9 @@ def test_a_file_that_is_not_a_json_object_is_named(tmp_path):
 
 
 def test_deepspeed_initialize_without_an_optimizer_is_refused_before_any_collective():
-    """Tester round 27: a DeepSpeed config with no "optimizer" block (Megatron-DeepSpeed's
-    style) and no optimizer= made DeepSpeed build no optimizer and call no lr_scheduler
-    factory: ``KeyError: 's'`` in every rank. Refused now, before the process group."""
+    """A DeepSpeed config with no "optimizer" block (Megatron-DeepSpeed's style) and no
+    optimizer= is refused before the process group: DeepSpeed would build no optimizer and
+    call no lr_scheduler factory, a ``KeyError: 's'`` in every rank."""
     pytest.importorskip("deepspeed")
     import torch
 
@@ -81,10 +81,10 @@ def test_deepspeed_initialize_without_an_optimizer_is_refused_before_any_collect
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", "fairscale"])
 def test_a_deepspeed_config_without_an_hdet_block_is_named_as_such(backend):
-    """Tester round 29: ``prepare`` with a DeepSpeed-style config that has no ``"hdet"``
-    block read the whole config as the block ("hdet.train_micro_batch_size_per_gpu:
-    unknown key", "hdet.optimizer: unknown key"). Now one line saying the block is
-    missing; the bare block itself is still taken by the backends' resolve_config."""
+    """``prepare`` with a DeepSpeed-style config that has no ``"hdet"`` block says in
+    one line that the block is missing, rather than reading the whole config as the
+    block ("hdet.train_micro_batch_size_per_gpu: unknown key", "hdet.optimizer: unknown
+    key"); the bare block itself is still taken by the backends' resolve_config."""
     from hdet_scale.backends.common import resolve_config
 
     ds = {k: v for k, v in copy.deepcopy(BASE).items() if k != "hdet"}
@@ -98,9 +98,10 @@ def test_a_deepspeed_config_without_an_hdet_block_is_named_as_such(backend):
 
 
 def test_an_optimizer_instance_instead_of_a_function_is_named():
-    """Tester round 29: ``prepare(..., optimizer=torch.optim.AdamW(...))`` raised "TypeError:
-    'AdamW' object is not callable" from inside prepare; the argument takes a function
-    ``params -> optimizer`` (the engine builds it over the parameters it wraps)."""
+    """``prepare(..., optimizer=torch.optim.AdamW(...))`` is refused with a line saying that
+    the argument takes a function ``params -> optimizer`` (the engine builds it over the
+    parameters it wraps), not "TypeError: 'AdamW' object is not callable" from inside
+    prepare."""
     model = torch.nn.Linear(2, 2)
     for bad in (torch.optim.AdamW(model.parameters()), "AdamW"):
         with pytest.raises(HDETConfigError, match=r"^optimizer: expected a function params -> torch.optim.Optimizer"):
@@ -109,9 +110,9 @@ def test_an_optimizer_instance_instead_of_a_function_is_named():
 
 
 def test_an_optimizer_function_beside_the_configs_block_is_refused():
-    """Tester round 61: ``optimizer=`` replaced the config's ``optimizer`` block (another
-    type, LR and betas) without a word. Refused as Accelerate refuses the pair, on every
-    engine, before torch.distributed starts."""
+    """``optimizer=`` beside the config's ``optimizer`` block (another type, LR and
+    betas) would replace the block without a word: refused as Accelerate refuses the
+    pair, on every engine, before torch.distributed starts."""
     model = torch.nn.Linear(2, 2)
     for backend in ("deepspeed", "fsdp2", "ddp", "fairscale"):
         with pytest.raises(HDETConfigError, match=r"^optimizer: the config's \"optimizer\" block \(AdamW\) and "
@@ -122,10 +123,10 @@ def test_an_optimizer_function_beside_the_configs_block_is_refused():
 
 
 def test_an_optimizer_zero_calls_untested_is_named_before_deepspeed_starts():
-    """Tester round 61: ``prepare(backend="deepspeed", optimizer=SGD...)`` stopped inside
-    ``deepspeed.initialize`` with DeepSpeed's AssertionError ("untested ZeRO Optimizer")
-    on every rank. Now an HDETConfigError naming ``zero_allow_untested_optimizer``, before
-    torch.distributed starts; with that key the check lets it through to DeepSpeed."""
+    """``prepare(backend="deepspeed", optimizer=SGD...)`` under ZeRO is an HDETConfigError
+    naming ``zero_allow_untested_optimizer``, before torch.distributed starts, not
+    DeepSpeed's AssertionError ("untested ZeRO Optimizer") inside ``deepspeed.initialize``
+    on every rank; with that key the check lets it through to DeepSpeed."""
     from hdet_scale.ds_values import check_client_optimizer
 
     cfg = {k: v for k, v in copy.deepcopy(BASE).items() if k != "optimizer"}
@@ -140,7 +141,7 @@ def test_an_optimizer_zero_calls_untested_is_named_before_deepspeed_starts():
     check_client_optimizer({**cfg, "zero_allow_untested_optimizer": True}, sgd)
     check_client_optimizer(cfg, adamw)
     check_client_optimizer({**cfg, "zero_optimization": {"stage": 0}}, sgd)  # no ZeRO: DeepSpeed does not ask
-    # tester round 62: no block and no optimizer= on a torch engine said "optimizer.type: ... got None"
+    # no block and no optimizer= on a torch engine: named as such, not "optimizer.type: ... got None"
     for backend in ("ddp", "fsdp2", "fairscale"):
         with pytest.raises(HDETConfigError, match=r"^optimizer: HDET sets the optimizer's LR per replica, and this "
                                                   r"DeepSpeed config has no 'optimizer' block and no optimizer= "):
@@ -168,10 +169,10 @@ for backend in ("ddp", "fsdp2"):
 
 
 def test_a_model_built_under_zero_init_is_refused_by_the_torch_engines(tmp_path):
-    """Tester round 35: prepare(backend="ddp" / "fsdp2") took a model whose parameters
-    DeepSpeed had partitioned (zero_init), and the first forward failed inside DeepSpeed
-    ("mat2 must be a matrix, got 1-D tensor") on every rank. A real zero_init on a
-    one-rank gloo world, in a child process (it starts torch.distributed)."""
+    """prepare(backend="ddp" / "fsdp2") refuses a model whose parameters DeepSpeed
+    partitioned (zero_init): its first forward would fail inside DeepSpeed ("mat2 must
+    be a matrix, got 1-D tensor") on every rank. A real zero_init on a one-rank gloo
+    world, in a child process (it starts torch.distributed)."""
     import os
     import socket
     import subprocess
@@ -195,12 +196,12 @@ def test_a_model_built_under_zero_init_is_refused_by_the_torch_engines(tmp_path)
 
 
 def test_step_and_backward_out_of_order_are_refused():
-    """Tester round 35 (library, ddp and deepspeed, 2 ranks): step() twice per micro-batch
-    made every other update one without a gradient, recording a loss of 0 as auto-LR's
-    fitness; step() every other micro-batch with gradient_accumulation_steps=2 ran half the
-    optimizer steps on twice the mean gradient. Both silently. The Ensemble's counting here
-    on a real model (a micro-batch that is not a step's last needs no scheduler); the
-    right order is held to the engines by tests/distributed/test_api.py."""
+    """step() twice per micro-batch (library, ddp and deepspeed, 2 ranks) would make every
+    other update one without a gradient, recording a loss of 0 as auto-LR's fitness; step()
+    every other micro-batch with gradient_accumulation_steps=2 would run half the optimizer
+    steps on twice the mean gradient. Both silently, so both are refused. The Ensemble's
+    counting here on a real model (a micro-batch that is not a step's last needs no
+    scheduler); the right order is held to the engines by tests/distributed/test_api.py."""
     from hdet_scale.api import Ensemble
 
     model = torch.nn.Linear(2, 1)
@@ -216,9 +217,9 @@ def test_step_and_backward_out_of_order_are_refused():
 
 
 def test_a_float_loss_is_named_and_counts_no_backward():
-    """Tester round 60: ``ens.backward(loss.item())`` raised AttributeError "'float' object
-    has no attribute 'backward'"; it names the fix now, and the micro-batch is not counted
-    (the tensor's backward right after is accepted and yields the same gradient)."""
+    """``ens.backward(loss.item())`` names the fix (a TypeError, not AttributeError
+    "'float' object has no attribute 'backward'"), and the micro-batch is not counted (the
+    tensor's backward right after is accepted and yields the same gradient)."""
     from hdet_scale.api import Ensemble
 
     model = torch.nn.Linear(2, 1)
@@ -230,9 +231,9 @@ def test_a_float_loss_is_named_and_counts_no_backward():
 
 
 def test_a_checkpoint_in_the_middle_of_an_optimizer_step_is_refused(tmp_path):
-    """Tester round 56: save_checkpoint after the first of two micro-batches wrote a
-    checkpoint without the pending gradient, and the resumed run dropped it, silently.
-    Refused before anything is written (every rank counts the same micro-batches)."""
+    """save_checkpoint after the first of two micro-batches is refused before anything
+    is written (every rank counts the same micro-batches): the checkpoint would lack the
+    pending gradient, and the resumed run would drop it, silently."""
     from hdet_scale.api import Ensemble
     from hdet_scale.errors import HDETStateError
 
@@ -246,18 +247,18 @@ def test_a_checkpoint_in_the_middle_of_an_optimizer_step_is_refused(tmp_path):
     with pytest.raises(HDETStateError, match=r"called after 1 of the 2 micro-batches"):
         ens.save_checkpoint(str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
-    # tester round 57: a load with a micro-batch pending carried its gradient into the
-    # loaded state's next step
+    # a load with a micro-batch pending would carry its gradient into the loaded state's
+    # next step
     with pytest.raises(HDETStateError, match=r"Ensemble.load_checkpoint: called after 1 of the 2 micro-batches.*"
                                              r"would be added to the loaded state's next step"):
         ens.load_checkpoint(str(tmp_path / "ckpt"))
 
 
 def test_a_step_past_total_steps_is_refused_before_the_optimizer_moves_a_weight():
-    """Tester round 57 (ddp, 2 ranks): the step past ``schedule.total_steps`` raised from
-    the scheduler after the optimizer had stepped, so the weights were one step past the
-    state the scheduler describes. Refused first, with a real HDETScheduler at its last
-    step and a real optimizer: the weights are unchanged."""
+    """The step past ``schedule.total_steps`` (ddp, 2 ranks) is refused before the
+    optimizer steps, so the weights are never one step past the state the scheduler
+    describes. With a real HDETScheduler at its last step and a real optimizer: the
+    weights are unchanged."""
     from hdet_scale.api import Ensemble
     from hdet_scale.config import HDETConfig
     from hdet_scale.ensemble import HDETScheduler
@@ -277,9 +278,9 @@ def test_a_step_past_total_steps_is_refused_before_the_optimizer_moves_a_weight(
 
 
 def test_a_world_of_one_names_the_launcher():
-    """Tester round 56: ``python train.py`` (one process) was told only that 2 replicas do
-    not divide a world of 1; the message names torchrun and the deepspeed launcher. Other
-    worlds keep the plain message."""
+    """``python train.py`` (one process) is told more than that 2 replicas do not divide a
+    world of 1: the message names torchrun and the deepspeed launcher. Other worlds keep
+    the plain message."""
     from hdet_scale.topology import Layout
 
     with pytest.raises(HDETConfigError, match=r"world of 1 ranks; allowed values for this world: \[1\] \(a world of "
@@ -325,12 +326,13 @@ for tag in ("../escape", "a/b", " x", "", "latest", "hdet_layout.json"):
 
 
 def test_a_misused_ensemble_is_refused(tmp_path):
-    """Tester round 57 (library, 2 ranks): a second prepare of one model wrapped its
-    parameters in a second engine and scheduler; a loop that also called
-    ens.scheduler.step(loss) after ens.step() moved the schedule twice per optimizer step
-    (4 after 2); a tag with '/' or '..' put every replica into one folder; a tag named
-    as the folders' own files (``latest``: round 65). All without a word. A real DDP Ensemble on a one-rank gloo world, in a child process: each is
-    refused, and the schedule counts the 2 optimizer steps of 4 micro-batches."""
+    """A misused Ensemble (library, 2 ranks) is refused, each way that would otherwise go
+    without a word: a second prepare of one model (its parameters wrapped in a second engine
+    and scheduler); a loop that also calls ens.scheduler.step(loss) after ens.step() (the
+    schedule would move twice per optimizer step, 4 after 2); a tag with '/' or '..' (every
+    replica into one folder); a tag named as the folders' own files (``latest``). A real DDP
+    Ensemble on a one-rank gloo world, in a child process: each is refused, and the schedule
+    counts the 2 optimizer steps of 4 micro-batches."""
     import os
     import socket
     import subprocess
@@ -351,17 +353,17 @@ def test_a_misused_ensemble_is_refused(tmp_path):
     assert lines[3] == "STEPS 2", lines
     assert lines[4:] == ["REFUSED checkpoint tag '../escape'", "REFUSED checkpoint tag 'a/b'",
                          "REFUSED checkpoint tag ' x'", "REFUSED checkpoint tag ''",
-                         # tester round 65: DeepSpeed's link in each replica folder, the index
+                         # DeepSpeed's link in each replica folder, the index
                          "REFUSED checkpoint tag 'latest'", "REFUSED checkpoint tag 'hdet_layout.json'"], lines
     assert not (tmp_path / "escape").exists() and not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.parametrize("kwarg", ["lr_scheduler", "mpu", "mesh_param", "config_params"])
 def test_a_deepspeed_keyword_hdet_gives_itself_is_refused_before_anything_starts(kwarg):
-    """Tester round 65: ``hdet_scale.initialize(..., lr_scheduler=...)`` (or ``mpu=``) was
-    deepspeed.initialize's raw ``TypeError: got multiple values for keyword argument``.
-    Refused with the block on, naming the keyword and what HDET gives there, before
-    torch.distributed starts (no process group exists here)."""
+    """``hdet_scale.initialize(..., lr_scheduler=...)`` (or ``mpu=``) is refused with the
+    block on, naming the keyword and what HDET gives there, before torch.distributed
+    starts (no process group exists here), not deepspeed.initialize's raw ``TypeError: got
+    multiple values for keyword argument``."""
     pytest.importorskip("deepspeed")
     import torch.distributed as dist
 

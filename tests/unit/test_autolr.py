@@ -300,11 +300,11 @@ def test_additive_axis_moves_in_units_of_its_spread_ratio():
 
 
 def test_an_additive_spread_below_zero_is_refused_and_the_auto_base_floored():
-    """Issue 9, tester round 9: an additive weight-decay spread of 0.5 on a decay of 0
-    trained one replica at -0.5 without a word. The scheduler refuses it at construction,
-    naming the axis, the group and the values; at exactly the base it is allowed (the
-    lowest replica at 0). The "paper" controller keeps an additive base at least
-    spread_ratio above 0, so a meta-update cannot take the lowest replica below 0 either."""
+    """An additive weight-decay spread of 0.5 on a decay of 0 would train one replica at
+    -0.5 without a word: the scheduler refuses it at construction, naming the axis, the
+    group and the values; at exactly the base it is allowed (the lowest replica at 0).
+    The "paper" controller keeps an additive base at least spread_ratio above 0, so a
+    meta-update cannot take the lowest replica below 0 either."""
     axes = {"weight_decay": {"spread_ratio": 0.05, "kind": "additive", "auto": True}}
     cfg = config(replicas=2, sync_interval=2, total_steps=20, axes=axes)
     with pytest.raises(HDETConfigError) as e:
@@ -344,16 +344,16 @@ def test_max_factor_bounds_the_multiplier():
     for _ in range(40):
         sch.step([1.0, 1.0])
     assert sch.last_sync["hdet/lr/group_0/multiplier"] == pytest.approx(1.5, rel=1e-12)
-    # held at the bound: logged as "paper" logs its floor (tester round 17: no word)
+    # held at the bound: logged as "paper" logs its floor, not without a word
     assert sch.last_sync["hdet/lr/group_0/ceiled"] == 1 and "hdet/lr/group_0/floored" not in sch.last_sync
 
 
 def test_a_lower_max_factor_on_resume_bounds_the_first_resumed_step():
     """A resume with a lower ``auto.max_factor`` holds the restored multiplier at the new
-    bound from the first resumed step, not from the next sync (tester round 36: 1.5 kept
-    for up to sync_interval steps under a bound of 1.2). Compared with a resume under the
-    old bound: every replica's first resumed LR is that one's times exactly 1.2 / 1.5; an unchanged
-    max_factor restores the multiplier exactly (a resume stays bit-equal)."""
+    bound from the first resumed step, not from the next sync (else 1.5 would be kept for
+    up to sync_interval steps under a bound of 1.2). Compared with a resume under the old
+    bound: every replica's first resumed LR is that one's times exactly 1.2 / 1.5; an
+    unchanged max_factor restores the multiplier exactly (a resume stays bit-equal)."""
     import copy
 
     auto = {"max_factor": 1.5, "momentum": 0.0, "step_size": 1.0}
@@ -484,8 +484,8 @@ def test_nonfinite_probe_loss_leaves_the_replica_out():
 
 
 def test_a_probe_with_no_finite_value_warns_once_that_nothing_moved():
-    """Tester round 55: a probe returning NaN for every replica at every sync ran without
-    a word (the weights all 0, the multiplier held). One warning names it."""
+    """A probe returning NaN for every replica at every sync (the weights all 0, the
+    multiplier held) does not run without a word: one warning names it."""
     import warnings
 
     cfg = config(replicas=2, sync_interval=2, total_steps=20)

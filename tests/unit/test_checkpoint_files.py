@@ -104,18 +104,18 @@ def test_the_end_converge_of_a_run_stopped_before_total_steps_is_dropped_at_its_
     path.write_text(kept + '{"step": 8, "hdet/step": 8, "hdet/final_converge": 1, "hdet/converge_s": 0.1}\n')
     assert rundir.truncate_metrics(str(path), 8) == 1
     assert path.read_text() == kept
-    # tester round 66: logging.every 3, stopped at 8 (its last step, always logged): the
-    # uninterrupted run has no per-step record at 8; its sync record there stays
+    # logging.every 3, stopped at 8 (its last step, always logged): the uninterrupted run
+    # has no per-step record at 8; its sync record there stays
     path.write_text('{"step": 6, "hdet/loss": 1.0}\n{"step": 8, "hdet/loss": 0.9}\n{"step": 8, "hdet/sync": 2}\n')
     assert rundir.truncate_metrics(str(path), 8, every=3) == 1
     assert path.read_text() == '{"step": 6, "hdet/loss": 1.0}\n{"step": 8, "hdet/sync": 2}\n'
 
 
 def test_a_resume_whose_metrics_were_deleted_or_cut_notes_the_gap(tmp_path, capsys):
-    """Tester round 64: a resume after metrics.jsonl was deleted or cut short by hand
-    appended after a gap without a word. The trim now notes the steps whose records are
-    gone; a file holding the last logged step (every 4: step 8 for a checkpoint at 10)
-    gets no note."""
+    """A resume after metrics.jsonl was deleted or cut short by hand does not append
+    after a gap without a word: the trim notes the steps whose records are gone; a file
+    holding the last logged step (every 4: step 8 for a checkpoint at 10) gets no
+    note."""
     from hdet_scale.train import rundir
 
     run = {"run_dir": str(tmp_path)}
@@ -137,8 +137,8 @@ def test_a_resume_whose_metrics_were_deleted_or_cut_notes_the_gap(tmp_path, caps
 
 
 def test_a_tail_of_bytes_that_are_not_utf8_is_dropped_like_a_torn_line(tmp_path):
-    """Tester round 12: random bytes appended to metrics.jsonl raised UnicodeDecodeError
-    on every rank at resume; they are a damaged tail, dropped, the records kept as written."""
+    """Random bytes appended to metrics.jsonl are a damaged tail, dropped at resume, the
+    records kept as written, not a UnicodeDecodeError on every rank."""
     path = tmp_path / "metrics.jsonl"
     good = '{"step": 7, "a": 1}\n{"step": 8, "a": 2}\n'
     path.write_bytes(good.encode() + b"\x90\xff\x00garbage\n\x80\x81")
@@ -180,8 +180,8 @@ def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tm
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     rundir.prepare_run_dir(cfg("train.resume=true"), "resume")
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
-    # the step the load restored, not the index's (tester round 26: an index claiming step 5
-    # for global_step4 kept step 5's record, which the resumed run then wrote again)
+    # the step the load restored, not the index's (an index claiming step 5 for global_step4
+    # would keep step 5's record, which the resumed run then writes again)
     (run_dir / "checkpoint" / "hdet_layout.json").write_text(json.dumps({"step": 5}))
     rundir.trim_for_resume(cfg("train.resume=true"), 4)
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 4}\n' and not (run_dir / "summary.json").exists()
@@ -192,11 +192,11 @@ def test_a_new_run_resumes_or_refuses_and_overwrite_clears_the_old_checkpoint(tm
 
 
 def test_a_checkpoint_folder_holding_a_users_files_is_never_replaced(tmp_path, monkeypatch):
-    """A ``checkpoint/`` with files hdet-train does not write (tester round 37: a user's
-    ``my_model.bin``, called "a run", then removed by ``train.overwrite=true``) is refused
+    """A ``checkpoint/`` with files hdet-train does not write (a user's ``my_model.bin``,
+    which must not be called "a run" and removed by ``train.overwrite=true``) is refused
     for a fresh run and an overwrite alike, naming the file; nothing is removed. The same
     run_dir with hdet-train's own files only (the index, the record, a temporary,
-    ``replica_<r>``) is replaced as before, and a resume is not judged."""
+    ``replica_<r>``) is replaced, and a resume is not judged."""
     outside_torchrun(monkeypatch)
     run_dir = tmp_path / "run"
     (run_dir / "checkpoint").mkdir(parents=True)
@@ -260,7 +260,7 @@ def test_the_fault_hook_is_checked_and_fires_in_a_first_attempt_only(monkeypatch
 def test_a_fault_hook_that_could_never_fire_is_refused(monkeypatch):
     """Against the world size and train.steps, the hook's rank must be in [0, W) and its
     step in [1, steps]: otherwise the test that set it would pass without its kill
-    (before the fix every such value was accepted silently)."""
+    (so no such value is accepted silently)."""
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     for ok in ("0:1", "3:12"):
         monkeypatch.setenv(fault_hook.FAULT_ENV, ok)
@@ -286,10 +286,10 @@ def test_a_diverged_runs_summary_is_strict_json():
 
 
 def test_write_atomic_removes_the_temp_files_a_stopped_write_left(tmp_path):
-    """Issue 9, F5: a rank stopped by a signal mid-save (``os._exit``) left
-    ``latest.tmp<pid>`` behind for good. The next write of the same file removes the temp
-    files of processes that are gone (a real child, ended by SIGKILL after it wrote one),
-    keeps a live process's (this test's parent: a write in progress) and other files'."""
+    """A rank stopped by a signal mid-save (``os._exit``) leaves ``latest.tmp<pid>``
+    behind: the next write of the same file removes the temp files of processes that are
+    gone (a real child, ended by SIGKILL after it wrote one), keeps a live process's
+    (this test's parent: a write in progress) and other files'."""
     import os
     import signal
     import subprocess
@@ -318,10 +318,10 @@ def test_write_atomic_removes_the_temp_files_a_stopped_write_left(tmp_path):
 
 
 def test_a_replica_folder_copied_from_another_place_is_refused_before_loading(tmp_path):
-    """Tester round 13: a whole replica folder copied from another replica or another tag
-    brings its own manifest, so sizes and CRC-32s all match; the resume then hung
-    (replicas at different steps) or silently gave replica 1 replica 0's state. The
-    manifest now records the folder it was written for, and the pre-start check compares."""
+    """A whole replica folder copied from another replica or another tag brings its own
+    manifest, so sizes and CRC-32s all match; the resume would then hang (replicas at
+    different steps) or silently give replica 1 replica 0's state. The manifest records
+    the folder it was written for, and the pre-start check compares."""
     from hdet_scale.backends.manifest import MANIFEST_FILE, listing_problem
 
     def folder(replica, tag, written_for):
@@ -340,10 +340,10 @@ def test_a_replica_folder_copied_from_another_place_is_refused_before_loading(tm
 
 
 def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_from(tmp_path):
-    """Tester round 32: with a replica folder of latest's tag deleted, train.resume=true
-    said only "has no folder for replica(s) [0, 1] at tag 'global_step20'", while a damaged
-    file's message names the older complete checkpoints and how to resume from one. Both
-    say it now (and a lost HDET state file too)."""
+    """With a replica folder of latest's tag deleted, train.resume=true names the older
+    complete checkpoints and how to resume from one, as a damaged file's message does,
+    not only "has no folder for replica(s) [0, 1] at tag 'global_step20'" (and a lost
+    HDET state file too)."""
     import shutil
 
     from hdet_scale.backends.checkpoints import check_resumable
@@ -368,8 +368,8 @@ def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_
     assert str(err.value).startswith(f"checkpoint {ckpt} has no folder for replica(s) [0, 1] at tag 'global_step20'; "
                                      f"{advice}"), err.value
     assert "global_step10 (step 10)" in str(err.value)
-    # tester round 64: a replica folder gone from two tags; each was offered as the way on
-    # from the other. Only a tag whose folders are all there is offered (global_step5).
+    # a replica folder gone from two tags: neither is offered as the way on from the other.
+    # Only a tag whose folders are all there is offered (global_step5).
     shutil.rmtree(ckpt / "replica_0" / "global_step10")
     (ckpt / "latest").write_text("global_step10")
     with pytest.raises(HDETStateError) as err:
@@ -383,9 +383,9 @@ def test_a_deleted_replica_folder_names_the_older_complete_checkpoint_to_resume_
 
 
 def test_a_cut_short_archive_is_named_once(tmp_path):
-    """Tester round 48: a ``model_optim.pt`` truncated to 1000 bytes was named twice, as a
-    torch.save archive without its directory and as a size that differs from the
-    manifest's: one file, two explanations. It is named once, by the first."""
+    """A ``model_optim.pt`` truncated to 1000 bytes is named once, by the first
+    explanation (a torch.save archive without its directory), not twice, also as a size
+    that differs from the manifest's: one file, one explanation."""
     import zlib
 
     import torch
@@ -409,7 +409,7 @@ def test_a_cut_short_archive_is_named_once(tmp_path):
         check_resumable(str(ckpt), 4, REPLICAS, "ddp")
     assert str(err.value).count(str(cut)) == 1, err.value
     assert f"{cut}: truncated or damaged (1000 bytes;" in str(err.value), err.value
-    # tester round 51: with no other checkpoint the advice was "; or start a new run_dir" alone
+    # with no other checkpoint the advice is not "; or start a new run_dir" alone
     assert str(err.value).endswith("; restore them from a copy, or start a new run_dir"), err.value
     # a second file of the folder, cut by the size alone, is still named by the manifest
     (ckpt / "replica_1" / tag / "hdet_shard_0.pt").write_bytes(b"xy")
@@ -420,10 +420,10 @@ def test_a_cut_short_archive_is_named_once(tmp_path):
 
 
 def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
-    """Tester round 13: ``train.resume=true`` into a run_dir a running job holds was told
-    to start over (its checkpoint not written yet). The launcher now asks the lock first,
-    without taking it: held by another process -> the in-use message; free -> nothing,
-    and the lock stays takeable."""
+    """``train.resume=true`` into a run_dir a running job holds is not told to start over
+    (its checkpoint not written yet): the launcher asks the lock first, without taking
+    it: held by another process -> the in-use message; free -> nothing, and the lock
+    stays takeable."""
     import subprocess
     import sys
     import time
@@ -448,9 +448,9 @@ def test_a_run_dir_in_use_is_named_before_its_files_are_judged(tmp_path):
 
 
 def test_a_run_dir_in_use_is_refused_before_torch_is_imported(tmp_path):
-    """Tester issue 9: the refusal took 24-30 s on a loaded machine, spent importing torch
-    and DeepSpeed before the check. ``hdet-train`` now refuses with exit 2 having imported
-    neither (``-X importtime`` lists every module the process imported)."""
+    """``hdet-train`` refuses with exit 2 having imported neither torch nor DeepSpeed
+    (``-X importtime`` lists every module the process imported): importing them before the
+    check would take 24-30 s on a loaded machine."""
     import subprocess
     import sys
     import time
@@ -477,8 +477,8 @@ def test_a_run_dir_in_use_is_refused_before_torch_is_imported(tmp_path):
 
 
 def test_overwrite_removes_a_link_in_the_run_dir_not_its_target(tmp_path):
-    """Tester round 14: a run_dir whose checkpoint/ and metrics.jsonl are links to another
-    run's: train.overwrite raised in rmtree on rank 0. The links go; the other run stays."""
+    """A run_dir whose checkpoint/ and metrics.jsonl are links to another run's is
+    overwritten without raising in rmtree on rank 0: the links go; the other run stays."""
     other = tmp_path / "other"
     (other / "checkpoint").mkdir(parents=True)
     (other / "checkpoint" / "latest").write_text("global_step4")
@@ -495,11 +495,12 @@ def test_overwrite_removes_a_link_in_the_run_dir_not_its_target(tmp_path):
 
 
 def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_path):
-    """Tester round 26: a save on a full disk (a 26 MB tmpfs) ended both ranks with torch's
-    tracebacks ("basic_ios::clear: iostream error", "unexpected pos") and no word of the
-    disk or of the checkpoint left intact. The real errors: writing to /dev/full (ENOSPC),
-    and torch.save into it (torch's RuntimeError, no errno: named by the space left, here
-    with a threshold above this disk's free space, as a full disk has below 64 MiB)."""
+    """A save on a full disk (a 26 MB tmpfs) would end both ranks with torch's tracebacks
+    ("basic_ios::clear: iostream error", "unexpected pos") and no word of the disk or of
+    the checkpoint left intact: it is named. The real errors: writing to /dev/full
+    (ENOSPC), and torch.save into it (torch's RuntimeError, no errno: named by the space
+    left, here with a threshold above this disk's free space, as a full disk has below 64
+    MiB)."""
     import errno as errno_mod
 
     import torch
@@ -516,9 +517,9 @@ def test_a_save_on_a_full_disk_is_named_with_the_checkpoint_that_is_intact(tmp_p
     assert isinstance(err, HDETStateError), err
     assert f"the save of step 20 into {ckpt} failed, the disk is full" in str(err)
     assert "no checkpoint is complete yet" in str(err)
-    # tester round 31: the advice was "free space, then start again", which the run_dir's
-    # files of this attempt then refused (and train.resume=true too): it names the way that
-    # is taken, train.overwrite=true, held here to start_mode on that attempt's run_dir
+    # not "free space, then start again", which the run_dir's files of this attempt would
+    # refuse (and train.resume=true too): it names the way that is taken,
+    # train.overwrite=true, held here to start_mode on that attempt's run_dir
     assert "start the run over with train.overwrite=true" in str(err), err
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
 
@@ -560,11 +561,11 @@ print(json.dumps(out))
 
 
 def test_a_save_stopped_by_the_file_size_limit_or_a_quota_is_named(tmp_path):
-    """Tester round 32: under ``ulimit -f`` the final save failed in every rank with torch's
-    "unexpected pos" RuntimeError (no errno) and a traceback; a quota (EDQUOT) and EFBIG were
-    not recognised either. Each is one HDETStateError naming the cause, the folder and the
-    way on. The limit is real here: a child process under RLIMIT_FSIZE (Python ignores
-    SIGXFSZ, so the write fails with EFBIG)."""
+    """Under ``ulimit -f`` the final save would fail in every rank with torch's "unexpected
+    pos" RuntimeError (no errno) and a traceback; a quota (EDQUOT) and EFBIG are recognised
+    too. Each is one HDETStateError naming the cause, the folder and the way on. The limit
+    is real here: a child process under RLIMIT_FSIZE (Python ignores SIGXFSZ, so the write
+    fails with EFBIG)."""
     import errno as errno_mod
     import resource
     import subprocess
@@ -600,9 +601,9 @@ def test_a_save_stopped_by_the_file_size_limit_or_a_quota_is_named(tmp_path):
 
 @pytest.mark.parametrize("resume", [True, False])
 def test_a_checkpoint_folder_given_as_run_dir_is_refused_naming_the_run(tmp_path, resume):
-    """Tester round 27: ``run_dir=<run>/checkpoint train.resume=true`` (the Hugging Face
-    habit of naming the checkpoint folder) started from step 0 without a word, writing into
-    the other run's checkpoint folder. Refused, naming the run's own folder."""
+    """``run_dir=<run>/checkpoint train.resume=true`` (the Hugging Face habit of naming
+    the checkpoint folder) would start from step 0 without a word, writing into the
+    other run's checkpoint folder: refused, naming the run's own folder."""
     run_dir = _run_dir_with_a_run(tmp_path)
     ckpt = run_dir / "checkpoint"
     run = load_run_config(None, [f"run_dir={ckpt}", f"train.resume={str(resume).lower()}"])
@@ -612,9 +613,10 @@ def test_a_checkpoint_folder_given_as_run_dir_is_refused_naming_the_run(tmp_path
 
 
 def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path):
-    """Tester round 27: a stop before the first step said "start again in RUN with
-    train.overwrite=true", though the run_dir held only the lock and a plain rerun works.
-    With the stopped run's metrics there, overwrite is still the way (a rerun is refused)."""
+    """A stop before the first step does not say "start again in RUN with
+    train.overwrite=true" where the run_dir holds only the lock and a plain rerun works.
+    With the stopped run's metrics there, overwrite is still the way (a rerun is
+    refused)."""
     import signal
 
     from hdet_scale.train.stopping import stop_message
@@ -626,7 +628,7 @@ def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path)
     msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", None)
     assert msg.endswith(f"start again with the same command (no checkpoint or metrics of this run were written "
                         f"in {run_dir})."), msg
-    # tester round 32: W&B's offline run folder of the stopped attempt stays, and is named
+    # W&B's offline run folder of the stopped attempt stays, and is named
     (run_dir / "wandb" / "offline-run-20250101_000000-old").mkdir(parents=True)
     os.utime(run_dir / "wandb" / "offline-run-20250101_000000-old", (1, 1))
     (run_dir / "wandb" / "offline-run-20250102_000000-abc").mkdir()
@@ -640,9 +642,9 @@ def test_a_stop_before_anything_was_written_does_not_ask_for_overwrite(tmp_path)
 
 
 def test_a_stop_before_an_overwrite_replaced_the_earlier_run_names_no_checkpoint_of_it(tmp_path, monkeypatch):
-    """Tester round 52: a ``train.overwrite=true`` run stopped before its start replaced the
-    earlier, completed run was told "Last checkpoint: .../global_step40; continue with
-    train.resume=true", the earlier run's checkpoint, and the resume was then refused
+    """A ``train.overwrite=true`` run stopped before its start replaced the earlier,
+    completed run is not told "Last checkpoint: .../global_step40; continue with
+    train.resume=true", the earlier run's checkpoint, whose resume would be refused
     (nothing left to do). A ``latest`` older than this process is no save of this run's,
     unless this run resumes it (train.resume, or a torchrun restart of the job)."""
     import signal
@@ -668,11 +670,11 @@ def test_a_stop_before_an_overwrite_replaced_the_earlier_run_names_no_checkpoint
 
 
 def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_path, monkeypatch):
-    """Tester round 31: a new run in a run_dir holding no run but a user's own
-    ``plots/loss.png`` replaced it at the end without a word. Refused before the start
-    (the launcher's validate calls start_mode), naming the file and the ways on; a user's
-    other files there (notes.txt) are no obstacle, nor is the folder with train.plots=false
-    or train.overwrite=true."""
+    """A new run in a run_dir holding no run but a user's own ``plots/loss.png`` would
+    replace it at the end without a word: refused before the start (the launcher's
+    validate calls start_mode), naming the file and the ways on; a user's other files
+    there (notes.txt) are no obstacle, nor is the folder with train.plots=false or
+    train.overwrite=true."""
     outside_torchrun(monkeypatch)
     run_dir = tmp_path / "proj"
     (run_dir / "plots").mkdir(parents=True)
@@ -691,7 +693,7 @@ def test_a_new_run_refuses_a_plots_folder_holding_files_of_its_plots_names(tmp_p
     assert mode("train.plots=false") == "fresh" and mode("train.overwrite=true") == "fresh"
     assert (run_dir / "plots" / "loss.png").read_bytes() == b"MY OWN LOSS PLOT"
     # an earlier run's plots in this run_dir, recorded as drawn from its metrics: replaced
-    # by this run's, as before (the record is what hdet-train and hdet-plot write with them)
+    # by this run's (the record is what hdet-train and hdet-plot write with them)
     from hdet_scale.plot_out import RECORD
 
     record = {"metrics": os.path.realpath(run_dir / "metrics.jsonl"), "pngs": ["loss.png"]}
@@ -740,9 +742,9 @@ def test_a_full_disk_under_the_settings_record_or_inside_dcps_exception_is_named
 
 
 def test_a_stop_after_the_run_completed_names_hdet_plot_when_its_plots_were_not_written(tmp_path):
-    """Tester round 34: a SIGINT during the end-of-run plots said "nothing is lost" and
-    exited 0, and plots/ was never written; the line now names hdet-plot. A plot of this
-    attempt (newer than its start) or train.plots=false: no such words."""
+    """A SIGINT during the end-of-run plots names hdet-plot, not "nothing is lost" with
+    exit 0 and plots/ never written. A plot of this attempt (newer than its start) or
+    train.plots=false: no such words."""
     import time
 
     from hdet_scale.train.stopping import completed_message
@@ -760,8 +762,8 @@ def test_a_stop_after_the_run_completed_names_hdet_plot_when_its_plots_were_not_
     assert "hdet-plot" in completed_message(2, run, since)
     (tmp_path / "plots" / "lr.png").write_bytes(b"png")  # no record: an older hdet-plot's folder
     assert completed_message(2, run, since).endswith("nothing is left to resume.")
-    # tester round 53: a stop half-way through the plots (one PNG of several written) said
-    # nothing; the record says complete only after the last PNG (plot_out.PlotsFolder.finish)
+    # a stop half-way through the plots (one PNG of several written) says they are not all written; the
+    # record says complete only after the last PNG (plot_out.PlotsFolder.finish)
     from hdet_scale.plot_out import claim
 
     shutil.rmtree(tmp_path / "plots")
@@ -779,10 +781,10 @@ def test_a_stop_after_the_run_completed_names_hdet_plot_when_its_plots_were_not_
 
 
 def test_a_save_refused_by_permissions_is_one_line_naming_the_folder(tmp_path):
-    """Tester round 34: a save into a folder the run may not write (made read-only during
-    the run; a resume into one is refused before any rank starts) ended in a
-    PermissionError traceback. A real EACCES here: creating a file in sysfs, which refuses
-    it even to root."""
+    """A save into a folder the run may not write (made read-only during the run; a
+    resume into one is refused before any rank starts) is named, not a PermissionError
+    traceback. A real EACCES here: creating a file in sysfs, which refuses it even to
+    root."""
     from hdet_scale.errors import HDETStateError
 
     ckpt = tmp_path / "checkpoint"
@@ -822,9 +824,9 @@ def test_a_resume_into_read_only_files_is_refused_before_it_starts(tmp_path):
 
 @pytest.mark.parametrize("key", ["run_dir", "wandb.dir"])
 def test_a_run_dir_that_is_a_file_or_a_device_is_named_as_not_a_folder(tmp_path, monkeypatch, key):
-    """A tester: ``run_dir=afile`` (a regular file) and ``run_dir=/dev/null`` both said
-    "cannot write to afile: File exists" (makedirs' error). ``wandb.dir`` takes the same check
-    (validate.py)."""
+    """``run_dir=afile`` (a regular file) and ``run_dir=/dev/null`` are named as no
+    folder, not "cannot write to afile: File exists" (makedirs' error). ``wandb.dir``
+    takes the same check (validate.py)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("kept\n")
     with pytest.raises(HDETConfigError) as e:
@@ -840,11 +842,11 @@ def test_a_run_dir_that_is_a_file_or_a_device_is_named_as_not_a_folder(tmp_path,
 
 
 def test_a_run_inside_another_runs_checkpoint_folder_is_refused_and_never_removed(tmp_path, monkeypatch):
-    """Tester round 35: run_dir=runs/A/checkpoint/mine was accepted, and hdet-train
-    run_dir=runs/A train.overwrite=true then removed it with A's checkpoint folder (its
-    lock held or not). A new run there is refused naming A; a run put there anyway stops
-    A's overwrite before anything is removed. A run_dir beside the checkpoint folder is
-    fine (overwrite removes only metrics, summary, checkpoint and the plots)."""
+    """run_dir=runs/A/checkpoint/mine would be removed with A's checkpoint folder by
+    hdet-train run_dir=runs/A train.overwrite=true (its lock held or not): a new run
+    there is refused naming A; a run put there anyway stops A's overwrite before
+    anything is removed. A run_dir beside the checkpoint folder is fine (overwrite
+    removes only metrics, summary, checkpoint and the plots)."""
     outside_torchrun(monkeypatch)
     outer = _run_dir_with_a_run(tmp_path)
     nested = outer / "checkpoint" / "mine"
@@ -876,9 +878,9 @@ def test_a_run_inside_another_runs_checkpoint_folder_is_refused_and_never_remove
 
 
 def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path, monkeypatch):
-    """Tester round 39: a run stopped before its first save left metrics.jsonl and no
-    checkpoint/; the refusal of a second start offered train.resume=true, which then
-    failed ("no checkpoint to resume from"). Each offered way out is tried here."""
+    """A run stopped before its first save leaves metrics.jsonl and no checkpoint/; the
+    refusal of a second start does not offer train.resume=true, which would fail ("no
+    checkpoint to resume from"). Each offered way out is tried here."""
     outside_torchrun(monkeypatch)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -896,8 +898,8 @@ def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path, monkeypatc
 
 
 def test_a_completed_run_without_a_checkpoint_is_not_said_to_have_stopped(tmp_path, monkeypatch):
-    """Tester round 41: a run that completed with train.checkpoint=false (summary.json, no
-    checkpoint/) was refused a resume "because it stopped before its first save"."""
+    """A run that completed with train.checkpoint=false (summary.json, no checkpoint/) is
+    not refused a resume "because it stopped before its first save"."""
     outside_torchrun(monkeypatch)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -908,7 +910,7 @@ def test_a_completed_run_without_a_checkpoint_is_not_said_to_have_stopped(tmp_pa
             rundir.start_mode(load_run_config(None, [f"run_dir={run_dir}", *extra]))
         assert "it completed with train.checkpoint=false, which saves none" in str(e.value), str(e.value)
         assert "stopped" not in str(e.value), str(e.value)
-    # tester round 51: a run that saved, whose checkpoint/ was deleted, was put down to
+    # a run that saved, whose checkpoint/ was deleted, is not put down to
     # train.checkpoint=false; the summary says whether it saved (older ones do not: both named)
     for text, said in (('{"checkpointed": true}', f"it completed and saved a checkpoint, but {run_dir}/checkpoint "
                                                   "is gone: moved or deleted"),
@@ -924,9 +926,9 @@ def test_a_completed_run_without_a_checkpoint_is_not_said_to_have_stopped(tmp_pa
 
 
 def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
-    """Tester round 41: train.resume=true printed no line naming what it resumed from (a
-    torchrun restart did). The line is rank 0's first (loop.train); a fresh or replacing
-    start of the user's own has none."""
+    """train.resume=true prints a line naming what it resumes from, as a torchrun
+    restart does. The line is rank 0's first (loop.train); a fresh or replacing start of
+    the user's own has none."""
     outside_torchrun(monkeypatch)
     run_dir = _run_dir_with_a_run(tmp_path)
     run = load_run_config(None, [f"run_dir={run_dir}", "train.resume=true"])
@@ -938,8 +940,8 @@ def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
     assert rundir.restart_line(run, "replace") is None
     run = load_run_config(None, [f"run_dir={tmp_path / 'new'}"])
     assert rundir.restart_line(run, rundir.start_mode(run)) is None
-    # tester round 57: latest pointed back to an older checkpoint; the newer one was
-    # replaced by the resumed run's saves without a word
+    # latest pointing back to an older checkpoint: the newer one, which the resumed run's
+    # saves replace, is named
     (run_dir / "checkpoint" / "hdet_layout.json").write_text(json.dumps(
         {"step": 2, "checkpoints": {"global_step2": 2, "global_step4": 4}}))
     (run_dir / "checkpoint" / "latest").write_text("global_step2")
@@ -950,10 +952,10 @@ def test_a_resume_names_the_checkpoint_and_step_it_loads(tmp_path, monkeypatch):
 
 
 def test_no_latest_and_an_unreadable_layout_names_the_folders_on_disk_not_only_overwrite(tmp_path):
-    """Tester round 54: ``latest`` removed and ``hdet_layout.json`` emptied; the refusal's
-    only way on was train.overwrite=true, which deletes the two complete checkpoints still
-    on disk. It now names them, the layout to restore and the tag to write into latest,
-    and says the overwrite deletes them; with the layout missing, the same."""
+    """``latest`` removed and ``hdet_layout.json`` emptied: the refusal names the two
+    complete checkpoints still on disk, the layout to restore and the tag to write into
+    latest, and says the overwrite deletes them, not only train.overwrite=true as the way
+    on; with the layout missing, the same."""
     ckpt = tmp_path / "checkpoint"
     for r in range(2):
         for step in (98, 91, 7):
@@ -972,10 +974,10 @@ def test_no_latest_and_an_unreadable_layout_names_the_folders_on_disk_not_only_o
 
 
 def test_a_stop_after_the_final_checkpoint_before_the_summary_advises_no_refused_resume(tmp_path, monkeypatch):
-    """Tester round 56: SIGINT between the final checkpoint (step = train.steps) and
-    summary.json said "continue with train.resume=true", which is then refused (nothing
-    left to do). The line now says training is done, names hdet-plot for the plots and a
-    larger train.steps to train on; an earlier checkpoint keeps the resume advice."""
+    """SIGINT between the final checkpoint (step = train.steps) and summary.json does
+    not say "continue with train.resume=true", which would be refused (nothing left to
+    do): the line says training is done, names hdet-plot for the plots and a larger
+    train.steps to train on; an earlier checkpoint keeps the resume advice."""
     import signal
 
     from hdet_scale.train.stopping import stop_message
@@ -988,7 +990,7 @@ def test_a_stop_after_the_final_checkpoint_before_the_summary_advises_no_refused
     (run_dir / "metrics.jsonl").write_text('{"step": 20}\n')
     run = load_run_config(None, [f"run_dir={run_dir}", "train.steps=20", "train.resume=true"])
     msg = stop_message(signal.SIGINT, run, "all 2 ranks ended", 20)
-    # tester round 66: "a larger train.steps" was refused where the schedule ends at train.steps
+    # no "a larger train.steps" where the schedule ends at train.steps (a resume would be refused)
     assert (f"global_step20 (step 20), the final one (train.steps=20): the training is done, but summary.json and "
             f"the plots were not written (hdet-plot {run_dir} draws the plots); the schedule ends there, so a resume "
             "has nothing left to train: the checkpoint holds the trained model, without the final validation "
@@ -1002,9 +1004,9 @@ def test_a_stop_after_the_final_checkpoint_before_the_summary_advises_no_refused
 
 
 def test_no_latest_whose_newest_listed_checkpoint_is_the_final_one_says_the_run_finished(tmp_path):
-    """Noticed in round 56: with ``latest`` removed after a finished run's final save, the
-    advice to write its tag into ``latest`` led to "nothing is left to do". Said when the
-    newest listed checkpoint is at train.steps; not for an earlier one."""
+    """With ``latest`` removed after a finished run's final save, the advice to write its
+    tag into ``latest`` would lead to "nothing is left to do": said when the newest
+    listed checkpoint is at train.steps; not for an earlier one."""
     ckpt = tmp_path / "checkpoint"
     for step in (5, 10):
         for r in range(2):
@@ -1019,9 +1021,10 @@ def test_no_latest_whose_newest_listed_checkpoint_is_the_final_one_says_the_run_
 
 
 def test_a_save_dir_that_cannot_be_a_folder_is_named_before_any_collective(tmp_path):
-    """Tester round 59: ``ens.save_checkpoint("afile")`` raised a raw ``NotADirectoryError``
-    from ``os.makedirs`` on every rank. check_save_dir (run by checkpoint_target before its
-    barrier) names the path and what is in the way; a folder to be made, or one there, passes."""
+    """``ens.save_checkpoint("afile")`` is no raw ``NotADirectoryError`` from
+    ``os.makedirs`` on every rank: check_save_dir (run by checkpoint_target before its
+    barrier) names the path and what is in the way; a folder to be made, or one there,
+    passes."""
     import stat
 
     from hdet_scale.backends.checkpoints import check_save_dir
@@ -1048,10 +1051,10 @@ def test_a_save_dir_that_cannot_be_a_folder_is_named_before_any_collective(tmp_p
 
 
 def test_a_tag_never_saved_is_named_as_the_callers_not_latests(tmp_path):
-    """Tester round 60: ``load_checkpoint(dir, tag="global_step3")`` (never saved; latest
-    names global_step6) said "<dir>/latest names 'global_step3'", blaming a file that names
-    another tag. A tag the caller passes is named as theirs, with the complete ones; a
-    latest that names an unlisted tag keeps its own message."""
+    """``load_checkpoint(dir, tag="global_step3")`` (never saved; latest names
+    global_step6) names the tag as the caller's, with the complete ones, not
+    "<dir>/latest names 'global_step3'", blaming a file that names another tag; a latest
+    that names an unlisted tag keeps its own message."""
     from hdet_scale.backends.checkpoints import check_resumable
     from hdet_scale.errors import HDETStateError
 

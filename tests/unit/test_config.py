@@ -241,13 +241,14 @@ def test_not_a_mapping():
     ({"schedule.total_steps": 10.5}, "hdet.schedule.total_steps: expected int | None, got 10.5"),
     ({"schedule.total_steps": "abc"}, "hdet.schedule.total_steps: expected int | None, got 'abc'"),
     ({"schedule": 5}, "hdet.schedule: expected an object, got int 5"),
-    ({"schedule": None}, "hdet.schedule: expected an object, got null"),  # was "got NoneType" (round 17)
+    ({"schedule": None}, "hdet.schedule: expected an object, got null"),  # JSON's word, not "got NoneType"
     ({"auto.warmup_steps": 1.5}, "hdet.auto.warmup_steps: expected int, got 1.5"),
 ])
 def test_a_wrong_type_is_one_line_not_also_a_verdict_on_the_default(patch, line):
-    """Issue 9: a value of the wrong type leaves the field's default in its place, which the
-    range checks then judged too: total_steps 10.5 gave "expected int | None, got 10.5" and
-    "must be an integer >= 1, got None". Exactly one line now names the key (or its block)."""
+    """A value of the wrong type leaves the field's default in its place, which the range
+    checks must not judge too (total_steps 10.5 would give "expected int | None, got 10.5"
+    and "must be an integer >= 1, got None"): exactly one line names the key (or its
+    block)."""
     msg = _error(_bad(**patch))
     key = line.split(":")[0]
     lines = msg.splitlines()[1:]
@@ -265,11 +266,11 @@ def test_layout_not_dividing_world_names_key_and_divisors():
 
 
 def test_layout_divisors_are_those_of_trying_every_count_in_bounded_time():
-    """The allowed replica counts named when R does not divide W were found by trying
-    every count up to W: O(W), minutes for hdet-dryrun --world-size 10**10. Now by trial
-    up to sqrt(W): the same lists as trying every count (W up to 400), 10**12 + 1 =
-    73 x 137 x 99990001 in well under the 5 s asserted (load margin), and the rule
-    instead of a list above 10**14."""
+    """The allowed replica counts named when R does not divide W are found by trial up
+    to sqrt(W) (trying every count up to W is O(W): minutes for hdet-dryrun --world-size
+    10**10): the same lists as trying every count (W up to 400), 10**12 + 1 = 73 x 137 x
+    99990001 in well under the 5 s asserted (load margin), and the rule instead of a
+    list above 10**14."""
     import time
 
     from hdet_scale.topology import _divisors
@@ -363,13 +364,13 @@ def test_prepare_config_divides_global_batch_and_checks_it():
         with pytest.raises(HDETConfigError, match=needle):
             prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": tbs}, world_size=4)
     # the accumulation left out is derived as DeepSpeed derives it (16 // 2 // 4 = 2), not taken as 1:
-    # 16 was refused as "must equal 2 x 1 x 4" before (tester round 26, the batch keys)
+    # 16 is taken, not refused as "must equal 2 x 1 x 4"
     _, ds = prepare_config({**_ds(replicas=2, schedule={"total_steps": 10}), "train_batch_size": 16}, world_size=4)
     assert ds["train_batch_size"] == 8 and "gradient_accumulation_steps" not in ds
 
 
 @pytest.mark.parametrize("keys,world,message", [
-    # tester round 26: DeepSpeed's AssertionError "16 != 5 * 3 * 1" inside every rank; hdet-dryrun said valid
+    # refused before any rank (else DeepSpeed's AssertionError "16 != 5 * 3 * 1" in every rank, hdet-dryrun: valid)
     ({"train_batch_size": 32, "gradient_accumulation_steps": 3}, 2,
      "train_batch_size: 32 is not a multiple of gradient_accumulation_steps (3) x world size (2) = 6: DeepSpeed "
      "derives train_micro_batch_size_per_gpu = 5 from it and refuses 5 x 3 x 2 = 30"),
@@ -385,8 +386,8 @@ def test_batch_keys_left_out_are_derived_as_deepspeed_derives_them(keys, world, 
     """``ds_values.batch_errors`` against DeepSpeed's own config class on the same keys:
     each config it refuses is refused here with the line above, each it takes is taken,
     and ``batch_sizes`` gives the micro-batch and accumulation DeepSpeed arrives at (the
-    torch engines read them: tester round 26, a file with only train_batch_size was a
-    micro-batch of 1 there)."""
+    torch engines read them: a file with only train_batch_size is no micro-batch of 1
+    there)."""
     deepspeed = pytest.importorskip("deepspeed")
     from hdet_scale.ds_values import batch_errors, batch_sizes
 
@@ -451,8 +452,8 @@ def test_max_factor_must_be_finite_and_at_least_one(value):
 
 
 def test_max_factor_one_refused_where_it_pins_the_log_multiplier():
-    """Tester round 53: max_factor 1 under the "log" controller bounds the multiplier to
-    [1, 1], auto-LR then moves nothing and said nothing. It stays valid where it pins
+    """max_factor 1 under the "log" controller bounds the multiplier to [1, 1], so
+    auto-LR would move nothing and say nothing: refused. It stays valid where it pins
     nothing: the "paper" controller (it bounds the floor, min(schedule floor, peak)),
     auto off, or only additive axes under auto."""
     msg = _error(_bad(**{"auto.max_factor": 1}))
@@ -502,9 +503,9 @@ def test_new_auto_keys_round_trip():
 
 
 def test_a_list_for_data_path_names_the_comma_separated_form(tmp_path):
-    """Issue 9: ``data.path=[b.txt,a.txt]`` said "Cannot convert 'ListConfig' to string". Now
-    the key, the list, and the form data.load_corpus reads (one comma-separated string),
-    from an override and from a YAML file alike."""
+    """``data.path=[b.txt,a.txt]`` names the key, the list, and the form
+    data.load_corpus reads (one comma-separated string), from an override and from a
+    YAML file alike, not "Cannot convert 'ListConfig' to string"."""
     from hdet_scale.train.config import load_run_config
 
     want = ("data.path: expected one string, got a list ['b.txt', 'a.txt']; give several files or folders as one "

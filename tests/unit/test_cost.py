@@ -155,7 +155,7 @@ def test_cli_cost_section_and_errors(tmp_path, capsys):
         assert main([str(path), "--world-size", "64", *args]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith(f"hdet-dryrun: error: {option}"), err
-    # tester round 7: a world of 1e14 ranks printed figures that mean nothing
+    # a world beyond the cost model's bound is refused: its figures would mean nothing
     assert main([str(path), "--world-size", str(2 ** 25), "--params", "7B"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--world-size: the cost model covers worlds up to 16,777,216" in err, err
@@ -164,9 +164,9 @@ def test_cli_cost_section_and_errors(tmp_path, capsys):
 
 
 def test_what_the_cost_model_leaves_out_is_said():
-    """Tester round 26: ``--params 7B`` on a file with fp16 and an offload to NVMe reported
-    fp32 weights on the accelerator without a word. Each such setting is one "not
-    modelled" line; a file without them gets none."""
+    """``--params 7B`` on a file with fp16 and an offload to NVMe does not report fp32
+    weights on the accelerator without a word: each such setting is one "not modelled"
+    line; a file without them gets none."""
     from hdet_scale.cost_report import not_modelled
 
     ds = {"fp16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"},

@@ -105,12 +105,12 @@ def _full(p):
 
 
 def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
-    """Issue 9 F3/F8 and round 4: bytes flipped in a file of a real FSDP2 checkpoint (gloo,
-    world 1), same size, so the start-up check (``damaged_files``) cannot see it. Both a
-    header region (the load would fail: DCP's ``CheckpointException``, torch.load's error)
-    and a tensor's bytes (the load would succeed with wrong values) are found by the CRC
-    check every load runs first (``checkpoint_io.verify_checksums``): one HDETStateError
-    naming the file. The intact checkpoint loads, restoring the saved weights exactly."""
+    """Bytes flipped in a file of a real FSDP2 checkpoint (gloo, world 1), same size, so the
+    start-up check (``damaged_files``) cannot see it. Both a header region (the load would
+    fail: DCP's ``CheckpointException``, torch.load's error) and a tensor's bytes (the load
+    would succeed with wrong values) are found by the CRC check every load runs first
+    (``checkpoint_io.verify_checksums``): one HDETStateError naming the file. The intact
+    checkpoint loads, restoring the saved weights exactly."""
     import pytest
     import torch.distributed as dist
 
@@ -147,11 +147,11 @@ def test_damaged_fsdp2_checkpoint_is_a_state_error_naming_the_file(tmp_path):
 
 
 def test_tensor_bytes_changed_in_place_are_refused_not_loaded(tmp_path):
-    """Issue 9 round 4, the silent case: a DDP ``model_optim.pt`` whose weight bytes were
-    overwritten (same size) loaded without complaint and trained on NaN. Shown first: torch
-    itself reads the damaged file, with weights that differ from the saved ones, so nothing
-    but the CRC check stands in the way. Then ``ddp.load_checkpoint`` refuses it, naming
-    the file and the member, and leaves the model as it was."""
+    """The silent case: a DDP ``model_optim.pt`` whose weight bytes are overwritten (same
+    size) would load without complaint and train on NaN. Shown first: torch itself reads
+    the damaged file, with weights that differ from the saved ones, so nothing but the CRC
+    check stands in the way. Then ``ddp.load_checkpoint`` refuses it, naming the file and
+    the member, and leaves the model as it was."""
     import pytest
     import torch.distributed as dist
 
@@ -179,14 +179,14 @@ def test_tensor_bytes_changed_in_place_are_refused_not_loaded(tmp_path):
 
 
 def test_a_file_put_in_another_files_place_is_refused_by_the_manifest(tmp_path):
-    """Issue 9, tester round 7: a complete, undamaged file of the same run in another
-    file's place (here ``model_optim.pt`` copied from the step-1 checkpoint into the
-    step-2 one, as a user restoring "a copy" might) passes every archive check and loads:
-    shown first, torch reads it, with the step-1 weights. The manifest each save writes
-    (``backends/manifest.py``: sizes and CRC-32s) makes the load refuse it, naming the
-    file. A folder without a manifest (an older save) falls back to the archives' own
-    CRCs, so the same copy then loads (the limit the manifest removes); a save that wrote
-    a manifest and lost it is refused."""
+    """A complete, undamaged file of the same run in another file's place (here
+    ``model_optim.pt`` copied from the step-1 checkpoint into the step-2 one, as a user
+    restoring "a copy" might) passes every archive check and loads: shown first, torch reads
+    it, with the step-1 weights. The manifest each save writes (``backends/manifest.py``:
+    sizes and CRC-32s) makes the load refuse it, naming the file. A folder without a
+    manifest (an older save) falls back to the archives' own CRCs, so the same copy then
+    loads (the limit the manifest removes); a save that wrote a manifest and lost it is
+    refused."""
     import shutil
 
     import pytest
@@ -214,7 +214,7 @@ def test_a_file_put_in_another_files_place_is_refused_by_the_manifest(tmp_path):
         with pytest.raises(HDETStateError) as err:
             ddp.load_checkpoint(engine.model, engine.optimizer, engine.scheduler, str(ckpt))
         assert f"{victim} (not the file this checkpoint saved there" in str(err.value), str(err.value)
-        # the manifest deleted (tester round 8): the layout records that this save wrote
+        # the manifest deleted: the layout records that this save wrote
         # one, so its loss is refused before any load, not a fall back to the weaker check
         (ckpt / "replica_0" / second / MANIFEST_FILE).unlink()
         with pytest.raises(HDETStateError) as err:
@@ -252,10 +252,10 @@ def test_the_pre_start_listing_check_finds_missing_resized_and_unreadable(tmp_pa
 
 
 def test_an_index_whose_step_disagrees_with_its_tag_is_damaged(tmp_path):
-    """Tester round 55: hdet_layout.json edited to list global_step10 at step 15 resumed
-    with "the state after optimizer step 15" while the engine restored step 10. A default
-    tag names its step: an index that disagrees is refused as damaged; one that agrees,
-    or a user's own tag, reads as before."""
+    """hdet_layout.json edited to list global_step10 at step 15 would resume with "the
+    state after optimizer step 15" while the engine restores step 10: a default tag
+    names its step, so an index that disagrees is refused as damaged; one that agrees,
+    or a user's own tag, reads as usual."""
     import pytest
 
     from hdet_scale.backends.checkpoints import read_layout
@@ -290,12 +290,11 @@ def _saved_and_another(lib, tmp_path, width: int, make_optimizer):
 
 
 def test_a_checkpoint_of_another_optimizer_class_is_refused_before_anything_loads(tmp_path):
-    """Tester round 64: an AdamW checkpoint loaded into an SGD run (the library's DDP and
-    FSDP2 backends, gloo world 1) loaded, and the first step raised ``KeyError:
-    'momentum'``. Shown first: torch's own load_state_dict takes AdamW's state into SGD
-    without a word. Now ``load_checkpoint`` raises HDETStateError naming both classes and
-    leaves the model's weights as they were (compared exactly); the same optimizer class
-    loads."""
+    """An AdamW checkpoint loaded into an SGD run (the library's DDP and FSDP2 backends,
+    gloo world 1) would load, and the first step raise ``KeyError: 'momentum'``. Shown
+    first: torch's own load_state_dict takes AdamW's state into SGD without a word.
+    ``load_checkpoint`` raises HDETStateError naming both classes and leaves the model's
+    weights as they were (compared exactly); the same optimizer class loads."""
     import pytest
     import torch.distributed as dist
 
@@ -323,10 +322,10 @@ def test_a_checkpoint_of_another_optimizer_class_is_refused_before_anything_load
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_the_librarys_ddp_and_fairscale_loads(tmp_path):
-    """Tester round 65: the library's DDP load of a checkpoint of another width was torch's
-    "Error(s) in loading state_dict" traceback on every rank (hdet-train and FSDP2
-    refused it by name). Now every backend's load refuses it first: HDETStateError
-    naming the tensors and both shapes; the model is left as it was (compared exactly)."""
+    """Every backend's load refuses a checkpoint of another width first (hdet-train and
+    FSDP2 by name; the library's DDP load would be torch's "Error(s) in loading
+    state_dict" traceback on every rank): HDETStateError naming the tensors and both
+    shapes; the model is left as it was (compared exactly)."""
     import pytest
     import torch.distributed as dist
 

@@ -198,7 +198,7 @@ def _binary_files(d: pathlib.Path) -> dict[str, tuple[pathlib.Path, str]]:
 def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path):
     """A binary file named in data.path (a .pt file, a program, Latin-1 text) is not
     trained on as text: the error names the file, why (NUL byte / invalid UTF-8 and
-    where) and what data.path takes. Before the fix each was accepted."""
+    where) and what data.path takes."""
     for name, (path, why) in _binary_files(tmp_path).items():
         with pytest.raises(HDETConfigError) as err:
             load_corpus(str(path), 0.1, 10**6, seed=0)
@@ -252,9 +252,9 @@ def _in_thread(fn, timeout_s: float = 10.0):
 
 
 def test_a_device_or_fifo_is_not_a_regular_file_and_never_blocks(tmp_path):
-    """/dev/null and a FIFO were reported as 'does not exist'; now: not a regular file,
-    which kind, without opening it (a FIFO's open would wait for a writer forever). A
-    FIFO inside a folder is skipped, again without opening it. A broken link is named."""
+    """/dev/null and a FIFO are named as not a regular file, which kind (not 'does not
+    exist'), without opening it (a FIFO's open would wait for a writer forever). A FIFO
+    inside a folder is skipped, again without opening it. A broken link is named."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     for path, kind in (("/dev/null", "character device"), (str(fifo), "FIFO")):
@@ -373,9 +373,9 @@ def test_too_small_data_error_names_keys_and_sizes():
 
 
 def test_a_run_dir_inside_data_path_or_data_inside_run_dir_is_refused(tmp_path):
-    """Tester round 23: run_dir inside the data folder made the run's own files training
-    data (a resume was refused for a 13-byte split: the ``latest`` file). Both overlaps
-    are refused by real path, links included; separate folders pass."""
+    """run_dir inside the data folder would make the run's own files training data (a
+    resume then refused for a 13-byte split: the ``latest`` file). Both overlaps are
+    refused by real path, links included; separate folders pass."""
     import os
 
     from hdet_scale.errors import HDETConfigError
@@ -396,9 +396,9 @@ def test_a_run_dir_inside_data_path_or_data_inside_run_dir_is_refused(tmp_path):
 
 
 def test_a_link_in_a_data_folder_into_run_dir_is_refused(tmp_path):
-    """Tester round 27: check_apart compares data.path's own parts with run_dir, but a link
-    inside a data folder to the run's folder (or a file in it) made the run's metrics and
-    checkpoint files training data. Refused while the folder is walked, naming the link;
+    """check_apart compares data.path's own parts with run_dir, but a link inside a data
+    folder to the run's folder (or a file in it) would make the run's metrics and
+    checkpoint files training data: refused while the folder is walked, naming the link;
     the same folder with the link pointing elsewhere loads, and without run_dir (the
     library's load_corpus) it is read as before."""
     from hdet_scale.errors import HDETConfigError
@@ -421,9 +421,9 @@ def test_a_link_in_a_data_folder_into_run_dir_is_refused(tmp_path):
     (data / "runs").symlink_to(other)
     c = load_corpus(str(data), 0.3, 10**9, seed=0, run_dir=str(run_dir))
     assert c.train_files + c.val_files == 2
-    # tester round 52: a link to a run_dir that holds nothing yet (a fresh start) was
-    # accepted, and the resume of the same command refused; and a link to a folder that
-    # holds run_dir. Both refused at the start now, naming the link.
+    # a link to a run_dir that holds nothing yet (a fresh start), whose resume of the same
+    # command would be refused; and a link to a folder that holds run_dir. Both refused at
+    # the start, naming the link.
     (data / "runs").unlink()
     fresh = tmp_path / "fresh"
     for target, how in ((fresh, "leads into"), (tmp_path / "runs", "holds")):
@@ -434,15 +434,14 @@ def test_a_link_in_a_data_folder_into_run_dir_is_refused(tmp_path):
         (data / "zlink").unlink()
 
 
-# ----------------------------------------------------------------- tester round 26
+# ----------------------------------------------------------------- links, large folders, commas
 
 
 def test_a_linked_folder_inside_a_data_folder_is_read_once_and_a_link_cycle_ends(tmp_path):
-    """Tester round 26: a folder linked inside a data.path folder (``linkdir -> /tmp/real``,
-    a corpus assembled with ``cp -rs`` or links) was skipped without a word, while linked
-    files were read: os.walk does not follow links. Now linked folders are walked like
-    linked files; a link to an ancestor (a cycle) ends, and a file or folder reached by
-    two paths is read once."""
+    """A folder linked inside a data.path folder (``linkdir -> /tmp/real``, a corpus
+    assembled with ``cp -rs`` or links) is walked like linked files are read (os.walk
+    does not follow links, which would skip it without a word); a link to an ancestor (a
+    cycle) ends, and a file or folder reached by two paths is read once."""
     from hdet_scale.train.data_files import collect
 
     real = tmp_path / "real"
@@ -467,11 +466,11 @@ def test_a_linked_folder_inside_a_data_folder_is_read_once_and_a_link_cycle_ends
 
 
 def test_a_large_folder_examines_only_the_files_it_reads(tmp_path, monkeypatch, capsys):
-    """Tester round 26: data.path=/usr (117k files) spent 42 s before anything was
-    printed, in the launcher and again in each rank: every file's first 64 KiB was checked
-    for being text although only data.max_bytes (4 MB) are read. Now a file is opened only
-    when the reading comes to it, with the same result (files, order, split), and a long
-    scan prints one progress line."""
+    """A file is opened only when the reading comes to it, with the same result (files,
+    order, split), and a long scan prints one progress line: data.path=/usr (117k files)
+    would otherwise spend 42 s before anything is printed, in the launcher and again in
+    each rank, checking every file's first 64 KiB for being text although only
+    data.max_bytes (4 MB) are read."""
     from hdet_scale.train import data_files
     from hdet_scale.train.data_read import read_splits
 
@@ -493,9 +492,9 @@ def test_a_large_folder_examines_only_the_files_it_reads(tmp_path, monkeypatch, 
 
 
 def test_a_path_with_a_comma_is_named_when_its_parts_do_not_exist(tmp_path):
-    """Tester round 26: data.path=/tmp/x,y with an existing folder ``/tmp/x,y`` said only
-    "'/tmp/x' does not exist": data.path is split at commas, so a path with a comma cannot
-    be given; the message now says so and names the path."""
+    """data.path=/tmp/x,y with an existing folder ``/tmp/x,y`` is not only "'/tmp/x' does
+    not exist": data.path is split at commas, so a path with a comma cannot be given; the
+    message says so and names the path."""
     comma = tmp_path / "x,y"
     comma.mkdir()
     (comma / "a.txt").write_text("hello")
@@ -511,11 +510,11 @@ def test_a_path_with_a_comma_is_named_when_its_parts_do_not_exist(tmp_path):
 
 
 def test_an_item_that_adds_no_file_leaves_the_split_as_without_it(tmp_path):
-    """Tester round 31: ``data.path=docs,docs`` (and ``docs,docs/config.md``) read each file
-    once but moved files between the splits (every key got its item's index as a prefix
-    once there were two items): 173808 / 6304 train / val bytes became 160281 / 19831. An
-    item that adds no file now changes no key; the split is bit-equal to the folder alone.
-    Two items that both add files still hash apart (a.txt in two folders)."""
+    """``data.path=docs,docs`` (and ``docs,docs/config.md``) reads each file once and
+    moves no file between the splits: an item that adds no file changes no key (with its
+    item's index as a prefix of every key, 173808 / 6304 train / val bytes would become
+    160281 / 19831); the split is bit-equal to the folder alone. Two items that both add
+    files still hash apart (a.txt in two folders)."""
     (tmp_path / "d").mkdir()
     names = _make_tree(tmp_path / "d", n=12)
     alone = load_corpus(str(tmp_path / "d"), 0.3, 10**9, seed=5)
@@ -566,10 +565,10 @@ def _load_as_nobody(cwd: pathlib.Path, path: str) -> str:
 
 
 def test_unreadable_files_in_a_folder_are_refused_naming_them(tmp_path):
-    """Tester: a folder of 28 text files, 16 of them ``chmod 000``: the run trained on the
-    other 12 (42% of the corpus) without a word. Now refused before any rank starts: how
-    many, the first three paths, the OS's reason and the fix. An unreadable subfolder is
-    counted too; the readable files named alone still load."""
+    """A folder of 28 text files, 16 of them ``chmod 000``, would train on the other 12
+    (42% of the corpus) without a word: refused before any rank starts: how many, the
+    first three paths, the OS's reason and the fix. An unreadable subfolder is counted
+    too; the readable files named alone still load."""
     tmp_path = tmp_path / "w"  # pytest's own folder is mode 700: "nobody" could not search it
     (tmp_path / "corpus").mkdir(parents=True)
     for d in (tmp_path, tmp_path / "corpus"):
@@ -598,11 +597,11 @@ def test_unreadable_files_in_a_folder_are_refused_naming_them(tmp_path):
 
 
 def test_data_read_by_neither_split_gets_a_note(tmp_path):
-    """Tester round 49: a folder of two files (39,504 and 120,077 bytes) with
-    data.max_bytes=200000 trained on the smaller alone and validated on 20,000 bytes of the
-    larger: 100 kB read by neither split, without a word. The note names it; none when both
-    splits are full (max_bytes is what binds) or the validation split has room. (With seed
-    0, ``v.txt`` hashes to validation (0.07 < val_fraction 0.1) and ``t.txt`` to training.)"""
+    """A folder of two files (39,504 and 120,077 bytes) with data.max_bytes=200000 trains
+    on the smaller alone and validates on 20,000 bytes of the larger: 100 kB read by
+    neither split. The note names it; none when both splits are full (max_bytes is what
+    binds) or the validation split has room. (With seed 0, ``v.txt`` hashes to validation
+    (0.07 < val_fraction 0.1) and ``t.txt`` to training.)"""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.data import load_corpus
     from hdet_scale.train.run_notes import split_note
@@ -627,7 +626,7 @@ def test_data_read_by_neither_split_gets_a_note(tmp_path):
                      "files, or a single file, which is split by position; to validate on it, raise "
                      "data.val_fraction)"]
     assert read(40000) == ((36000, 4000), [])  # both shares full: max_bytes binds, as documented
-    # tester round 50: everything read, but 75% of it validates (val_fraction 0.1)
+    # everything read, but 75% of it validates (val_fraction 0.1)
     sizes, notes = read(2_000_000)
     assert sizes == (39504, 120077)
     assert notes == ["data: validation holds 120077 of the 159581 bytes read (75%; data.val_fraction=0.1): with "
@@ -638,9 +637,9 @@ def test_data_read_by_neither_split_gets_a_note(tmp_path):
 
 
 def test_a_wandb_dir_inside_data_path_is_refused_before_the_start(tmp_path):
-    """Tester round 56: wandb.dir inside data.path put W&B's logs into the training data of
-    the resume (the train/val split moved from 53759/27306 bytes to 85703/5454), without a
-    word. Refused by the run's checks (every rank, before any collective); outside it, or
+    """wandb.dir inside data.path would put W&B's logs into the training data of the
+    resume (the train/val split moving from 53759/27306 bytes to 85703/5454), without a
+    word: refused by the run's checks (every rank, before any collective); outside it, or
     with W&B off, the same config passes that check."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.validate import validate
@@ -660,10 +659,10 @@ def test_a_wandb_dir_inside_data_path_is_refused_before_the_start(tmp_path):
 
 
 def test_one_text_file_beside_an_empty_one_names_why_a_split_is_empty(tmp_path):
-    """Tester round 60: ``data.path=small.txt,empty.txt`` said "yields no readable,
-    non-empty files for the train split" (small.txt had gone to validation: files are
-    split by file once there are two). The message says so and names the way out; the
-    same text alone trains (split by position)."""
+    """``data.path=small.txt,empty.txt`` says that files are split by file once there
+    are two (small.txt went to validation) and names the way out, not only "yields no
+    readable, non-empty files for the train split"; the same text alone trains (split by
+    position)."""
     (tmp_path / "small.txt").write_text("some text for the run\n" * 20)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(HDETConfigError) as err:

@@ -28,8 +28,8 @@ def test_deepspeed_report_names_groups_and_multipliers():
 
 @pytest.mark.parametrize("legacy,stage", [(True, 1), (False, 0)])
 def test_zero_optimization_as_a_boolean_is_named_as_deepspeeds_old_form(legacy, stage):
-    """Tester round 26: ``"zero_optimization": true`` (DeepSpeed reads it as stage 1) was
-    refused with "needs ZeRO stage 3 ..., got 0"."""
+    """``"zero_optimization": true`` (DeepSpeed reads it as stage 1) is not refused with
+    "needs ZeRO stage 3 ..., got 0"."""
     with pytest.raises(HDETConfigError) as e:
         describe({**ZERO3, "zero_optimization": legacy}, world_size=8)
     assert (f"zero_optimization: {str(legacy).lower()} is DeepSpeed's old form of stage {stage}; hdet's DeepSpeed "
@@ -61,9 +61,9 @@ def test_cli_exit_codes_and_errors(tmp_path, capsys):
 
 
 def test_a_value_starting_with_a_dash_reaches_the_range_check(tmp_path, capsys):
-    """Tester round 42: ``--params -7B`` was argparse's "expected one argument" (it read
-    -7B as an option); ``--params 0`` got the range message. Both do now, and an option
-    after a value-taking one is still an option."""
+    """``--params -7B`` and ``--params 0`` both get the range message (not argparse's
+    "expected one argument", reading -7B as an option), and an option after a
+    value-taking one is still an option."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(ZERO3))
     for value in ("-7B", "0", "-1e9"):
@@ -99,10 +99,10 @@ def test_no_hdet_block_is_plain_deepspeed_and_total_steps_must_agree():
                                     {"lr": 1e-3, "betas": [0.9]}, {"lr": 1e-3, "weight_decay": -0.1}])
 @pytest.mark.parametrize("backend", ["deepspeed", "fsdp2"])
 def test_optimizer_values_are_refused_as_hdet_train_refuses_them(params, backend, tmp_path):
-    """Issue 9: hdet-dryrun said 0 for an LR of -1 or "abc" that hdet-train refuses. Both now
-    run the same check (ds_values.check_deepspeed_values): the dry run's lines are the
-    trainer's, without its ``deepspeed.`` prefix, for every backend (the trainer's engines
-    all read the optimizer block)."""
+    """hdet-dryrun and hdet-train run the same check on the optimizer block
+    (ds_values.check_deepspeed_values), so an LR of -1 or "abc" that hdet-train refuses is
+    no exit 0 of the dry run: its lines are the trainer's, without its ``deepspeed.``
+    prefix, for every backend (the trainer's engines all read the optimizer block)."""
     from hdet_scale.train.config import load_run_config
 
     cfg = {**ZERO3, "optimizer": {"type": "AdamW", "params": params}}
@@ -118,9 +118,9 @@ def test_optimizer_values_are_refused_as_hdet_train_refuses_them(params, backend
 
 
 def test_a_fractional_total_steps_is_one_error(tmp_path, capsys):
-    """Issue 9: ``"total_steps": 10.5`` printed "expected int | None, got 10.5", "must be an
-    integer >= 1, got None" and a hint to pass --total-steps, although the file sets it. One
-    line now; the hint stays for a file that leaves total_steps to the trainer."""
+    """``"total_steps": 10.5`` is one line, not also "must be an integer >= 1, got None" and
+    a hint to pass --total-steps although the file sets it; the hint stays for a file that
+    leaves total_steps to the trainer."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**ZERO3, "hdet": {**BLOCK, "schedule": {"total_steps": 10.5}}}))
     assert main([str(path), "--world-size", "8"]) == 2
@@ -140,8 +140,8 @@ def test_a_fractional_total_steps_is_one_error(tmp_path, capsys):
                              'got "AdamW"'),
 ])
 def test_a_deepspeed_block_given_as_a_value_is_named(edit, line, capsys, tmp_path):
-    """Issue 9: DeepSpeed fails on these with a TypeError naming no key (and the dry run's
-    own key check raised an AttributeError on a text ``optimizer``)."""
+    """Each is named: DeepSpeed fails on these with a TypeError naming no key (and the dry
+    run's own key check must not raise an AttributeError on a text ``optimizer``)."""
     pytest.importorskip("deepspeed")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**ZERO3, **edit}))
@@ -174,16 +174,16 @@ def test_auto_lr_summary_per_controller():
     assert "warm init: noise std nu=0.02" in describe(warm, world_size=8)
 
 
-# ---- batch keys, repeated JSON keys, all errors at once, huge worlds (issue 9, round 2) ----
+# ---- batch keys, repeated JSON keys, all errors at once, huge worlds ----------------------
 
 @pytest.mark.parametrize("key", ["gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"])
 @pytest.mark.parametrize("value", [-1, 0, 1.5, True, "8"])
 def test_a_batch_key_that_is_not_a_positive_integer_is_one_line_everywhere(key, value, tmp_path):
-    """Issue 9 F1-F3: ``"gradient_accumulation_steps": -1`` (or 0) got past hdet-train to
-    an AssertionError in every rank after 29-113 s, and hdet-dryrun said valid; 1.5 was
-    refused inside the ranks under another key's name (the micro-batch, 12.0). The trainer,
-    the dry run and the library's prepare_config now refuse it with the same line, naming
-    the key (the trainer's with its ``deepspeed.`` prefix)."""
+    """``"gradient_accumulation_steps": -1`` (or 0) would get past an unchecked trainer
+    to an AssertionError in every rank after 29-113 s, and 1.5 be refused inside the
+    ranks under another key's name (the micro-batch, 12.0). The trainer, the dry run and
+    the library's prepare_config refuse it with the same line, naming the key (the
+    trainer's with its ``deepspeed.`` prefix)."""
     from hdet_scale.backends.deepspeed import prepare_config
     from hdet_scale.train.config import load_run_config
 
@@ -231,9 +231,9 @@ def test_the_library_runs_the_value_checks():
 
 
 def test_a_key_twice_in_the_json_file_is_refused_by_the_library_and_the_dry_run(tmp_path, capsys):
-    """Issue 9 S2: hdet-dryrun (and hdet_scale.initialize) read the file with json.load,
-    which keeps the last "replicas" silently, while hdet-train refused it. All three now
-    read it with ds_json.loads_json and name the file and the key; the same file without
+    """A key given twice is refused by hdet-dryrun and hdet_scale.initialize as by
+    hdet-train (json.load would keep the last "replicas" silently): all three read the
+    file with ds_json.loads_json and name the file and the key; the same file without
     the repetition passes."""
     from hdet_scale.backends.deepspeed import prepare_config
     from hdet_scale.train.config import load_run_config
@@ -254,9 +254,9 @@ def test_a_key_twice_in_the_json_file_is_refused_by_the_library_and_the_dry_run(
 
 
 def test_without_total_steps_every_other_error_is_reported_too(capsys, tmp_path):
-    """Issue 9 S3: without --total-steps the dry run reported only the missing
-    total_steps. Now one message: that line, then what the same file with --total-steps
-    reports (a scheduler block, ZeRO stage 2)."""
+    """Without --total-steps the dry run reports more than the missing total_steps: one
+    message, that line, then what the same file with --total-steps reports (a scheduler
+    block, ZeRO stage 2)."""
     bad = {**ZERO3, "zero_optimization": {"stage": 2}, "scheduler": {"type": "WarmupLR", "params": {}},
            "hdet": {**BLOCK, "schedule": {"name": "onecycle"}}}
     path = tmp_path / "ds.json"
@@ -276,7 +276,7 @@ def test_without_total_steps_every_other_error_is_reported_too(capsys, tmp_path)
     ('"1000"', 2, "  hdet.schedule.total_steps: expected int | None, got '1000'"),  # was "1000 differs from 1000" too
     ('"auto"', 0, None),  # the trainer's to fill: --total-steps stands for it
     ("1000", 0, None),
-    # tester round 65: a longer schedule than the run is HDETTrainer's warning, not an error
+    # a longer schedule than the run is HDETTrainer's warning, not an error
     ("5000", 0, None),
     ("500", 2, "  --total-steps 1000 is longer than hdet.schedule.total_steps=500 in the file: the schedule must "
                "cover the run (HDETTrainer and hdet-train refuse it)"),
@@ -326,10 +326,10 @@ def test_the_plan_of_a_large_world_lists_the_ends_of_what_layout_lists():
 
 @pytest.mark.parametrize("replicas", [2, 10**6])
 def test_a_huge_world_is_described_in_bounded_time_and_lines(replicas):
-    """Issue 9 F10: --world-size 10**9 ran out of memory (23 GB) building every group, and
-    10**6 printed 500k lines. W = 10**12 now takes well under a second here (the bound
-    asserted, 5 s, leaves room for a loaded machine; the old code would take hours) and
-    prints a fixed number of lines, whatever R."""
+    """--world-size 10**9 must not run out of memory (23 GB) building every group, nor
+    10**6 print 500k lines: W = 10**12 takes well under a second here (the bound
+    asserted, 5 s, leaves room for a loaded machine; building every group would take
+    hours) and prints a fixed number of lines, whatever R."""
     import time
 
     cfg = {**ZERO3, "hdet": {**BLOCK, "replicas": replicas}}
@@ -342,20 +342,20 @@ def test_a_huge_world_is_described_in_bounded_time_and_lines(replicas):
 
 
 @pytest.mark.parametrize("edit,backend,deepspeed_ok", [
-    # Lion, not Lamb: DeepSpeed's ZeRO refuses Lamb without zero_allow_untested_optimizer (round 20)
+    # Lion, not Lamb: DeepSpeed's ZeRO refuses Lamb without zero_allow_untested_optimizer
     ({"optimizer": {"type": "Lion", "params": {"lr": 1e-3}}}, "ddp", True),
     ({"optimizer": None, "fp16": {"enabled": True}}, "fsdp2", True),
     ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.99]}}}, "ddp", False),
     ({"bf16": {"enabled": True}, "scheduler": {"type": "WarmupLR", "params": {}}}, "fairscale", False),
-    # round 8 (F2): DeepSpeed-only memory and precision keys, ignored silently before
+    # DeepSpeed-only memory and precision keys, which the other engines would ignore silently
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, "fsdp2", False),
     ({"torch_autocast": {"enabled": True}, "communication_data_type": "fp16"}, "ddp", False),
 ])
 def test_engine_checks_are_hdet_trains(edit, backend, deepspeed_ok, tmp_path, capsys):
-    """Issue 9 F4: ``hdet-dryrun --backend ddp`` said 0 for a Lamb optimizer, SGD given betas,
-    fp16 or a scheduler block, all of which hdet-train refuses for that engine. The dry run
-    now runs the trainer's check (``engines.check_engine_config``): exit 2, and its lines
-    are exactly the trainer's (``loop.validate``) without the ``deepspeed.`` prefix."""
+    """``hdet-dryrun --backend ddp`` refuses a Lamb optimizer, SGD given betas, fp16 or a
+    scheduler block, as hdet-train does for that engine: the dry run runs the trainer's
+    check (``engines.check_engine_config``): exit 2, and its lines are exactly the
+    trainer's (``loop.validate``) without the ``deepspeed.`` prefix."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
 
@@ -377,10 +377,10 @@ def test_engine_checks_are_hdet_trains(edit, backend, deepspeed_ok, tmp_path, ca
 @pytest.mark.parametrize("backend,stage,noted", [("fsdp2", 1, True), ("fsdp2", 3, False), ("ddp", 3, True),
                                                  ("ddp", 0, False), ("fairscale", 1, False), ("deepspeed", 3, False)])
 def test_a_zero_stage_the_engine_does_not_follow_is_noted(backend, stage, noted, tmp_path, capsys):
-    """Issue 9 round 8 (F3): ``zero_optimization.stage`` under another engine was ignored
-    without a word. It stays allowed (one file for every engine), but a stage that shards
-    more or less than the engine does gets one note line, and the run goes on (exit 0);
-    the stage the engine matches (FSDP2 3, fairscale OSS 1, DDP 0) gets none."""
+    """``zero_optimization.stage`` under another engine stays allowed (one file for every
+    engine), but a stage that shards more or less than the engine does gets one note
+    line, and the run goes on (exit 0); the stage the engine matches (FSDP2 3, fairscale
+    OSS 1, DDP 0) gets none."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**ZERO3, "zero_optimization": {"stage": stage}}))
     assert main([str(path), "--world-size", "8", "--backend", backend]) == 0
@@ -390,9 +390,9 @@ def test_a_zero_stage_the_engine_does_not_follow_is_noted(backend, stage, noted,
 
 
 def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
-    """Issue 9: ``hdet-dryrun run.yaml`` said only "Expecting value: line 1 column 1". A file
-    that looks like YAML (by its name or a first line ``key:``) now says what it probably is;
-    a JSON file cut short does not get the hint."""
+    """``hdet-dryrun run.yaml`` says more than "Expecting value: line 1 column 1": a file
+    that looks like YAML (by its name or a first line ``key:``) says what it probably is; a
+    JSON file cut short does not get the hint."""
     text = "# a run\ntrain:\n  steps: 10\nrun_dir: x\n"
     for name in ("run.yaml", "run.json"):
         (tmp_path / name).write_text(text)
@@ -402,7 +402,7 @@ def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
     (tmp_path / "cut.json").write_text('{"hdet": ')
     assert main([str(tmp_path / "cut.json"), "--world-size", "4"]) == 2
     assert "YAML" not in capsys.readouterr().err
-    # tester round 31: random bytes, or nothing, in a .yaml were "this looks like YAML" too
+    # random bytes, or nothing, in a .yaml are not "this looks like YAML"
     (tmp_path / "bin.yaml").write_bytes(bytes([0xAA, 0x00, 0xFF]) * 100)
     (tmp_path / "empty.yaml").write_text("  \n")
     for name, what in (("bin.yaml", "it is not UTF-8 text (byte 0): is it the right file?"),
@@ -414,9 +414,9 @@ def test_a_yaml_file_gets_a_hint(tmp_path, capsys):
 
 @pytest.mark.parametrize("backend", ["deepspeed", "ddp"])
 def test_a_layout_error_is_reported_with_the_blocks_other_errors(backend, recwarn):
-    """Tester round 17: 3 replicas on 4 ranks was reported only once the spread error
-    beside it was fixed. Round 18: an idle axis' warning came twice (a raw UserWarning
-    too); modules / groups are said to be the engine's to check."""
+    """3 replicas on 4 ranks is reported with the spread error beside it, not once that
+    is fixed; an idle axis' warning comes once (no raw UserWarning too); modules /
+    groups are said to be the engine's to check."""
     config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               **({"zero_optimization": {"stage": 3}} if backend == "deepspeed" else {}),
               "hdet": {"replicas": 3, "axes": {"lr": {"spread_ratio": 1.5}}, "schedule": {"total_steps": 100}}}
@@ -437,9 +437,10 @@ def test_a_layout_error_is_reported_with_the_blocks_other_errors(backend, recwar
 
 
 def test_hf_config_checks_the_modules_patterns_on_its_model(tmp_path):
-    """Tester round 20: with --hf-config the dry run builds the model, yet said "hdet-dryrun
-    has no model" and exited 0 on ``modules`` patterns hdet-train refuses; a config.json
-    holding a list was Python's "dictionary update sequence" message."""
+    """With --hf-config the dry run builds the model, so it checks ``modules`` patterns
+    on it (refused as hdet-train refuses them, not "hdet-dryrun has no model" and exit
+    0); a config.json holding a list is named, not Python's "dictionary update sequence"
+    message."""
     hf = tmp_path / "hf.json"
     hf.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
                               "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256}))
@@ -478,11 +479,12 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "nu
      "has n_layer=0 and n_inner=0: a causal LM needs at least 1 layer and an MLP width of at least 1"),
 ])
 def test_an_hf_config_with_a_size_below_one_is_refused_naming_every_key(edit, line, tmp_path, capsys):
-    """Tester round 59: ``num_hidden_layers=0, vocab_size=0`` built a 64-parameter model
-    (the final norm) and the dry run exited 0 costing it; transformers also builds 0 (or
-    negative) layers and MLP widths, and GPT-2's 0 layers. hidden_size / heads 0 were a
-    ZeroDivisionError naming no key. Now exit 2, one line naming the file and every key,
-    before transformers prints its "bos_token_id must be ... within the vocabulary"."""
+    """Sizes that build no model are refused: ``num_hidden_layers=0, vocab_size=0``
+    would build a 64-parameter model (the final norm) and the dry run exit 0 costing it;
+    transformers also builds 0 (or negative) layers and MLP widths, and GPT-2's 0
+    layers; hidden_size / heads 0 would be a ZeroDivisionError naming no key. Exit 2,
+    one line naming the file and every key, before transformers prints its "bos_token_id
+    must be ... within the vocabulary"."""
     pytest.importorskip("transformers")
     ds, hf = tmp_path / "ds.json", tmp_path / "zero.json"
     ds.write_text(json.dumps(ZERO3))
@@ -499,7 +501,7 @@ def test_an_hf_config_with_a_size_below_one_is_refused_naming_every_key(edit, li
 def test_a_negative_size_transformers_refuses_keeps_its_message(tmp_path):
     """A negative that transformers refuses itself keeps its "negative dimension" line
     (tests/distributed/test_bad_inputs.py dryrun_hf_config_negative); with a 0 beside it
-    every bad key is listed at once (tester round 59)."""
+    every bad key is listed at once."""
     pytest.importorskip("transformers")
     from hdet_scale.cost import size_of_hf_config
 
@@ -513,7 +515,7 @@ def test_a_negative_size_transformers_refuses_keeps_its_message(tmp_path):
 
 
 def test_an_hf_config_with_sizes_of_one_still_builds(tmp_path):
-    """The round-59 check refuses below 1 only: a one-layer, one-token, one-head model is
+    """The size check refuses below 1 only: a one-layer, one-token, one-head model is
     small, not degenerate, and ``null`` / absent keys keep transformers' defaults."""
     from hdet_scale.cost import size_of_hf_config
 
@@ -523,9 +525,9 @@ def test_an_hf_config_with_sizes_of_one_still_builds(tmp_path):
 
 
 def test_a_trainers_auto_values_are_explained_once():
-    """Tester round 26: a Hugging Face Trainer's DeepSpeed JSON ("auto" everywhere) gave
-    eight "must be a finite number" lines, and only bf16.enabled said where "auto" comes
-    from. One closing line now counts them and says who fills them."""
+    """A Hugging Face Trainer's DeepSpeed JSON ("auto" everywhere) gets one closing line
+    that counts the "auto" values and says who fills them, not eight "must be a finite
+    number" lines with only bf16.enabled saying where "auto" comes from."""
     from hdet_scale.ds_values import check_deepspeed_values
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
@@ -541,9 +543,9 @@ def test_a_trainers_auto_values_are_explained_once():
 
 
 def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, capsys):
-    """Tester round 61: a DeepSpeed JSON written for HDETTrainer ("auto" values) could
-    not be dry-run at all (every "auto" an error). It is now checked as HDETTrainer checks
-    it, without them, with one note naming them; its real errors are still found."""
+    """A DeepSpeed JSON written for HDETTrainer ("auto" values) can be dry-run (not
+    every "auto" an error): it is checked as HDETTrainer checks it, without them, with
+    one note naming them; its real errors are still found."""
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
           "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
@@ -555,15 +557,15 @@ def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, 
     out, err = capsys.readouterr()
     assert "2 replicas x 2 shards" in out and "multipliers [0.9, 1.1]" in out, out
     assert err.count('value(s) are "auto"') == 1 and "6 value(s)" in err and "optimizer.params.lr" in err, err
-    assert "peak LR \"auto\" (optimizer.params.lr): the Trainer's learning_rate" in out, out  # round 62
-    assert main([str(path), "--world-size", "4"]) == 2  # round 62: the flag that stands for max_steps is named
+    assert "peak LR \"auto\" (optimizer.params.lr): the Trainer's learning_rate" in out, out  # the peak's source
+    assert main([str(path), "--world-size", "4"]) == 2  # the flag that stands for max_steps is named
     assert "pass --total-steps N" in capsys.readouterr().err
     ds["hdet"]["replicas"] = 3  # a real error is still one
     path.write_text(json.dumps(ds))
     assert main([str(path), "--world-size", "4", "--total-steps", "100"]) == 2
     assert "hdet.replicas" in capsys.readouterr().err
-    # tester round 63: a weight_decay axis over weight_decay "auto" was refused as a
-    # weight_decay of 0 without a word of the Trainer's value, which alone decides
+    # a weight_decay axis over weight_decay "auto", refused as a weight_decay of 0, names the
+    # Trainer's value, which alone decides
     ds["hdet"]["replicas"] = 2
     ds["hdet"]["axes"]["weight_decay"] = {"spread_ratio": 0.2}
     path.write_text(json.dumps(ds))
@@ -573,8 +575,8 @@ def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, 
         'optimizer.params.weight_decay is "auto" in the file: checked with the optimizer\'s default 0 here; '
         "HDETTrainer takes TrainingArguments.weight_decay") in err, err
     assert "optimizer.params.lr is" not in err
-    # tester round 63: bf16.enabled "auto" read as false, so --precision bf16 "differed
-    # from the file"; it is the Trainer's bf16 argument: either precision is costed
+    # bf16.enabled "auto" is the Trainer's bf16 argument, not false (--precision bf16 does
+    # not "differ from the file"): either precision is costed
     del ds["hdet"]["axes"]["weight_decay"]
     path.write_text(json.dumps(ds))
     for precision, words in (("bf16", "bf16 with fp32 masters"), ("fp32", "fp32")):
@@ -585,9 +587,9 @@ def test_a_config_for_hdet_trainer_is_dry_run_without_its_auto_values(tmp_path, 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "ddp", "fairscale"])
 def test_an_optimizer_block_that_means_another_optimizer_on_a_torch_engine_is_noted(backend):
-    """Tester round 27: one JSON, a different optimizer per backend, without a word:
-    DeepSpeed's Adam decays weights decoupled (AdamW), torch.optim.Adam as L2; a
-    weight_decay left out is 0 in DeepSpeed's AdamW and 0.01 in torch's."""
+    """One JSON that means a different optimizer per backend gets a note: DeepSpeed's
+    Adam decays weights decoupled (AdamW), torch.optim.Adam as L2; a weight_decay left
+    out is 0 in DeepSpeed's AdamW and 0.01 in torch's."""
     from hdet_scale.engine_config import engine_notes
 
     adam = {"optimizer": {"type": "adam", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
@@ -600,11 +602,11 @@ def test_an_optimizer_block_that_means_another_optimizer_on_a_torch_engine_is_no
 
 
 def test_a_hugging_face_model_config_is_named_as_one(tmp_path, capsys):
-    """Tester round 27: a model's ``config.json`` given where the DeepSpeed JSON belongs
-    printed 23 "unknown DeepSpeed key" lines, each listing DeepSpeed's 60 keys. Now one
-    line naming the model type and where the file goes (hdet-dryrun: ``--hf-config``;
-    hdet-train: ``deepspeed_config`` holds DeepSpeed's keys, the model is ``model.*``).
-    A DeepSpeed JSON holding a stray ``model_type`` is not taken for one."""
+    """A model's ``config.json`` given where the DeepSpeed JSON belongs is one line
+    naming the model type and where the file goes (hdet-dryrun: ``--hf-config``;
+    hdet-train: ``deepspeed_config`` holds DeepSpeed's keys, the model is ``model.*``),
+    not 23 "unknown DeepSpeed key" lines, each listing DeepSpeed's 60 keys. A DeepSpeed
+    JSON holding a stray ``model_type`` is not taken for one."""
     transformers = pytest.importorskip("transformers")
     from hdet_scale.train.config_files import load_deepspeed_json
 
@@ -631,13 +633,13 @@ def test_a_hugging_face_model_config_is_named_as_one(tmp_path, capsys):
     ({"name": "cosine", "total_steps": 1000, "warmup_steps": 100}, "optimizer.params.lr"),
 ])
 def test_the_schedule_line_gives_the_peak_lr_and_its_source(schedule, source):
-    """Tester round 33: the report did not say which peak LR a run starts from. The LRs
+    """The report says which peak LR a run starts from, and where it comes from. The LRs
     printed are held to torch's OneCycleLR (onecycle) and to the nanoGPT formulas (cosine).
 
     Steps are numbered as in hdet-train's metrics.jsonl (and the report's sync steps):
     from 1, the record ``"step": s`` holding the LR the s-th optimizer step used, i.e.
-    torch's scheduler value before its (s-1)-th ``step()`` call. Tester round 38: the line
-    said "at step 0" and "the last step (999)" (0-based) next to syncs numbered from 1."""
+    torch's scheduler value before its (s-1)-th ``step()`` call: no "at step 0" or "the
+    last step (999)" (0-based) next to syncs numbered from 1."""
     import math
     import re
 
@@ -683,11 +685,12 @@ def test_the_schedule_line_gives_the_peak_lr_and_its_source(schedule, source):
     (1000, 10, 0, {"max_factor": 3.0, "momentum": 0.99}, 99, True),
 ])
 def test_log_reach_is_the_log_update_recurrence_with_g_plus_one(total, interval, warmup, auto, in_run, held):
-    """Tester round 38: the "log" controller's reach was printed as exp(n x step_size),
-    counting a meta-update at the last step (it changes no step of the run) and ignoring
-    the velocity, which starts at 0 and ramps up as 1 - beta^k. The hypergradient is in
-    [-1, 1] (controller.normalized_hypergradient), so the worst case is g = +1 at every
-    update before the last step: run controller.log_update that many times and compare."""
+    """The "log" controller's reach is not exp(n x step_size), which would count a
+    meta-update at the last step (it changes no step of the run) and ignore the
+    velocity, which starts at 0 and ramps up as 1 - beta^k. The hypergradient is in [-1,
+    1] (controller.normalized_hypergradient), so the worst case is g = +1 at every
+    update before the last step: run controller.log_update that many times and
+    compare."""
     import math
     import re
 

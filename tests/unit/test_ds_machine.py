@@ -1,6 +1,6 @@
-"""``ds_machine.check_accelerator`` on ZeRO-Infinity's offload to NVMe (tester round 25:
-``offload_param.device: nvme`` failed inside every rank with DeepSpeed's "Unable to JIT
-load the async_io op" traceback after a minute, and ``nvme_path`` was never checked).
+"""``ds_machine.check_accelerator`` on ZeRO-Infinity's offload to NVMe (unchecked,
+``offload_param.device: nvme`` would fail inside every rank with DeepSpeed's "Unable to JIT
+load the async_io op" traceback after a minute, and ``nvme_path`` would never be checked).
 The real accelerator and op builder of this machine: the async_io refusal is expected
 exactly where DeepSpeed's own ``AsyncIOBuilder.is_compatible`` says no (libaio missing,
 as on this CPU machine)."""

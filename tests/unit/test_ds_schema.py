@@ -1,4 +1,4 @@
-"""The DeepSpeed-key checks without DeepSpeed (issue 11, packaging): ``hdet_scale.ds_schema``.
+"""The DeepSpeed-key checks without DeepSpeed (packaging): ``hdet_scale.ds_schema``.
 
 - the shipped snapshot equals a fresh extraction from the installed DeepSpeed (drift after
   an upgrade fails here, naming the generator);

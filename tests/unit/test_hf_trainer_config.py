@@ -82,9 +82,9 @@ def _no_block_warnings(record) -> list[str]:
 @pytest.mark.parametrize("ds", [H.ds_config(None), {**H.ds_config(None), "hdet": None}, None],
                          ids=["no-key", "null", "no-deepspeed"])
 def test_a_trainer_without_a_block_warns_that_hdet_is_off(world_of_one, tmp_path, ds):
-    """Tester: without an ``hdet`` block (no key, ``"hdet": null``, or no DeepSpeed config
-    nor ``fsdp_config`` block) HDETTrainer trained as a plain Trainer without a word. It
-    now warns once, naming where it looked; ``"enabled": false`` stays silent."""
+    """Without an ``hdet`` block (no key, ``"hdet": null``, or no DeepSpeed config nor
+    ``fsdp_config`` block) HDETTrainer trains as a plain Trainer, and warns once, naming
+    where it looked; ``"enabled": false`` stays silent."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer = _trainer(_args(tmp_path, ds))
@@ -101,10 +101,10 @@ def test_a_trainer_without_a_block_warns_that_hdet_is_off(world_of_one, tmp_path
 
 
 def test_a_deepspeed_value_that_disagrees_with_training_arguments_is_named(world_of_one, tmp_path):
-    """Tester: ``"gradient_accumulation_steps": 4`` in the JSON against
-    ``TrainingArguments(gradient_accumulation_steps=2)`` was reported as a
-    ``train_batch_size`` the user never wrote (Trainer had filled its "auto"). The
-    refusal names both values and the fix."""
+    """``"gradient_accumulation_steps": 4`` in the JSON against
+    ``TrainingArguments(gradient_accumulation_steps=2)`` is refused naming both values
+    and the fix, not as a ``train_batch_size`` the user never wrote (Trainer fills its
+    "auto")."""
     ds = {**H.ds_config(_block()), "gradient_accumulation_steps": 4}
     with pytest.raises(HDETConfigError) as err:
         _trainer(_args(tmp_path, ds))
@@ -116,8 +116,8 @@ def test_a_deepspeed_value_that_disagrees_with_training_arguments_is_named(world
 
 
 def test_an_fsdp_config_block_beside_a_deepspeed_config_is_refused(world_of_one, tmp_path):
-    """Tester: an ``hdet`` block in ``fsdp_config`` was ignored without a word when
-    ``deepspeed=`` was given too (the DeepSpeed JSON's block, or none, was used)."""
+    """An ``hdet`` block in ``fsdp_config`` beside ``deepspeed=`` is refused: it would
+    be ignored without a word (the DeepSpeed JSON's block, or none, used)."""
     for ds in (H.ds_config(_block()), H.ds_config(None)):
         args = _args(tmp_path, copy.deepcopy(ds), fsdp_config={"hdet": _block()})
         with pytest.raises(HDETConfigError) as err:
@@ -127,10 +127,10 @@ def test_an_fsdp_config_block_beside_a_deepspeed_config_is_refused(world_of_one,
 
 
 def test_a_deepspeed_file_with_two_hdet_blocks_is_refused(world_of_one, tmp_path):
-    """Tester round 60: ``TrainingArguments(deepspeed="ds.json")`` with ``"hdet"`` twice
-    trained with the second block (transformers' ``json.load`` keeps the last) while
-    hdet-train, prepare() and hdet-dryrun refuse the file. Now refused, naming the file
-    and the key; the same file with one block builds."""
+    """``TrainingArguments(deepspeed="ds.json")`` with ``"hdet"`` twice would train with
+    the second block (transformers' ``json.load`` keeps the last) while hdet-train,
+    prepare() and hdet-dryrun refuse the file: refused, naming the file and the key; the
+    same file with one block builds."""
     import json
 
     first, second = {**_block(), "axes": {"lr": {"spread_ratio": 0.5}}}, _block()
@@ -146,10 +146,10 @@ def test_a_deepspeed_file_with_two_hdet_blocks_is_refused(world_of_one, tmp_path
 
 
 def test_a_jsonl_path_rank_0_could_not_open_is_refused_at_construction(world_of_one, tmp_path):
-    """Tester round 62: ``hdet.logging.jsonl`` naming a folder trained under HDETTrainer on
-    DeepSpeed until rank 0's first record (IsADirectoryError; the other ranks a lost
-    peer), and ``/dev/null`` threw the metrics away without a word; prepare() refused
-    both. HDETTrainer now refuses them at construction, naming the key."""
+    """``hdet.logging.jsonl`` naming a folder would train under HDETTrainer on DeepSpeed
+    until rank 0's first record (IsADirectoryError; the other ranks a lost peer), and
+    ``/dev/null`` would throw the metrics away without a word; prepare() refuses both,
+    and HDETTrainer refuses them at construction, naming the key."""
     for bad, says in ((tmp_path, "is a folder"), ("/dev/null", "not a regular file")):
         block = {**_block(), "logging": {"jsonl": str(bad)}}
         with pytest.raises(HDETConfigError, match="hdet.logging.jsonl") as err:
@@ -160,9 +160,9 @@ def test_a_jsonl_path_rank_0_could_not_open_is_refused_at_construction(world_of_
 
 
 def test_an_auto_value_in_the_hdet_block_is_refused_naming_its_key(world_of_one, tmp_path):
-    """Tester round 63: ``"replicas": "auto"`` was dropped with the Trainer's autos (a
-    one-replica warning, then a TypeError on every rank); only ``schedule.total_steps``
-    is the Trainer's to fill. Refused at construction, naming the key."""
+    """``"replicas": "auto"`` is not dropped with the Trainer's autos (a one-replica
+    warning, then a TypeError on every rank); only ``schedule.total_steps`` is the
+    Trainer's to fill. Refused at construction, naming the key."""
     block = {**_block(), "replicas": "auto"}
     with pytest.raises(HDETConfigError, match="hdet.replicas"):
         _trainer(_args(tmp_path, H.ds_config(block)))
@@ -173,9 +173,9 @@ def test_an_auto_value_in_the_hdet_block_is_refused_naming_its_key(world_of_one,
 
 
 def test_a_schedule_shorter_than_the_run_is_named_as_such_first(world_of_one, tmp_path):
-    """Tester round 60: ``total_steps`` 3 against ``max_steps`` 4 with a one-cycle warm-up
-    was refused for ``pct_start`` (the warm-up's own check), naming neither max_steps nor
-    the fix. The run-length check now comes first."""
+    """``total_steps`` 3 against ``max_steps`` 4 with a one-cycle warm-up is refused by
+    the run-length check first, naming max_steps and the fix, not for ``pct_start`` (the
+    warm-up's own check)."""
     block = _block()
     block["schedule"] = {"name": "onecycle", "total_steps": 3, "pct_start": 0.3}
     with pytest.raises(HDETConfigError) as err:
@@ -186,8 +186,8 @@ def test_a_schedule_shorter_than_the_run_is_named_as_such_first(world_of_one, tm
 
 @pytest.mark.parametrize("max_steps", [4, -1])
 def test_a_block_without_total_steps_is_told_about_auto(world_of_one, tmp_path, max_steps):
-    """Tester: ``"hdet": {}`` said ``total_steps ... got None``; for HDETTrainer the fix
-    is ``"total_steps": "auto"`` (the Trainer's optimizer steps) or a number."""
+    """``"hdet": {}`` names the fix for HDETTrainer, ``"total_steps": "auto"`` (the
+    Trainer's optimizer steps) or a number, not ``total_steps ... got None``."""
     ds = H.ds_config({"replicas": 1})
     with pytest.raises(HDETConfigError) as err:
         _trainer(_args(tmp_path, ds, max_steps=max_steps, num_train_epochs=1))
@@ -197,10 +197,9 @@ def test_a_block_without_total_steps_is_told_about_auto(world_of_one, tmp_path, 
 
 
 def test_a_config_warning_is_given_once_though_the_block_is_checked_twice(world_of_one, tmp_path):
-    """Tester round 35: "total_steps": 100 with max_steps=6 printed the same warning twice
-    per rank: the block is checked at construction and again when train() starts
-    (``_prepare_for_training``, which calls the same check). The second check gives it no
-    more; the first gives it once."""
+    """"total_steps": 100 with max_steps=6 warns once per rank: the block is checked at
+    construction and again when train() starts (``_prepare_for_training``, which calls
+    the same check). The second check gives it no more; the first gives it once."""
     block = {**_block(), "schedule": {"name": "constant", "total_steps": 100}}
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -211,11 +210,11 @@ def test_a_config_warning_is_given_once_though_the_block_is_checked_twice(world_
 
 
 def test_an_epoch_based_run_takes_its_length_from_the_epochs(world_of_one, tmp_path, monkeypatch):
-    """Tester round 59: with ``num_train_epochs`` and no ``max_steps``, ``"total_steps":
-    "auto"`` was refused at construction as "must be at most 2**53 ... got
-    4611686018427387904" (the stand-in for a run length not known yet). The Trainer now
-    builds, and ``train()`` gives the schedule the epochs' optimizer steps: 128 sequences,
-    2 per device, accumulation 2 on one rank = 32 per epoch."""
+    """With ``num_train_epochs`` and no ``max_steps``, ``"total_steps": "auto"`` is not
+    refused at construction as "must be at most 2**53 ... got 4611686018427387904" (the
+    stand-in for a run length not known yet): the Trainer builds, and ``train()`` gives
+    the schedule the epochs' optimizer steps: 128 sequences, 2 per device, accumulation
+    2 on one rank = 32 per epoch."""
     for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)  # DeepSpeed's engine reads them (a launcher sets them)
     block = {**_block(), "schedule": {"name": "constant", "total_steps": "auto"}}
@@ -227,10 +226,10 @@ def test_an_epoch_based_run_takes_its_length_from_the_epochs(world_of_one, tmp_p
 
 
 def test_hdet_wandb_beside_the_trainers_wandb_callback_is_refused_at_construction(world_of_one, tmp_path):
-    """Tester round 65: ``hdet.logging.wandb.enabled`` with ``report_to=["wandb"]`` crashed
-    rank 0 at train start (the Trainer's WandbCallback could not update the config beside
-    HDET's own W&B run). Refused when the HDETTrainer is built, naming both settings and
-    the two ways out; either alone is accepted."""
+    """``hdet.logging.wandb.enabled`` with ``report_to=["wandb"]`` would crash rank 0 at
+    train start (the Trainer's WandbCallback cannot update the config beside HDET's own
+    W&B run): refused when the HDETTrainer is built, naming both settings and the two
+    ways out; either alone is accepted."""
     pytest.importorskip("wandb")
     block = {**_block(), "logging": {"wandb": {"enabled": True, "mode": "offline", "dir": str(tmp_path)}}}
     with pytest.raises(HDETConfigError, match=r"^hdet.logging.wandb.enabled=true beside "
@@ -243,12 +242,12 @@ def test_hdet_wandb_beside_the_trainers_wandb_callback_is_refused_at_constructio
 
 
 def test_evaluate_before_train_is_named_not_an_attribute_error(world_of_one, tmp_path, monkeypatch):
-    """Tester round 65: ``evaluate()`` before ``train()`` built DeepSpeed's inference
-    engine, and ``train()`` then failed with ``AttributeError: 'NoneType' object has no
-    attribute 'total_steps'`` (the plain Trainer fails there too, at its first backward),
-    or Accelerate's ValueError on an "auto" total_steps. Now evaluate() and predict()
-    before train() are an HDETConfigError naming the order and the way out, before
-    anything is built: train() then trains, and evaluate() after it works."""
+    """``evaluate()`` before ``train()`` would build DeepSpeed's inference engine, and
+    ``train()`` then fail with ``AttributeError: 'NoneType' object has no attribute
+    'total_steps'`` (the plain Trainer fails there too, at its first backward), or
+    Accelerate's ValueError on an "auto" total_steps: evaluate() and predict() before
+    train() are an HDETConfigError naming the order and the way out, before anything is
+    built: train() then trains, and evaluate() after it works."""
     from hdet_scale.hf import HDETTrainer
 
     for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():

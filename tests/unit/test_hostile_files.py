@@ -1,6 +1,6 @@
-"""Tester round 45: hostile YAML / JSON files given to the CLI tools end in one clean
-error (exit 2, the file named), within seconds: a YAML anchor used inside its own value
-(it spun for ever), and lists nested 100000 deep (a RecursionError traceback)."""
+"""Hostile YAML / JSON files given to the CLI tools end in one clean error (exit 2, the
+file named), within seconds: a YAML anchor used inside its own value (which would spin
+for ever), and lists nested 100000 deep (else a RecursionError traceback)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_a_recursive_yaml_alias_is_one_error_not_a_hang(tmp_path, text, needle):
     argv = [str(path), *TRAIN_ARGS, f"run_dir={tmp_path / 'run'}"]
     code = f"import sys\nfrom hdet_scale.train.cli import main\nsys.exit(main({argv!r}))"
     start = time.monotonic()
-    done = _in_subprocess(code)  # before the fix: TimeoutExpired (it never ended)
+    done = _in_subprocess(code)  # ends (a hang would be TimeoutExpired)
     assert time.monotonic() - start < 60
     assert done.returncode == 2, done.stderr[-2000:]
     err = done.stderr.strip()

@@ -1,7 +1,7 @@
-"""``hdet.logging.jsonl`` appended to by a second run (tester round 60: a library script
-run twice with the same path mixed two runs in one file without a word, and hdet-plot
-then plotted the first alone). The logger warns when the file's records already reach
-the new run's first step, and removes nothing."""
+"""``hdet.logging.jsonl`` appended to by a second run (a library script run twice with
+the same path would mix two runs in one file without a word, and hdet-plot then plot the
+first alone). The logger warns when the file's records already reach the new run's first
+step, and removes nothing."""
 
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def test_a_logger_that_starts_the_file_anew_does_not_warn(tmp_path):
 
 
 def test_a_jsonl_path_rank_0_could_not_open_is_refused_with_the_config(tmp_path):
-    """Tester round 61: hdet.logging.jsonl naming a folder trained until rank 0's first
-    record (IsADirectoryError) while the other ranks died of a lost peer. resolve_config,
-    which every rank runs before the first collective, now names the key; a good path
-    passes and nothing is created by the check."""
+    """hdet.logging.jsonl naming a folder would train until rank 0's first record
+    (IsADirectoryError) while the other ranks die of a lost peer: resolve_config, which
+    every rank runs before the first collective, names the key; a good path passes and
+    nothing is created by the check."""
     import pytest
 
     from hdet_scale.backends.common import resolve_config
@@ -78,9 +78,9 @@ def test_a_jsonl_path_rank_0_could_not_open_is_refused_with_the_config(tmp_path)
 
 
 def test_a_jsonl_path_under_the_home_folder_is_expanded(monkeypatch, tmp_path):
-    """Tester round 63: hdet.logging.jsonl "~/m.jsonl" in a library config wrote into a
-    folder literally named "~" in the working directory (hdet-train expands "~" in its own
-    paths). The block's paths are expanded as a shell would: jsonl and wandb.dir."""
+    """hdet.logging.jsonl "~/m.jsonl" in a library config does not write into a folder
+    literally named "~" in the working directory (hdet-train expands "~" in its own
+    paths): the block's paths are expanded as a shell would: jsonl and wandb.dir."""
     from hdet_scale.config import HDETConfig
 
     monkeypatch.setenv("HOME", str(tmp_path))

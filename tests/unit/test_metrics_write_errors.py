@@ -1,7 +1,7 @@
 """A metrics.jsonl that cannot be written (a file size limit, a full disk, a quota) ends
 rank 0 with one HDETStateError naming the file, the cause and the way on, which hdet-train
-prints as one ``hdet-train: error:`` line (tester round 32: ``ulimit -f 8`` gave rank 0's
-``OSError: [Errno 27] File too large`` traceback from hdet_scale/logging.py)."""
+prints as one ``hdet-train: error:`` line (under ``ulimit -f 8``: no ``OSError: [Errno 27]
+File too large`` traceback from hdet_scale/logging.py)."""
 
 from __future__ import annotations
 

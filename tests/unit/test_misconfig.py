@@ -1,18 +1,18 @@
-"""Silent misconfiguration (issue 9): each case below ran without a word before its fix.
+"""Silent misconfiguration: each case below would run without a word, and is refused or named.
 
 - unknown DeepSpeed keys (``hdet_scale.ds_keys``): an ``"hdett"`` block, a top-level typo,
   a typo inside a DeepSpeed block, a misspelt optimizer argument; and no finding on the
   repository's configs and a Hugging Face-style config (no false alarms);
 - duplicate indices in ``axes.<name>.groups``;
 - the ``"paper"`` controller on a ``constant`` schedule, floored at the peak;
-- a loss of the wrong type handed to the scheduler (DeepSpeed's TypeError fallback then
-  recorded ``train_batch_size`` as the loss);
+- a loss of the wrong type handed to the scheduler (DeepSpeed's TypeError fallback would
+  record ``train_batch_size`` as the loss);
 - ``hdet/converge_s`` read before the device finished the converge;
 - the W&B logger finishing a run the user had opened;
 - one replica with a spread or auto-LR (HDET does nothing);
 - a DeepSpeed block given as a value (``"bf16": true``), a key given twice in the run
   YAML or the DeepSpeed JSON, a trainer section given as a value (``train=[1,2]``), and
-  the hdet block's ``logging`` in ``hdet-train`` (issue 9, config & dryrun).
+  the hdet block's ``logging`` in ``hdet-train``.
 
 Expected values are computed by hand; float comparisons use rel=1e-12 (the same float64
 operations in a different order). The W&B test runs wandb offline in a temp folder.
@@ -187,7 +187,7 @@ def test_dryrun_refuses_hdett_instead_of_plain_deepspeed(ds_keys, tmp_path, caps
     assert "hdett" in err and "did you mean 'hdet'?" in err and "plain DeepSpeed" in err  # "...trains plain DeepSpeed"
 
 
-# ---- DeepSpeed blocks given as a value (issue 9) ------------------------------------------
+# ---- DeepSpeed blocks given as a value ----------------------------------------------------
 
 @pytest.mark.parametrize("key,value,line", [
     ("bf16", True, 'bf16: must be a JSON object, e.g. {"enabled": true}; got true'),
@@ -241,7 +241,7 @@ def test_a_value_form_deepspeed_takes_is_not_refused(ds_keys, key, value):
     assert not any("must be a JSON object" in line for line in refused + unknown), (refused, unknown)
 
 
-# ---- the trainer's run config (issue 9) -----------------------------------------------------
+# ---- the trainer's run config ---------------------------------------------------------------
 
 def _run_config_error(path=None, overrides=()) -> str:
     from hdet_scale.train.config import load_run_config
@@ -291,11 +291,12 @@ def test_a_section_given_as_a_value_is_named(tmp_path, where, value, line):
 
 @pytest.mark.parametrize("value", ['"false"', '"auto"', "0", "null"])
 def test_a_precision_switch_that_is_not_a_boolean_is_refused(value):
-    """Tester round 22: ``bf16.enabled: "false"`` trained FSDP2 in bf16 (Python's truth),
-    DeepSpeed would have trained in fp32 (pydantic's), ddp refused it as bf16 and a resume
-    called it a precision change. Every code path that reads the switch now gets a JSON
-    boolean: hdet-train and hdet-dryrun (``check_deepspeed_values``) and the library's
-    engine check, whose message no longer calls the string bf16."""
+    """``bf16.enabled: "false"`` is false on every code path that reads the switch: each
+    gets a JSON boolean (hdet-train and hdet-dryrun, ``check_deepspeed_values``, and the
+    library's engine check, whose message does not call the string bf16). Read as
+    Python's truth it would train FSDP2 in bf16 where DeepSpeed trains in fp32
+    (pydantic's), ddp would refuse it as bf16 and a resume would call it a precision
+    change."""
     from hdet_scale.ds_values import check_deepspeed_values
     from hdet_scale.engine_config import check_engine_config
 
@@ -360,8 +361,8 @@ def test_hdet_logging_wandb_is_the_default_of_the_trainers_wandb(tmp_path, monke
 
 
 def test_wandb_keys_given_with_wandb_off_get_a_note(tmp_path, monkeypatch, capsys):
-    """Tester round 48: ``wandb.project=myproj`` with ``wandb.enabled=false`` ran without a
-    word. One note names each wandb key the user gave (file or override), once (not on a
+    """``wandb.project=myproj`` with ``wandb.enabled=false`` does not run without a
+    word: one note names each wandb key the user gave (file or override), once (not on a
     rank > 0 under torchrun); none for wandb.enabled=false alone or with W&B on."""
     from hdet_scale.train.config import load_run_config
 
@@ -377,7 +378,7 @@ def test_wandb_keys_given_with_wandb_off_get_a_note(tmp_path, monkeypatch, capsy
     path.write_text("wandb:\n  enabled: false\n  group: g\n")
     load_run_config(str(path), ["wandb.name=n"])
     assert capsys.readouterr().err.startswith("hdet-train: note: wandb.group='g', wandb.name='n' are not used: ")
-    # tester round 53: the same keys from the hdet block's logging.wandb, named as given there
+    # the same keys from the hdet block's logging.wandb, named as given there
     load_run_config(None, ["wandb.enabled=false", "deepspeed.hdet.logging.wandb.project=foo"])
     assert capsys.readouterr().err.startswith(
         "hdet-train: note: deepspeed.hdet.logging.wandb.project='foo' is not used: wandb.enabled=false ")
@@ -389,9 +390,9 @@ def test_wandb_keys_given_with_wandb_off_get_a_note(tmp_path, monkeypatch, capsy
 
 
 def test_wandb_environment_variables_set_the_keys_the_user_did_not(tmp_path, monkeypatch):
-    """Tester round 37: ``WANDB_PROJECT=envproj hdet-train`` logged to the packaged project
-    ``hdet-scale`` without a word. W&B's variables now set the keys neither the run config
-    nor the hdet block sets (as the HF Trainer and ``wandb.init`` read them); a key the user
+    """W&B's variables (``WANDB_PROJECT=envproj hdet-train``) set the keys neither the run
+    config nor the hdet block sets (as the HF Trainer and ``wandb.init`` read them), so the
+    run does not log to the packaged project ``hdet-scale`` without a word; a key the user
     gives wins. The real offline W&B run opened from the result is in the env's project."""
     wandb = pytest.importorskip("wandb")
     from hdet_scale.logging import MetricsLogger
@@ -446,8 +447,8 @@ def test_paper_controller_can_lower_a_constant_schedule():
     """Constant schedule, peak 1, spread 0.5 over R = 2 (replica values 0.5 and 1.5), the
     low-LR replica better by 1 nat at temperature 0.1, momentum 0, lambda 0.5. The derived
     decay is 0 (start = floor = peak), so by hand ``h' = h + 0.5 * Delta`` with
-    ``Delta = w0 h0 + w1 h1 - mean(h)``: the base must go *down* (before the fix it was
-    floored at the peak), each sync by the same factor, until ``peak / max_factor``."""
+    ``Delta = w0 h0 + w1 h1 - mean(h)``: the base must go *down* (not be floored at the
+    peak), each sync by the same factor, until ``peak / max_factor``."""
     cfg = HDETConfig.from_dict({"replicas": 2, "sync_interval": 1, "axes": {"lr": {"spread_ratio": 0.5}},
                                 "schedule": {"name": "constant", "total_steps": 100},
                                 "auto": {"enabled": True, "controller": "paper", "fitness": "train_loss",
@@ -490,11 +491,11 @@ def _single_replica_scheduler() -> tuple[HDETScheduler, _LocalSync]:
     ({"losss": 0.5}, "unexpected argument(s) ['losss']"),  # a misspelt lr_kwargs key was swallowed
 ])
 def test_wrong_loss_is_refused_without_a_type_error_or_a_state_change(kwargs, needle):
-    """DeepSpeed's engine catches a TypeError from ``lr_scheduler.step(**lr_kwargs)`` and
-    calls ``lr_scheduler.step(train_batch_size)``: before the fix a str loss raised
-    TypeError there and 32 was recorded. Now: HDETConfigError (a ValueError, which
-    DeepSpeed does not catch), nothing recorded, the step not counted; a good loss after
-    it is recorded exactly."""
+    """DeepSpeed's engine catches a TypeError from ``lr_scheduler.step(**lr_kwargs)``
+    and calls ``lr_scheduler.step(train_batch_size)``, so a TypeError for a str loss
+    would record 32. A str loss is an HDETConfigError (a ValueError, which DeepSpeed
+    does not catch): nothing recorded, the step not counted; a good loss after it is
+    recorded exactly."""
     sched, sync = _single_replica_scheduler()
     with pytest.raises(HDETConfigError) as e:
         sched.step(**kwargs)
@@ -529,8 +530,8 @@ class _AsyncConvergeSync(LocalSync):
 
 
 def test_converge_time_includes_the_queued_work():
-    """Before the fix the clock stopped when converge returned (~0 s); now it waits for
-    the device: at least the queued WORK_S. Lower bound only (sleep may overrun)."""
+    """The clock waits for the device, not only for converge to return (~0 s): at least
+    the queued WORK_S. Lower bound only (sleep may overrun)."""
     cfg = HDETConfig.from_dict({"replicas": 2, "sync_interval": 2, "axes": {"lr": {"spread_ratio": 0.1}},
                                 "schedule": {"name": "constant", "total_steps": 4}})
     sync = _AsyncConvergeSync(2)
@@ -579,8 +580,8 @@ def test_converge_time_waits_for_cuda():
 # ---- W&B: the user's own run ----------------------------------------------------------------
 
 def test_wandb_logger_logs_into_the_users_run_and_leaves_it_open(tmp_path, monkeypatch):
-    """Before the fix ``reinit="finish_previous"`` finished the user's run: their next
-    ``log`` raised. Now the records go into it (its summary holds them, with hdet/step),
+    """``reinit="finish_previous"`` would finish the user's run, and their next ``log``
+    would raise: the records go into their run (its summary holds them, with hdet/step),
     the config is added without overwriting theirs, and it is still open after close."""
     wandb = pytest.importorskip("wandb")
     from hdet_scale.logging import MetricsLogger
@@ -595,7 +596,7 @@ def test_wandb_logger_logs_into_the_users_run_and_leaves_it_open(tmp_path, monke
         assert wandb.run is run and not run._is_finished
         assert run.config["lr"] == 1.0 and run.config["hdet"] == {"replicas": 2}
         assert (run.summary["hdet/loss"], run.summary["hdet/step"]) == (1.5, 7)
-        run.log({"mine": 1.0})  # raised UsageError ("Run ... is finished") before the fix
+        run.log({"mine": 1.0})  # no UsageError ("Run ... is finished")
     finally:
         run.finish()
     own = MetricsLogger(wandb=WandbConfig(enabled=True, mode="offline", dir=str(tmp_path)))
@@ -606,11 +607,11 @@ def test_wandb_logger_logs_into_the_users_run_and_leaves_it_open(tmp_path, monke
 
 
 def test_wandb_without_a_usable_temporary_folder_is_one_line(tmp_path):
-    """Tester: ``hdet-train`` (W&B on by default) under ``ulimit -f 0`` printed a 30-line
-    traceback ending in tempfile's "No usable temporary directory found", exit 1: W&B's
-    import makes a temporary folder. Now one line, exit 2, before any rank starts: the
+    """``hdet-train`` (W&B on by default) under ``ulimit -f 0`` fails in W&B's import,
+    which makes a temporary folder (tempfile's "No usable temporary directory found"):
+    one line, exit 2, before any rank starts, not a 30-line traceback and exit 1: the
     folders tempfile tried, the limit, and the ways out. The limit is real (the child's
-    RLIMIT_FSIZE), so tempfile fails the way it did for the tester."""
+    RLIMIT_FSIZE), so tempfile fails as it does for a user."""
     import resource
     import subprocess
     import sys
@@ -685,7 +686,7 @@ def test_one_replica_with_a_spread_or_auto_lr_warns(block, warns):
         assert f"warning: hdet.replicas: 1 replica with {warns}" in report
 
 
-# ---- auto-LR with nothing to compare; wrong types; what hdet-train refuses or notes (issue 9) --
+# ---- auto-LR with nothing to compare; wrong types; what hdet-train refuses or notes ------------
 
 _AUTO_ON = {"replicas": 2, "auto": {"enabled": True, "fitness": "train_loss"}}
 
@@ -701,9 +702,9 @@ _AUTO_ON = {"replicas": 2, "auto": {"enabled": True, "fitness": "train_loss"}}
 ])
 def test_auto_lr_with_nothing_to_compare_warns(block, warns):
     """Auto-LR on, but no axis it controls has a spread: the hypergradient is 0 and the
-    multiplier 1 for the whole run. hdet-train ran so without a word (the Controller's
-    warning is met only in the ranks, which leave config warnings to the launcher), and
-    hdet-dryrun promised a multiplier reaching x2.72."""
+    multiplier 1 for the whole run. hdet-train must not run so without a word (the
+    Controller's warning is met only in the ranks, which leave config warnings to the
+    launcher), nor hdet-dryrun promise a multiplier reaching x2.72."""
     cfg = HDETConfig.from_dict({**block, "sync_interval": 5, "schedule": {"name": "constant", "total_steps": 100}})
     from hdet_scale.dryrun import describe
 
@@ -743,9 +744,9 @@ def test_the_controller_and_check_config_give_the_warning_once():
 
 
 def test_a_warm_up_past_the_run_names_a_sync_interval_past_it_too():
-    """Tester round 43: train.steps=20 with sync_interval=50 refused the warm-up (25, derived)
-    with "lower it"; lowered, the next refusal was the sync_interval's. Both named at once,
-    and following the advice (both lowered) is accepted."""
+    """train.steps=20 with sync_interval=50 names both refusals at once, the warm-up's (25,
+    derived) and the sync_interval's, rather than "lower it" for the warm-up, then the
+    sync_interval's once lowered; following the advice (both lowered) is accepted."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
 
@@ -765,8 +766,8 @@ def test_a_warm_up_past_the_run_names_a_sync_interval_past_it_too():
 
 
 @pytest.mark.parametrize("overrides,line", [
-    # tester issue 9: also "auto.warmup_steps: leaves no sync after warm-up ... (sync_interval 1000)", the
-    # default standing in for the refused value
+    # not also "auto.warmup_steps: leaves no sync after warm-up ... (sync_interval 1000)", the default
+    # standing in for the refused value
     (["deepspeed.hdet.sync_interval=5.0"], "deepspeed.hdet.sync_interval: expected int, got 5.0"),
     # the default controller 'log' standing in: "decay is a setting of controller 'paper'"
     (["deepspeed.hdet.auto.controller=5", "deepspeed.hdet.auto.decay=0.5"],
@@ -831,11 +832,12 @@ def test_a_schedule_longer_than_the_run_gets_a_note(tmp_path):
 
 
 def test_a_deepspeed_json_without_an_hdet_block_is_refused_and_a_block_that_searches_nothing_noted(tmp_path):
-    """Tester round 28: a user's DeepSpeed JSON without the hdet block, or with
-    ``"hdet": {}``, trained plain data parallelism (1 replica group) without a word, on
-    every backend; ``{"replicas": 2}`` alone trained two replica groups with no spread and
-    the default sync_interval 1000 past an 8-step run, also without a word (the note named
-    sync_interval only when it was set). The packaged config gets neither."""
+    """A user's DeepSpeed JSON without the hdet block, or with ``"hdet": {}``, would
+    train plain data parallelism (1 replica group) without a word, on every backend:
+    refused. ``{"replicas": 2}`` alone would train two replica groups with no spread and
+    the default sync_interval 1000 past an 8-step run: a note for each, the
+    sync_interval's also where the interval is the default, not set. The packaged config
+    gets neither."""
     from hdet_scale.train.run_notes import never_notes as _never_notes
     from hdet_scale.train.config import load_run_config, packaged
 
@@ -858,7 +860,7 @@ def test_a_deepspeed_json_without_an_hdet_block_is_refused_and_a_block_that_sear
             if n.startswith("deepspeed.hdet")] == []  # the packaged block: syncs and spreads
 
 
-# ---- overrides and interpolations of the run config (issue 9, config & dryrun round 2) ------
+# ---- overrides and interpolations of the run config -----------------------------------------
 
 @pytest.mark.parametrize("overrides,line", [
     # a raw yaml.parser.ParserError traceback
@@ -934,11 +936,12 @@ def test_an_interpolation_that_cannot_be_resolved_names_key_and_interpolation(tm
 
 
 def test_round_20_messages(tmp_path):
-    """Tester round 20: a dotted key in the run YAML ("unknown key"), a key that is not a
-    name (OmegaConf's "Incompatible key type", no file), an additive spread of a decay of
-    0 advising two dead ends, auto-LR advice for a spread the lr axis already had, an
-    axis' auto: true with auto-LR off (silent), --precision bf16 on ddp (advised a bf16 the
-    engine refuses)."""
+    """Each is named, with advice that leads somewhere: a dotted key in the run YAML (not
+    "unknown key"), a key that is not a name (not OmegaConf's "Incompatible key type",
+    and with the file), an additive spread of a decay of 0 (the one fix, not two dead
+    ends), auto-LR with a spread lr axis at auto false (set its auto: true, not add the
+    spread it has), an axis' auto: true with auto-LR off (a warning, not silent),
+    --precision bf16 on ddp (no advice of a bf16 the engine refuses)."""
     from hdet_scale.autolr import check_additive_floors
     from hdet_scale.cost import check_options, dryrun_section
 
@@ -968,11 +971,11 @@ def test_round_20_messages(tmp_path):
 
 
 def test_schedule_keys_another_schedule_reads_are_named(capsys):
-    """Tester round 22: ``schedule.name=cosine`` over the packaged OneCycle block trained
-    without its ``pct_start`` warm-up, and ``hdet-dryrun`` said nothing of the dropped keys.
-    A key set to a value other than its default that the chosen schedule does not read is
-    now a warning (check_config, so the library and hdet-train; a line of the dry run);
-    defaults, as every ``to_dict()`` round trip lists them, are not."""
+    """A schedule key set to a value other than its default that the chosen schedule does
+    not read is a warning (check_config, so the library and hdet-train; a line of the dry
+    run): ``schedule.name=cosine`` over the packaged OneCycle block would otherwise train
+    without its ``pct_start`` warm-up and ``hdet-dryrun`` say nothing of the dropped
+    keys. Defaults, as every ``to_dict()`` round trip lists them, are not."""
     from hdet_scale.dryrun import describe
 
     ds = packaged(ADAMW)
@@ -1002,9 +1005,9 @@ def test_schedule_keys_another_schedule_reads_are_named(capsys):
     (None, ["--nothing=1"], "(e.g. train.steps=10)"),
 ])
 def test_a_dashed_option_names_the_override_of_that_name(path, overrides, want):
-    """Tester round 22: ``hdet-train --steps 10`` suggested ``--steps=10``, which then
-    failed as an unknown key. An option-like argument is named with the key=value
-    override of that name (a trainer key whose last part it is)."""
+    """An option-like argument (``hdet-train --steps 10``) is named with the key=value
+    override of that name (a trainer key whose last part it is), not ``--steps=10``,
+    which would then fail as an unknown key."""
     msg = _run_config_error(path, overrides)
     assert "hdet-train takes no --options" in msg and msg.endswith(want), msg
 
@@ -1018,8 +1021,8 @@ def test_version_of_each_command(capsys):
 
 
 def test_help_with_anything_after_it_is_refused(capsys):
-    """Tester round 41: ``hdet-train --help extra`` printed the help and dropped ``extra``
-    without a word. Alone it still prints the help (exit 0)."""
+    """``hdet-train --help extra`` does not print the help and drop ``extra`` without a
+    word. Alone it still prints the help (exit 0)."""
     from hdet_scale.train import cli
 
     for flag in ("--help", "-h"):
@@ -1032,9 +1035,9 @@ def test_help_with_anything_after_it_is_refused(capsys):
 
 
 def test_a_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
-    """Tester round 23: ``run_dir: ~/x`` in a YAML wrote into ``./~/x`` (the plots line
-    named the home folder), ``deepspeed_config: ~/ds.json`` was "does not exist", while
-    ``data.path`` expanded ``~``. Every path key now does, as a shell would."""
+    """Every path key expands ``~`` as a shell would, as ``data.path`` does: ``run_dir:
+    ~/x`` in a YAML is no ``./~/x`` (the plots line naming the home folder),
+    ``deepspeed_config: ~/ds.json`` no "does not exist"."""
     from hdet_scale.train.config import load_run_config
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -1049,11 +1052,11 @@ def test_a_tilde_in_a_path_key_is_the_home_folder(tmp_path, monkeypatch):
 
 
 def test_hf_trainer_run_length_is_held_to_the_schedule():
-    """Tester round 23: HDETTrainer with ``hdet.schedule.total_steps=4`` and
-    ``max_steps=6`` trained 4 steps, then both ranks died in the scheduler ("Tried to step
-    5 times"); with 100 against 6 the LR never left the warm-up without a word. hdet-train
-    holds total_steps to train.steps; ``HDETTrainer._check`` now calls this at
-    construction (max_steps set) or when train() starts (epochs)."""
+    """HDETTrainer with ``hdet.schedule.total_steps=4`` and ``max_steps=6`` would train 4
+    steps, then both ranks die in the scheduler ("Tried to step 5 times"); with 100
+    against 6 the LR would never leave the warm-up, without a word. hdet-train holds
+    total_steps to train.steps; ``HDETTrainer._check`` calls this at construction
+    (max_steps set) or when train() starts (epochs)."""
     from hdet_scale.hf_config import check_run_length
 
     block = {"schedule": {"name": "onecycle", "total_steps": 4}}
@@ -1070,9 +1073,9 @@ def test_hf_trainer_run_length_is_held_to_the_schedule():
 @pytest.mark.parametrize("text,what", [("", "empty, or comments only"), ("# steps: 10\n\n", "empty, or comments only"),
                                        ("{}\n", "an empty mapping")])
 def test_a_config_file_that_sets_nothing_is_noted(tmp_path, capsys, text, what):
-    """Tester round 25: an empty or comments-only CONFIG.yaml (a truncated copy, the wrong
-    file) trained the packaged defaults without a word. One note, before any rank starts;
-    none for a file that sets a key."""
+    """An empty or comments-only CONFIG.yaml (a truncated copy, the wrong file) does not
+    train the packaged defaults without a word: one note, before any rank starts; none
+    for a file that sets a key."""
     from hdet_scale.train.start_notes import print_engine_notes as _print_engine_notes
     from hdet_scale.train.config import load_run_config
 
@@ -1096,10 +1099,10 @@ def test_a_config_file_that_sets_nothing_is_noted(tmp_path, capsys, text, what):
     ("5", "abc", "train.steps: expected an integer, got abc (a string, override 'train.steps=abc')"),
 ])
 def test_a_value_of_the_wrong_type_names_where_it_was_written(tmp_path, yaml_value, override, message):
-    """Tester round 25: ``steps: 1e1`` in a YAML gave OmegaConf's "Value '10.0' of type
-    'float' could not be converted to Integer", naming no file. Now what is expected and
-    where the value came from: the config file or the override (the input whose merge
-    failed, when both set the key)."""
+    """``steps: 1e1`` in a YAML says what is expected and where the value came from: the
+    config file or the override (the input whose merge failed, when both set the key),
+    not OmegaConf's "Value '10.0' of type 'float' could not be converted to Integer",
+    naming no file."""
     path = tmp_path / "run.yaml"
     if yaml_value is not None:
         path.write_text(f"train:\n  steps: {yaml_value}\n")
@@ -1109,9 +1112,9 @@ def test_a_value_of_the_wrong_type_names_where_it_was_written(tmp_path, yaml_val
 
 
 def test_hdettrainer_names_the_trainer_scheduler_settings_it_does_not_use(tmp_path):
-    """Tester round 25: ``lr_scheduler_type="cosine"`` and ``warmup_steps=3`` were ignored
-    at run time without a word (docs/hf_trainer.md says so; HDETTrainer warns at
-    construction now). Real ``TrainingArguments``; the defaults say nothing."""
+    """``lr_scheduler_type="cosine"`` and ``warmup_steps=3`` are ignored at run time
+    (docs/hf_trainer.md says so): HDETTrainer warns at construction. Real
+    ``TrainingArguments``; the defaults say nothing."""
     pytest.importorskip("transformers")
     from transformers import TrainingArguments
 
@@ -1131,10 +1134,10 @@ def test_hdettrainer_names_the_trainer_scheduler_settings_it_does_not_use(tmp_pa
 
 @pytest.mark.parametrize("project", ["a/b", "a#b", "x" * 129])
 def test_a_wandb_project_name_wandb_refuses_is_refused_before_any_rank_starts(project):
-    """Tester round 26: ``wandb.project=a/b`` (or ``hdet.logging.wandb.project`` in the
-    library's block) failed at rank 0's ``wandb.init`` after the ranks had started, and the
-    message said to check the network of an offline run. W&B's own Settings validator,
-    in the checks every rank runs before any collective; a name it takes passes."""
+    """``wandb.project=a/b`` (or ``hdet.logging.wandb.project`` in the library's block)
+    is checked with W&B's own Settings validator, in the checks every rank runs before
+    any collective, not at rank 0's ``wandb.init`` after the ranks started, with a
+    message to check the network of an offline run; a name it takes passes."""
     pytest.importorskip("wandb")
     from hdet_scale.backends.common import resolve_config
     from hdet_scale.config import WandbConfig
@@ -1151,8 +1154,8 @@ def test_a_wandb_project_name_wandb_refuses_is_refused_before_any_rank_starts(pr
 
 
 def test_a_config_file_after_the_overrides_is_told_to_go_first(tmp_path):
-    """Tester round 27: ``hdet-train train.steps=10 run.yaml`` said only "overrides must be
-    key=value", not that the YAML goes first."""
+    """``hdet-train train.steps=10 run.yaml`` says that the YAML goes first, not only
+    "overrides must be key=value"."""
     path = tmp_path / "run.yaml"
     path.write_text("train:\n  steps: 5\n")
     msg = _run_config_error(None, overrides=["train.steps=10", str(path)])
@@ -1168,11 +1171,11 @@ def test_a_config_file_after_the_overrides_is_told_to_go_first(tmp_path):
                                           'string, e.g. "AdamW", got 5'),
 ])
 def test_an_optimizer_block_without_a_type_names_the_type(ds_keys, optimizer, line):
-    """Tester round 27: an optimizer block without ``type`` was refused as "optimizer.params:
+    """An optimizer block without ``type``, and one with a numeric type, name the type,
+    alone, and DeepSpeed indeed builds no optimizer from such a block. Not "optimizer.params:
     unknown DeepSpeed key; valid keys: legacy_fusion, type" (DeepSpeed reads the params only
-    through the type, so its parser never asked for them), which sent the user to the params;
-    a numeric type stopped DeepSpeed's parser naming no key. Both name the type now, alone,
-    and DeepSpeed indeed builds no optimizer from such a block."""
+    through the type, so its parser never asks for them), which sends the user to the params,
+    nor DeepSpeed's parser stopping without naming a key."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
     ds = packaged()
@@ -1188,10 +1191,10 @@ def test_an_optimizer_block_without_a_type_names_the_type(ds_keys, optimizer, li
 
 
 def test_a_mapping_override_that_keeps_keys_of_the_json_gets_a_note():
-    """Tester round 29: ``'deepspeed.hdet.axes={weight_decay: {spread_ratio: 0.5}}'`` reads as
-    "these axes only", but overrides merge, so the packaged lr spread stayed without a word
-    (as ``axes={}`` did before it was refused). A note names what is kept; a mapping that
-    covers every key, a dotted override and a non-mapping value get none."""
+    """``'deepspeed.hdet.axes={weight_decay: {spread_ratio: 0.5}}'`` reads as "these axes
+    only", but overrides merge, so the packaged lr spread stays: a note names what is kept
+    (``axes={}`` is refused). A mapping that covers every key, a dotted override and a
+    non-mapping value get none."""
     from hdet_scale.train.config import packaged
     from hdet_scale.train.config_files import load_deepspeed_json
     from hdet_scale.train.config_merge import kept_by_merge
@@ -1207,11 +1210,12 @@ def test_a_mapping_override_that_keeps_keys_of_the_json_gets_a_note():
 
 
 def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(tmp_path):
-    """Tester round 30: ``deepspeed=[1,2]`` (or a YAML list there) was OmegaConf's "Cannot
-    merge incompatible container types" traceback, ``deepspeed=null`` ran the defaults; a
-    DeepSpeed JSON without a block plus ``deepspeed.hdet.sync_interval=2`` ran one replica
-    group (plain data parallelism) without a word: a note named the default replicas=1; since
-    tester round 45, a refusal (the same JSON without overrides is refused too)."""
+    """``deepspeed=[1,2]`` (or a YAML list there) and ``deepspeed=null`` are refused as no
+    mapping (not OmegaConf's "Cannot merge incompatible container types" traceback, not a
+    run of the defaults). A DeepSpeed JSON without a block plus
+    ``deepspeed.hdet.sync_interval=2`` would run one replica group (plain data
+    parallelism): refused, as the same JSON without overrides is, not a note naming the
+    default replicas=1."""
     from hdet_scale.train.run_notes import never_notes as _never_notes
     from hdet_scale.train.config import load_run_config, packaged
 
@@ -1225,15 +1229,15 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
     ds = json.loads(open(packaged("deepspeed.json")).read())
     ds.pop("hdet")
     (tmp_path / "nohdet.json").write_text(json.dumps(ds))
-    # tester round 45: that note was not enough (the same JSON alone is refused): now refused
+    # refused, not a note (the same JSON alone is refused)
     with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.replicas: the hdet block \(.*nohdet.json and the "
                                               r"overrides\) sets no replicas, .* plain data parallelism; set "
                                               r"deepspeed.hdet.replicas=2 .* or deepspeed.hdet.replicas=1 for a plain "
                                               r"data-parallel baseline$"):
         load_run_config(None, [f"deepspeed_config={tmp_path / 'nohdet.json'}", "deepspeed.hdet.sync_interval=2",
                                "train.steps=20"])
-    # tester round 48: the block spelled "hdett" (replicas and all) with overrides beside it
-    # was told only "sets no replicas": the typo came one fix later, as a second error
+    # the block spelled "hdett" (replicas and all) with overrides beside it: the typo is named
+    # in the same line as "sets no replicas", not one fix later, as a second error
     hdett = {**ds, "hdett": json.loads(open(packaged("deepspeed.json")).read())["hdet"]}
     (tmp_path / "hdett.json").write_text(json.dumps(hdett))
     with pytest.raises(HDETConfigError, match=r"^deepspeed.hdet.replicas: the hdet block \(.*hdett.json and the "
@@ -1251,10 +1255,10 @@ def test_round_30_a_deepspeed_section_list_and_an_hdet_block_of_overrides_only(t
 
 
 def test_a_probe_costing_more_than_the_training_between_syncs_gets_a_note():
-    """Tester round 30: ``train.probe_batches=100000`` was accepted without a word and every
-    sync then looked like a hang. The note starts where the probe's forward passes (about a
-    third of a trained micro-batch each) cost more than the sync interval's training:
-    packaged sync_interval 25, accumulation 1 -> more than 75."""
+    """``train.probe_batches=100000`` is not accepted without a word (every sync would then
+    look like a hang). The note starts where the probe's forward passes (about a third of a
+    trained micro-batch each) cost more than the sync interval's training: packaged
+    sync_interval 25, accumulation 1 -> more than 75."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.run_notes import never_notes
 
@@ -1273,7 +1277,7 @@ def test_a_probe_costing_more_than_the_training_between_syncs_gets_a_note():
 
 
 def test_a_data_path_named_twice_gets_a_note(tmp_path):
-    """Tester round 30: ``data.path=a,a`` read the file once without a word."""
+    """``data.path=a,a`` (the file read once) gets a note."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.run_notes import never_notes
 
@@ -1288,7 +1292,7 @@ def test_a_data_path_named_twice_gets_a_note(tmp_path):
                                           "first place, and the run is the same as without the repeat (to weight a "
                                           "file, give a copy of it)"]
     assert len(data_notes(f"{tmp_path},{tmp_path}/")) == 1  # the same folder, spelled two ways
-    # tester round 31: a file of a folder named before it (no note before)
+    # a file of a folder named before it
     assert data_notes(f"{tmp_path},{a}") == [f"data.path names {str(a)!r} after {str(tmp_path)!r}, which holds it: the "
                                              "corpus holds each file once, at its first place, and the run is the "
                                              "same as without the repeat (to weight a file, give a copy of it)"]
@@ -1296,8 +1300,8 @@ def test_a_data_path_named_twice_gets_a_note(tmp_path):
 
 
 def test_null_over_a_key_of_the_deepspeed_json_says_how_to_leave_it_out():
-    """Tester round 30: ``deepspeed.gradient_clipping=null`` (meant as "leave it out") was
-    "must be a number >= 0, got None", not saying that an override cannot remove a key."""
+    """``deepspeed.gradient_clipping=null`` (meant as "leave it out") says that an
+    override cannot remove a key, not "must be a number >= 0, got None"."""
     from hdet_scale.train.config import load_run_config
 
     with pytest.raises(HDETConfigError) as e:
@@ -1311,8 +1315,8 @@ def test_null_over_a_key_of_the_deepspeed_json_says_how_to_leave_it_out():
 
 
 def test_two_config_files_are_named_as_two(tmp_path):
-    """Tester round 31: ``hdet-train empty.yaml list.yaml`` said "a config file goes first:
-    hdet-train list.yaml key=value", where a config file was first already."""
+    """``hdet-train empty.yaml list.yaml`` does not say "a config file goes first:
+    hdet-train list.yaml key=value" where a config file is first already."""
     from hdet_scale.train.config import load_run_config
 
     (tmp_path / "a.yaml").write_text("train: {steps: 10}\n")
@@ -1327,11 +1331,12 @@ def test_two_config_files_are_named_as_two(tmp_path):
 
 
 def test_values_read_otherwise_than_given_get_a_note(tmp_path, monkeypatch):
-    """Tester round 32, each accepted without a word: optimizer.params.lr beside
-    hdet.schedule.max_lr (the run peaked at max_lr); train.eval_batches=19 on 4 ranks
-    (evaluated 16: its val_loss equal to eval_batches=16's); train.probe_batches with
-    auto.fitness=train_loss (no probe runs); train.resume=true on a run_dir holding no run
-    (a new run from step 0). Each set as intended (or left at its default) gets none."""
+    """Each of these would be accepted without a word and gets a note:
+    optimizer.params.lr beside hdet.schedule.max_lr (the run peaks at max_lr);
+    train.eval_batches=19 on 4 ranks (evaluates 16: its val_loss equal to
+    eval_batches=16's); train.probe_batches with auto.fitness=train_loss (no probe
+    runs); train.resume=true on a run_dir holding no run (a new run from step 0). Each
+    set as intended (or left at its default) gets none."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.run_notes import never_notes
 
@@ -1364,7 +1369,7 @@ def test_values_read_otherwise_than_given_get_a_note(tmp_path, monkeypatch):
 
 
 def test_an_override_with_spaces_around_its_key_says_so():
-    """Tester round 32: ``hdet-train "train.steps = 30"`` said "train.steps : unknown key"."""
+    """``hdet-train "train.steps = 30"`` is not "train.steps : unknown key"."""
     from hdet_scale.train.config import load_run_config
 
     for given in ("train.steps = 30", "train.steps =30", " train.steps=30"):
@@ -1375,10 +1380,10 @@ def test_an_override_with_spaces_around_its_key_says_so():
 
 
 def test_a_validation_split_read_over_and_over_gets_a_note(tmp_path):
-    """Tester round 33: a small validation split was evaluated on overlapping windows
-    (each byte read about 8 times) without a word. The note gives the counts the loop
-    reads (16 eval batches over 4 ranks x 8 windows of 129 bytes = 16512 bytes); a split
-    larger than that gets none."""
+    """A small validation split evaluated on overlapping windows (each byte read about 8
+    times) gets a note. The note gives the counts the loop reads (16 eval batches over 4
+    ranks x 8 windows of 129 bytes = 16512 bytes); a split larger than that gets
+    none."""
     import random
 
     from hdet_scale.train.config import load_run_config
@@ -1408,9 +1413,9 @@ def test_a_validation_split_read_over_and_over_gets_a_note(tmp_path):
 
 
 def test_a_config_file_with_an_equals_sign_in_its_name_is_read_as_the_file(tmp_path, monkeypatch, capsys):
-    """Tester round 35: hdet-train 'a=b.yaml' (an existing file) was read as the override
-    a=b.yaml ("a: unknown key"). Now the file: its own error (a bad value in it) names its
-    key, as for any config file; a name that is no file stays an override."""
+    """hdet-train 'a=b.yaml' (an existing file) reads the file, not the override a=b.yaml
+    ("a: unknown key"): its own error (a bad value in it) names its key, as for any
+    config file; a name that is no file stays an override."""
     from hdet_scale.train import cli
 
     monkeypatch.chdir(tmp_path)
@@ -1423,10 +1428,10 @@ def test_a_config_file_with_an_equals_sign_in_its_name_is_read_as_the_file(tmp_p
 
 
 def test_settings_of_what_the_run_does_not_do_get_a_note():
-    """Tester round 49: auto.* with auto-LR off, warm_init.* with warm init off,
-    keep_checkpoints without checkpoint_every, overlap_gradient_sharing=false and
-    model.sharded_init=false on ddp: each ran without a word. One note each; none for the
-    packaged values left as they are, nor when the feature is on."""
+    """auto.* with auto-LR off, warm_init.* with warm init off, keep_checkpoints without
+    checkpoint_every, overlap_gradient_sharing=false and model.sharded_init=false on ddp
+    would each run without a word: one note each; none for the packaged values left as
+    they are, nor when the feature is on."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.run_notes import never_notes
 
@@ -1451,7 +1456,7 @@ def test_settings_of_what_the_run_does_not_do_get_a_note():
                                 "train.keep_checkpoints=5", "train.checkpoint_every=50",
                                 "deepspeed.hdet.overlap_gradient_sharing=false", "model.sharded_init=false"])
     assert never_notes(on) == []
-    # tester round 53: keep_checkpoints with train.checkpoint=false, and warm init with nu=0
+    # keep_checkpoints with train.checkpoint=false, and warm init with nu=0
     off = load_run_config(None, [*base, "train.checkpoint=false", "train.keep_checkpoints=5",
                                  "deepspeed.hdet.warm_init.enabled=true", "deepspeed.hdet.warm_init.nu=0"])
     assert never_notes(off) == [
@@ -1461,12 +1466,12 @@ def test_settings_of_what_the_run_does_not_do_get_a_note():
 
 
 def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():
-    """Tester round 52: ``deepspeed.hdet.schedule.name=constant`` over the packaged OneCycle
-    block warned that ``final_div_factor=10.0`` and ``pct_start=0.2`` are not read, "remove
-    them", which no override can do (``=null`` is refused as not a float). A new name is a
-    new schedule, as a new ``optimizer.type`` is a new optimizer: the file's keys of the old
-    one are left out with a note; keys the user sets beside the name stay (and are warned
-    about when unread); the same name, or none, drops nothing."""
+    """A new schedule name is a new schedule, as a new ``optimizer.type`` is a new
+    optimizer: ``deepspeed.hdet.schedule.name=constant`` over the packaged OneCycle block
+    leaves out the file's keys of the old one with a note, rather than warning that
+    ``final_div_factor=10.0`` and ``pct_start=0.2`` are not read, "remove them", which no
+    override can do (``=null`` is refused as not a float). Keys the user sets beside the
+    name stay (and are warned about when unread); the same name, or none, drops nothing."""
     from hdet_scale.config import HDETConfig
     from hdet_scale.train.start_notes import switch_notes as _switch_notes
     from hdet_scale.train.config import load_run_config
@@ -1486,9 +1491,9 @@ def test_a_new_schedule_name_leaves_out_the_files_keys_of_the_old_schedule():
 
 
 def test_the_old_bfloat16_block_and_adam_w_mode_false_under_adamw_are_refused():
-    """Tester round 55: a DeepSpeed JSON with DeepSpeed's old block name "bfloat16" trained
-    FSDP2 in float32 (hdet_scale reads "bf16") and the cost report said fp32, without a
-    word; ``adam_w_mode: false`` under type AdamW is ignored by DeepSpeed. Both refused,
+    """A DeepSpeed JSON with DeepSpeed's old block name "bfloat16" would train FSDP2 in
+    float32 (hdet_scale reads "bf16") and the cost report say fp32, without a word;
+    ``adam_w_mode: false`` under type AdamW is ignored by DeepSpeed. Both refused,
     naming the key and the fix; their right forms pass."""
     from hdet_scale.ds_values import check_deepspeed_values
 
@@ -1503,9 +1508,9 @@ def test_the_old_bfloat16_block_and_adam_w_mode_false_under_adamw_are_refused():
 
 
 def test_a_probe_nothing_calls_is_a_warning():
-    """Tester round 61: probe= beside auto.fitness 'train_loss' was accepted and never
-    called, without a word (HDETTrainer and prepare). A probe with the probe fitness, or
-    no probe with train_loss, says nothing."""
+    """probe= beside auto.fitness 'train_loss' would be accepted and never called: a
+    warning says so (HDETTrainer and prepare). A probe with the probe fitness, or no
+    probe with train_loss, says nothing."""
     import warnings
 
     from hdet_scale.config import HDETConfig
@@ -1525,14 +1530,14 @@ def test_a_probe_nothing_calls_is_a_warning():
     msgs = said(cfg(fitness="train_loss"), probe)
     assert len(msgs) == 1 and "hdet.auto.fitness is 'train_loss'" in msgs[0] and "drop probe" in msgs[0], msgs
     off = said(cfg(enabled=False), probe)[0]
-    assert "auto-LR scores no replicas" in off and "fitness='probe'" not in off, off  # round 62
+    assert "auto-LR scores no replicas" in off and "fitness='probe'" not in off, off  # auto-LR off: no fitness advice
     assert said(cfg(fitness="probe"), probe) == [] and said(cfg(fitness="train_loss"), None) == []
 
 
 def test_a_group_at_zero_beside_explored_ones_is_said():
-    """Tester round 61: HDETTrainer's no-decay group (weight_decay 0) under a weight_decay
-    axis stayed 0 in every replica without a word (only its group_1 = 0 records). Kept at
-    0, and said once; with the groups named, or every group nonzero, nothing is said."""
+    """HDETTrainer's no-decay group (weight_decay 0) under a weight_decay axis stays 0 in
+    every replica (only its group_1 = 0 records show it): kept at 0, and said once; with
+    the groups named, or every group nonzero, nothing is said."""
     import warnings
 
     from hdet_scale.autolr import check_additive_floors
@@ -1555,9 +1560,9 @@ def test_a_group_at_zero_beside_explored_ones_is_said():
 
 @pytest.mark.parametrize("text", ["{}\n", "", "# nothing yet\n"])
 def test_a_config_file_without_settings_is_noted(tmp_path, capsys, monkeypatch, text):
-    """Tester round 62: ``hdet-train empty.json`` (a file holding ``{}``) started the full
-    default job without a word. One note on stderr says the file holds no settings; a
-    file with one says nothing; the run config is the defaults either way."""
+    """``hdet-train empty.json`` (a file holding ``{}``) does not start the full default
+    job without a word: one note on stderr says the file holds no settings; a file with
+    one says nothing; the run config is the defaults either way."""
     from hdet_scale.train.config import load_run_config
 
     monkeypatch.delenv("RANK", raising=False)
@@ -1571,11 +1576,11 @@ def test_a_config_file_without_settings_is_noted(tmp_path, capsys, monkeypatch, 
 
 
 def test_hdet_train_prints_the_paper_controllers_decay_warning_before_the_ranks_start(monkeypatch, capsys):
-    """Tester round 64: the 'paper' controller's decay outrunning its meta-update was
-    warned only where the controller is built, in the ranks, which drop the config
-    warnings (the launcher printed those of the checks once): hdet-train said nothing,
-    where hdet-dryrun and prepare() warn. The checks now meet it; the log controller's
-    run (same settings otherwise) warns of nothing."""
+    """The 'paper' controller's decay outrunning its meta-update is warned of by the
+    checks (hdet-train, as hdet-dryrun and prepare() do), not only where the controller
+    is built, in the ranks, which drop the config warnings (the launcher prints those of
+    the checks once), so hdet-train would say nothing. The log controller's run (same
+    settings otherwise) warns of nothing."""
     from hdet_scale.train.cli import _validate_once
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
@@ -1593,10 +1598,10 @@ def test_hdet_train_prints_the_paper_controllers_decay_warning_before_the_ranks_
 
 @pytest.mark.parametrize("project", ["", "  "])
 def test_an_empty_wandb_project_is_refused_not_the_fallback_project(project):
-    """Tester round 65: ``wandb.project=`` (an unset shell variable) ran, without a word,
-    into the project "hdet" (the logger's fallback), not hdet-train's "hdet-scale".
-    Refused like an empty run_dir, by hdet-train before any rank starts (the whole
-    command: test_bad_inputs) and by the library's block; W&B off reads nothing."""
+    """``wandb.project=`` (an unset shell variable) would run, without a word, into the
+    project "hdet" (the logger's fallback), not hdet-train's "hdet-scale": refused like
+    an empty run_dir, by hdet-train before any rank starts (the whole command:
+    test_bad_inputs) and by the library's block; W&B off reads nothing."""
     pytest.importorskip("wandb")
     from hdet_scale.config import WandbConfig
     from hdet_scale.logging import check_wandb_settings

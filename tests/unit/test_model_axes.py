@@ -88,11 +88,10 @@ def test_dropout_reaches_every_dropout_and_attention_module_of_each_replica():
 
 @pytest.mark.parametrize("end", ["total_steps", "finish"])
 def test_the_run_ends_with_every_replica_at_the_shared_model_axis_value(end):
-    """Tester round 65: after ``train()`` each rank kept its replica's temperature, so an
-    evaluation (and anything after the run) mixed the replicas' values. At the end of
-    the run (step ``total_steps``, or ``finish()`` of a run stopped before it) every
-    replica's modules hold the base value (0.1, spread 0.05 explored around it), and the
-    end's record names it (no file of the model holds it)."""
+    """At the end of the run (step ``total_steps``, or ``finish()`` of a run stopped
+    before it) every replica's modules hold the base value (0.1, spread 0.05 explored
+    around it), so that an evaluation (and anything after the run) does not mix the
+    replicas' values, and the end's record names it (no file of the model holds it)."""
     sim = Simulator(WithDropout, lambda p: torch.optim.SGD(p, lr=0.01),
                     block(dropout={"spread_ratio": 0.05, "kind": "additive", "value": 0.1}))
     ids = torch.arange(8).reshape(1, 8)
@@ -120,7 +119,7 @@ def test_modules_patterns_narrow_what_dropout_sets():
     for r, m in enumerate(sim.models):
         assert m.head_drop.p == 0.1
         assert [a.attention_dropout for a in attentions(m)] == [sim.scheduler.model_value("dropout", r)] * 2
-    # round 19: a pattern no module name matches says so (and that names carry no "module.")
+    # a pattern no module name matches says so (and that names carry no "module.")
     with pytest.raises(HDETConfigError, match=r"hdet.axes.dropout.modules: \['module.\*.nothing'\] match no module "
                                               r"name of WithDropout \(names carry no 'module.' prefix\); its names "
                                               r"look like llama, llama.model"):
@@ -253,15 +252,16 @@ def test_hdet_train_checks_beta2_bounds_from_the_file_before_any_rank_starts():
     ({"lr": {"spread_ratio": 0.1, "bounds": [0.001, 0.01]}}, "hdet.axes.lr.bounds: the lr axis follows hdet.schedule"),
     ({"dropout": {"spread_ratio": 0.05, "value": 0.0}}, "hdet.axes.dropout.kind: a multiplicative spread of a dropout of 0"),
     ({"label_smoothing": {"spread_ratio": 0.05}}, "hdet.axes.label_smoothing.kind: a multiplicative spread"),
-    # round 19: additive around 0 is no way out for temperature (bounds from 0.01); inf is not "outside bounds"
+    # additive around 0 is no way out for temperature (bounds from 0.01); inf is not "outside bounds"
     ({"temperature": {"spread_ratio": 0.1, "value": 0}}, "nothing is explored: use a temperature > 0"),
     ({"temperature": {"spread_ratio": 0.1, "value": math.inf, "bounds": [0.01, math.inf]}},
      "hdet.axes.temperature.value: must be a finite number, got inf"),
 ])
 def test_round_16_axis_configs_are_refused_when_parsed(axes, needle):
-    """Tester round 16: bounds on the LR were checked against its peak only (the schedule
-    took the replicas outside); a multiplicative spread of a model-side 0 was refused only
-    inside the ranks, with the optimizer's wording."""
+    """Bounds on the LR are checked against the whole schedule, not its peak only (the
+    schedule would take the replicas outside them); a multiplicative spread of a
+    model-side 0 is refused when the config is parsed, not inside the ranks with the
+    optimizer's wording."""
     with pytest.raises(HDETConfigError) as e:
         HDETConfig.from_dict(block(**axes))
     assert needle in str(e.value)
@@ -293,15 +293,16 @@ def test_the_log_controller_holds_the_shift_at_the_bound_and_says_so():
 
 
 def test_hdet_train_names_a_list_over_an_object_and_two_dropout_values():
-    """Tester round 16: a list where the DeepSpeed config has an object was OmegaConf's
-    TypeError traceback; model.dropout and axes.dropout.value disagreeing was silent."""
+    """A list where the DeepSpeed config has an object is named (no OmegaConf TypeError
+    traceback); model.dropout and axes.dropout.value disagreeing is refused, not left
+    silent."""
     from hdet_scale.train.config import load_run_config
 
     with pytest.raises(HDETConfigError, match=r"deepspeed.hdet.axes: expected an object .*got a list"):
         load_run_config(None, ["deepspeed.hdet.axes=[lr, dropout]"])
     with pytest.raises(HDETConfigError, match=r"deepspeed.optimizer.params.betas: expected a list"):
         load_run_config(None, ["deepspeed.optimizer.params.betas={a: 1}"])
-    for model_dropout in ("0.1", "0.0"):  # round 17: an explicit 0.0 (the default) was silently overridden
+    for model_dropout in ("0.1", "0.0"):  # an explicit 0.0 (the default) counts too: not silently overridden
         with pytest.raises(HDETConfigError, match=rf"axes.dropout.value=0.2 and model.dropout={model_dropout}: in "
                                                   "hdet-train the dropout axis spreads around model.dropout"):
             load_run_config(None, [f"model.dropout={model_dropout}",
@@ -311,8 +312,8 @@ def test_hdet_train_names_a_list_over_an_object_and_two_dropout_values():
 
 
 def test_beta2_or_eps_on_an_optimizer_without_them_is_refused_from_the_file():
-    """Tester round 17: hdet-dryrun accepted a beta2 axis on SGD, and hdet-train refused it
-    only in the ranks (16-26 s); now both refuse it from the optimizer block."""
+    """hdet-dryrun and hdet-train both refuse a beta2 axis on SGD from the optimizer block,
+    before any rank starts (inside the ranks the refusal would come 16-26 s in)."""
     from hdet_scale.dryrun import describe
     from hdet_scale.engine_config import check_optimizer_axes
 
@@ -330,9 +331,9 @@ def test_beta2_or_eps_on_an_optimizer_without_them_is_refused_from_the_file():
 
 
 def test_hdet_train_checks_modules_on_its_model_before_any_rank_starts():
-    """Tester round 17: a dropout / temperature ``modules`` pattern matching nothing was
-    refused after the ranks started (up to 29 s on DDP); validate checks it on the meta
-    model, with the library's message under the trainer's key."""
+    """A dropout / temperature ``modules`` pattern matching nothing is refused before
+    the ranks start (after them it would take up to 29 s on DDP): validate checks it on
+    the meta model, with the library's message under the trainer's key."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
 
@@ -358,10 +359,11 @@ def test_an_axis_asked_to_move_without_a_spread_warns_while_others_move():
 
 
 def test_hdet_train_names_model_dropout_the_value_type_and_switches_optimizer_type():
-    """Tester round 18: (1) a dropout spread leaving its bounds named
-    ``deepspeed.hdet.axes.dropout.value``, a key hdet-train fills from model.dropout;
-    (2) ``value: "0.1"`` (a string) drew "two base values" with equal-looking numbers;
-    (3) ``deepspeed.optimizer.type=SGD`` was refused for the packaged AdamW's betas / eps."""
+    """hdet-train (1) names a dropout spread leaving its bounds as ``model.dropout``, not as
+    ``deepspeed.hdet.axes.dropout.value``, a key hdet-train fills from model.dropout; (2)
+    refuses ``value: "0.1"`` (a string) by its type, not as "two base values" with
+    equal-looking numbers; (3) takes ``deepspeed.optimizer.type=SGD``, leaving out the
+    packaged AdamW's betas / eps with a note."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
 
@@ -393,11 +395,11 @@ def test_hdet_train_names_model_dropout_the_value_type_and_switches_optimizer_ty
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2", "fairscale"])
 @pytest.mark.parametrize("spelling", ["sgd", "Sgd"])
 def test_a_torch_engine_switches_to_sgd_in_any_letters(backend, spelling):
-    """Tester round 25: the torch engines take ``optimizer.type`` in any case (docs/config.md),
-    but ``sgd`` kept the packaged AdamW's betas / eps (only ``SGD`` dropped them) and was
-    refused with "['betas', 'eps'] are not arguments of torch.optim.SGD". Now the same run
-    config as ``SGD``, with the same note; DeepSpeed, which looks a torch.optim class up
-    by its exact name, keeps refusing ``sgd`` and says to write 'SGD'."""
+    """The torch engines take ``optimizer.type`` in any case (docs/config.md): ``sgd`` gives
+    the same run config as ``SGD`` (the packaged AdamW's betas / eps left out, not refused with
+    "['betas', 'eps'] are not arguments of torch.optim.SGD"), with the same note; DeepSpeed,
+    which looks a torch.optim class up by its exact name, refuses ``sgd`` and says to write
+    'SGD'."""
     from hdet_scale.train.start_notes import switch_notes as _switch_notes
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
@@ -418,10 +420,10 @@ def test_a_torch_engine_switches_to_sgd_in_any_letters(backend, spelling):
 
 
 def test_a_misspelt_optimizer_on_deepspeed_is_one_line_with_the_near_name():
-    """Tester round 48: ``"AdamWW"`` on DeepSpeed gave two lines, the second ZeRO's
-    untested-optimizer advice (set zero_allow_untested_optimizer), which then failed with
-    the first. Now one line, naming the near torch.optim class; a real but untested
-    optimizer (SGD) still gets ZeRO's line."""
+    """``"AdamWW"`` on DeepSpeed is one line, naming the near torch.optim class, without
+    ZeRO's untested-optimizer advice (set zero_allow_untested_optimizer), which would
+    then fail with the first; a real but untested optimizer (SGD) still gets ZeRO's
+    line."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate
 
@@ -436,7 +438,7 @@ def test_a_misspelt_optimizer_on_deepspeed_is_one_line_with_the_near_name():
 
 
 def test_an_eps_of_0_spread_multiplicatively_is_refused_in_english():
-    """Tester round 18: "a eps"."""
+    """The refusal says "an eps", not "a eps"."""
     from hdet_scale.autolr import build_schedule, check_additive_floors
 
     cfg = HDETConfig.from_dict(block(eps={"spread_ratio": 0.5}))
@@ -446,8 +448,9 @@ def test_an_eps_of_0_spread_multiplicatively_is_refused_in_english():
 
 
 def test_auto_without_a_signal_names_the_axes_that_still_spread():
-    """Tester round 19: with lr and temperature at spread 0 (auto on) beside a dropout
-    spread, the warning said "the replicas train with the same values"."""
+    """With lr and temperature at spread 0 (auto on) beside a dropout spread, the
+    warning names the axis that still spreads, not "the replicas train with the same
+    values" (said only where nothing spreads)."""
     cfg = HDETConfig.from_dict({**block(lr={"spread_ratio": 0.0}, temperature={"spread_ratio": 0.0, "auto": True},
                                         dropout={"spread_ratio": 0.1, "kind": "additive", "value": 0.2}),
                                 "auto": {"enabled": True, "warmup_steps": 2}})
@@ -460,10 +463,11 @@ def test_auto_without_a_signal_names_the_axes_that_still_spread():
 
 @pytest.mark.parametrize("axis", ["dropout", "label_smoothing"])
 def test_auto_on_a_regulariser_axis_needs_the_probe(axis):
-    """Tester round 19: an auto ``label_smoothing`` axis on fitness ``train_loss`` fell at
-    every sync (hypergradient -0.76 each time): the training loss carries each replica's
-    own smoothing (dropout: is measured with dropout on), so less always scores better.
-    Refused; the probe (dropout off, no smoothing) and auto false are accepted."""
+    """An auto ``label_smoothing`` / dropout axis on fitness ``train_loss`` is refused:
+    the training loss carries each replica's own smoothing (dropout: is measured with
+    dropout on), so less always scores better (label_smoothing falls at every sync,
+    hypergradient -0.76 each time, measured). The probe (dropout off, no smoothing) and
+    auto false are accepted."""
     spec = {"spread_ratio": 0.05, "kind": "additive", "value": 0.1, "auto": True}
     with pytest.raises(HDETConfigError, match=rf"hdet.axes.{axis}.auto: auto-LR cannot move {axis} on fitness "
                                               "'train_loss'"):
@@ -473,9 +477,9 @@ def test_auto_on_a_regulariser_axis_needs_the_probe(axis):
 
 
 def test_optimizer_axis_errors_come_with_the_blocks_other_errors():
-    """Tester round 19: the beta2 bounds / additive eps below 0 / SGD without eps were
-    reported only once every other error (a warm-up too long, 3 replicas on 4 ranks) was
-    fixed, in hdet-train and hdet-dryrun."""
+    """The beta2 bounds / additive eps below 0 / SGD without eps are reported together
+    with every other error of the block (a warm-up too long, 3 replicas on 4 ranks), not
+    only once those are fixed, in hdet-train and hdet-dryrun."""
     from hdet_scale.dryrun import describe
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.loop import validate

@@ -1,5 +1,5 @@
 """When DeepSpeed's MPI discovery is asked for (``backends.deepspeed.mpi_discovery_wanted``):
-tester round 60 saw ``RANK``/``WORLD_SIZE``/``MASTER_*`` without ``LOCAL_RANK`` end in
+not for ``RANK``/``WORLD_SIZE``/``MASTER_*`` without ``LOCAL_RANK``, which would end in
 DeepSpeed's ``import mpi4py`` traceback. The real join without ``LOCAL_RANK`` is
 tests/distributed/test_deepspeed.py::test_a_world_without_local_rank_joins_over_env_without_mpi."""
 

@@ -87,7 +87,7 @@ def test_equals_torch_onecycle_every_step(name):
         sched.step(torch.tensor(1.0))
     with pytest.raises(ValueError) as theirs:
         ref.step()
-    # OneCycleLR's words, then the key that sets the length (tester round 56)
+    # OneCycleLR's words, then the key that sets the length
     assert str(ours.value).startswith(str(theirs.value) + " (hdet.schedule.total_steps"), (ours.value, theirs.value)
     assert sched.step_count == total and snapshot(opt) == snapshot(ref_opt)  # state unchanged by the error
 

@@ -1,6 +1,6 @@
 """How a rank's start-up error tells an op build that ended without its op (``op_missing``)
-from a real defect, on torch's own JIT loader: the waiting side of tester round 44's
-Ctrl-C during a first ``fused_adam`` compile. The building side (``build_interrupted``)
+from a real defect, on torch's own JIT loader: the waiting side of a Ctrl-C during a first
+``fused_adam`` compile. The building side (``build_interrupted``)
 is tested in test_startup_lock.py.
 """
 
@@ -29,8 +29,8 @@ def op_folder(tmp_path, monkeypatch):
 def test_a_waited_on_build_that_ended_without_the_op_is_named(op_folder):
     """Another process holds the op's lock (its build), this one waits in torch's loader,
     and the lock goes away with no library written (the builder stopped by a Ctrl-C): the
-    loader's ImportError is recognised and names the op. Before the fix the rank printed
-    that ImportError as a traceback and the launcher called it a failure."""
+    loader's ImportError is recognised and names the op, not printed as a traceback that
+    the launcher calls a failure."""
     folder, src = op_folder
     baton = FileBaton(str(folder / "lock"))
     assert baton.try_acquire()  # the other process's build

@@ -1,5 +1,5 @@
-"""Which optimizer settings a load replaced (``backends/optimizer_resume.py``; tester round
-65): real torch optimizers, their own ``load_state_dict``."""
+"""Which optimizer settings a load replaced (``backends/optimizer_resume.py``): real torch
+optimizers, their own ``load_state_dict``."""
 
 from __future__ import annotations
 

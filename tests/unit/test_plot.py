@@ -83,10 +83,11 @@ def test_series_equal_the_metrics():
 
 
 def test_the_fanout_takes_sync_records_where_logging_every_left_no_step_record():
-    """Tester round 61: with logging.every > 1 the fan-out was drawn from the per-step
-    records alone, though every sync record holds the values its step ran with. Keep
-    the per-step records of steps 3 and 6 only (every = 3): the fan-out is at steps 2,
-    3, 4, 6 (syncs 2 and 4 from their sync records), with the values of the full run."""
+    """With logging.every > 1 the fan-out is drawn from the sync records too, not from
+    the per-step records alone: every sync record holds the values its step ran with.
+    Keep the per-step records of steps 3 and 6 only (every = 3): the fan-out is at steps
+    2, 3, 4, 6 (syncs 2 and 4 from their sync records), with the values of the full
+    run."""
     full = series(_records())["fanout"][("lr", 0)]
     thin = [r for r in _records() if "hdet/sync" in r or r.get("step") in (3, 6) or "val/loss" in r]
     f = series(thin)["fanout"][("lr", 0)]
@@ -106,10 +107,9 @@ def test_nan_and_no_auto_update():
 
 
 def test_an_axis_outside_auto_lr_is_its_plain_schedule_and_paper_is_named():
-    """Tester round 61: an axis that auto-LR does not adjust (weight_decay here, beside an
-    auto-LR'd lr) was titled "no multiplier logged (auto.controller paper)" under the
-    "log" controller. It is its plain schedule; "paper" (no multiplier for any axis) keeps
-    its own title."""
+    """An axis that auto-LR does not adjust (weight_decay here, beside an auto-LR'd lr)
+    under the "log" controller is titled as its plain schedule, not "no multiplier logged
+    (auto.controller paper)"; "paper" (no multiplier for any axis) keeps its own title."""
     recs = _records()
     for r in recs:
         if "hdet/lr/replica_0/group_0" in r:
@@ -159,7 +159,7 @@ def test_cut_off_last_line_is_skipped(tmp_path):
 
 
 @pytest.mark.parametrize("content", [None, "", "{not json\n", '{"step": 1}\n[1]\n',
-                                     b"\x80\x90\xff binary, not UTF-8\n"])  # round 12: a UnicodeDecodeError
+                                     b"\x80\x90\xff binary, not UTF-8\n"])  # no UnicodeDecodeError
 def test_bad_metrics_file_exits_2(tmp_path, capsys, content):
     if isinstance(content, bytes):
         (tmp_path / "metrics.jsonl").write_bytes(content)
@@ -174,7 +174,7 @@ def test_bad_metrics_file_exits_2(tmp_path, capsys, content):
 
 def test_a_file_where_the_plots_folder_goes_is_named(tmp_path, capsys):
     """A ``plots`` file in the run_dir (the user's): exit 2, one line naming it, the file
-    untouched (it was a FileExistsError traceback)."""
+    untouched (no FileExistsError traceback)."""
     from hdet_scale.plot import main
 
     _write(tmp_path, _records())
@@ -187,21 +187,22 @@ def test_a_file_where_the_plots_folder_goes_is_named(tmp_path, capsys):
 
 
 def test_a_metrics_file_of_no_hdet_run_is_an_error(tmp_path, capsys):
-    """Tester round 11: records with no hdet value wrote no PNG and exited 0."""
+    """Records with no hdet value are an error (exit 2), not a run of no PNG and exit 0;
+    no empty plots/ is left behind."""
     from hdet_scale.plot import main
 
     _write(tmp_path, [{"foo": 1}, {"step": 2, "bar": 3}])
     assert main([str(tmp_path)]) == 2
     assert "no record of an hdet-train run in it" in capsys.readouterr().err
-    assert not (tmp_path / "plots").exists()  # tester round 43: an empty plots/ was left behind
+    assert not (tmp_path / "plots").exists()  # no empty plots/ left behind
     (tmp_path / "plots").mkdir()  # a folder that was there stays
     assert main([str(tmp_path)]) == 2
     assert (tmp_path / "plots").is_dir()
 
 
 def test_a_run_dir_without_metrics_yet_says_so(tmp_path, capsys):
-    """Tester issue 9: "cannot read the metrics file (No such file or directory)" for the
-    run_dir of a job that had not logged its first step."""
+    """The run_dir of a job that has not logged its first step is not "cannot read the
+    metrics file (No such file or directory)"."""
     assert main([str(tmp_path)]) == 2
     assert capsys.readouterr().err == (f"hdet-plot: error: {tmp_path} has no metrics.jsonl yet "
                                        f"({tmp_path / 'metrics.jsonl'}): a run that has not logged its first step, "
@@ -209,9 +210,9 @@ def test_a_run_dir_without_metrics_yet_says_so(tmp_path, capsys):
 
 
 def test_values_that_are_not_numbers_are_skipped_with_one_note_per_key(tmp_path, capsys):
-    """Tester issue 9: text, a list, 1e999 (inf to json) and a text step were drawn as NaN
-    or dropped, and hdet-plot exited 0 without a word. Each key is named once, with the
-    line of its first bad value; the values the trainer writes ("nan", null) pass."""
+    """Text, a list, 1e999 (inf to json) and a text step are not drawn as NaN or dropped
+    with exit 0 without a word: each key is named once, with the line of its first bad
+    value; the values the trainer writes ("nan", null) pass."""
     from hdet_scale.plot import read_records
 
     recs = _records()
@@ -235,10 +236,11 @@ def test_values_that_are_not_numbers_are_skipped_with_one_note_per_key(tmp_path,
 
 
 def test_values_out_of_step_order_are_skipped_with_a_note(tmp_path, capsys):
-    """Tester round 54: a record appended at step 3 after step 30, and a repeated step 30,
-    were drawn (the curve ran back to step 3) without a word. A value at a step before the
-    last one of its key, or at the same step again, is skipped with one note per key; a
-    replica's axis value, which the trainer logs twice at a sync step, may repeat its step."""
+    """A record appended at step 3 after step 30, and a repeated step 30, are not drawn
+    without a word (the curve running back to step 3): a value at a step before the last
+    one of its key, or at the same step again, is skipped with one note per key; a
+    replica's axis value, which the trainer logs twice at a sync step, may repeat its
+    step."""
     from hdet_scale.plot import read_records
 
     recs = _records()
@@ -262,10 +264,10 @@ def test_values_out_of_step_order_are_skipped_with_a_note(tmp_path, capsys):
 
 
 def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
-    """Tester round 22: ``hdet-plot`` on a run_dir whose ``metrics.jsonl`` is a FIFO
-    printed nothing and blocked in open() until killed (hdet-train refuses FIFOs). Now
-    exit 2 naming the file; a FIFO ``summary.json`` is skipped like a missing one. Run in
-    a thread so that a regression fails here instead of hanging the suite."""
+    """``hdet-plot`` on a run_dir whose ``metrics.jsonl`` is a FIFO does not print
+    nothing and block in open() until killed (hdet-train refuses FIFOs): exit 2 naming
+    the file; a FIFO ``summary.json`` is skipped like a missing one. Run in a thread so
+    that a regression fails here instead of hanging the suite."""
     import threading
 
     def run(argv, out):
@@ -288,11 +290,11 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path, capsys):
 
 
 def test_a_bad_mplbackend_neither_fails_the_run_nor_the_command(tmp_path):
-    """Tester round 23: ``MPLBACKEND=nonsense`` made matplotlib's import raise ValueError:
-    a finished ``hdet-train`` run then ended with a traceback and exit 1 (docs: a plot never
-    fails a run), ``hdet-plot`` with a traceback. The PNGs use no GUI backend, so the
-    variable is hidden from the import: both write their plots. A fresh interpreter, as
-    this one may have imported matplotlib already."""
+    """``MPLBACKEND=nonsense`` makes matplotlib's import raise ValueError, which would end
+    a finished ``hdet-train`` run with a traceback and exit 1 (docs: a plot never fails a
+    run), and ``hdet-plot`` with a traceback. The PNGs use no GUI backend, so the variable
+    is hidden from the import: both write their plots. A fresh interpreter, as this one
+    may have imported matplotlib already."""
     import subprocess
     import sys
 
@@ -309,12 +311,11 @@ def test_a_bad_mplbackend_neither_fails_the_run_nor_the_command(tmp_path):
 
 
 def test_a_metrics_file_is_plotted_as_its_run_and_a_library_jsonl_beside_itself(tmp_path, capsys):
-    """Tester round 24: ``hdet-plot RUN/metrics.jsonl`` said "RUN/metrics.jsonl/metrics.jsonl:
-    cannot read the metrics file (Not a directory)"; round 63: a library or HDETTrainer
-    ``hdet.logging.jsonl`` could not be plotted at all. ``RUN/metrics.jsonl`` now plots as
-    ``RUN`` (the same PNGs, into RUN/plots); ``logs/hdet.jsonl`` into ``logs/hdet_plots``,
-    the same PNG names as a run_dir of the same records, and again on a second call (its
-    own earlier plots); a file that is no .jsonl is named as before."""
+    """``hdet-plot RUN/metrics.jsonl`` plots as ``RUN`` (the same PNGs, into RUN/plots),
+    not "RUN/metrics.jsonl/metrics.jsonl: cannot read the metrics file (Not a directory)";
+    a library or HDETTrainer ``hdet.logging.jsonl`` plots too: ``logs/hdet.jsonl`` into
+    ``logs/hdet_plots``, the same PNG names as a run_dir of the same records, and again on
+    a second call (its own earlier plots); a file that is no .jsonl keeps its error."""
     run = tmp_path / "run"
     _write(run, _records())
     assert main([str(run / "metrics.jsonl")]) == 0
@@ -327,7 +328,7 @@ def test_a_metrics_file_is_plotted_as_its_run_and_a_library_jsonl_beside_itself(
     (logs / "one.jsonl").write_text('{"hdet/step": 1, "hdet/loss": 1.0}\n')  # no "step": nothing to draw
     assert main([str(logs / "one.jsonl")]) == 2
     assert f"{logs / 'one.jsonl'}: no record of an hdet-train run in it (no hdet/* values in records with an " \
-           'integer "step")' in capsys.readouterr().err  # tester round 66: it named ./metrics.jsonl
+           'integer "step")' in capsys.readouterr().err  # the file given, not ./metrics.jsonl
     for _ in range(2):
         assert main([str(logs / "hdet.jsonl")]) == 0, capsys.readouterr().err
         assert sorted(os.listdir(logs / "hdet_plots")) == drawn
@@ -340,9 +341,9 @@ def test_a_metrics_file_is_plotted_as_its_run_and_a_library_jsonl_beside_itself(
 
 
 def test_a_binary_metrics_file_is_named_as_not_json_lines(tmp_path):
-    """Tester round 25: a binary ``metrics.jsonl`` (no newline) was read as a run cut off
-    while writing its first record: "holds no record (did the run log a step?)". Said as
-    what it is now; a real cut-off first record keeps the old message."""
+    """A binary ``metrics.jsonl`` (no newline) is said as what it is, not read as a run
+    cut off while writing its first record ("holds no record (did the run log a
+    step?)"); a real cut-off first record keeps that message."""
     from hdet_scale.errors import HDETConfigError
     from hdet_scale.plot import read_records
 
@@ -354,7 +355,7 @@ def test_a_binary_metrics_file_is_named_as_not_json_lines(tmp_path):
     path.write_text('{"step": 1, "hdet/lo')
     with pytest.raises(HDETConfigError, match=r"holds no record \(did the run log a step\?\)"):
         read_records(str(path))
-    # tester round 53: a cut-off last line after whole records was left out without a word
+    # a cut-off last line after whole records is left out with a note
     path.write_text('{"step": 1, "hdet/loss": 2.0}\n{"step": 2, "hdet/lo')
     notes: list[str] = []
     assert read_records(str(path), notes.append) == [{"step": 1, "hdet/loss": 2.0}]
@@ -390,11 +391,11 @@ def _one_line(capsys, folder) -> str:
 
 
 def test_another_runs_plots_folder_is_refused_and_left_as_it_was(tmp_path, capsys):
-    """Tester: ``hdet-plot p/onlyline --out runs/f1/plots`` exited 0 and replaced f1's
-    loss.png, fanout and base PNGs, leaving f1's sync.png: a folder of two runs' figures,
-    f1's lost without a word. Now exit 2 before anything is written, one line naming the
-    folder, the run whose plots it holds and the way out; also for the plots of a run made
-    before hdet-plot recorded whose plots a folder holds (PNGs, no record)."""
+    """``hdet-plot p/onlyline --out runs/f1/plots`` would replace f1's loss.png, fanout
+    and base PNGs, leaving f1's sync.png: a folder of two runs' figures, f1's lost
+    without a word. Exit 2 before anything is written, one line naming the folder, the
+    run whose plots it holds and the way out; also for the plots of a run made before
+    hdet-plot recorded whose plots a folder holds (PNGs, no record)."""
     a, b = tmp_path / "f1", tmp_path / "onlyline"
     _write(a, _records())
     _write(b, _one_replica())
@@ -408,8 +409,8 @@ def test_another_runs_plots_folder_is_refused_and_left_as_it_was(tmp_path, capsy
         err = _one_line(capsys, a / "plots")
         assert f"the plots of run {os.path.realpath(a)}" in err and "another --out" in err and "--overwrite" in err
         assert _snapshot(a / "plots") == before  # byte for byte, nothing added or removed
-    # tester round 31: a user's file beside the plots (recorded, as the trainer writes them)
-    # was counted as one of them
+    # a user's file beside the plots (recorded, as the trainer writes them) is not counted
+    # as one of them
     write_plots(str(a), log=lambda line: None)
     (a / "plots" / "notes.txt").write_text("my notes")
     assert main([str(b), "--out", str(a / "plots")]) == 2
@@ -420,7 +421,7 @@ def test_another_runs_plots_folder_is_refused_and_left_as_it_was(tmp_path, capsy
 
 
 def test_a_folder_of_other_files_is_refused_and_untouched(tmp_path, capsys):
-    """``hdet-plot X --out mydata`` wrote PNGs among a user's data files without a word."""
+    """``hdet-plot X --out mydata`` does not write PNGs among a user's data files without a word."""
     run, data = tmp_path / "run", tmp_path / "mydata"
     _write(run, _records())
     data.mkdir()
@@ -431,7 +432,7 @@ def test_a_folder_of_other_files_is_refused_and_untouched(tmp_path, capsys):
     err = _one_line(capsys, data)
     assert "not hdet plots" in err and "x.csv" in err and "another --out" in err
     assert _snapshot(data) == before
-    (data / "x.csv").unlink()  # the user's loss.png alone: not said to be hdet's (tester round 41)
+    (data / "x.csv").unlink()  # the user's loss.png alone: not said to be hdet's
     before = _snapshot(data)
     assert main([str(run), "--out", str(data)]) == 2
     err = _one_line(capsys, data)
@@ -480,7 +481,7 @@ def test_replotting_removes_the_earlier_plots_it_does_not_write_again(tmp_path):
 
 def test_a_run_plotted_before_the_record_existed_is_plotted_again(tmp_path, capsys):
     """``hdet-plot runs/default`` keeps working for a run whose plots/ has PNGs and no
-    record (hdet-train wrote them before this change): its own folder is always its to
+    record (as an hdet-train that wrote no record left them): its own folder is always its to
     write; an hdet-plot PNG this plotting does not write again goes, a user's file stays."""
     run = tmp_path / "run"
     _write(run, _records())
@@ -525,7 +526,7 @@ def test_overwrite_replaces_another_runs_plots_and_the_run_takes_its_folder_back
 
 def test_train_overwrite_removes_the_plots_and_their_record_but_not_a_users_file(tmp_path):
     """``train.overwrite=true`` removes the replaced run's PNGs from run_dir/plots: the
-    record of whose plots they were goes with them (it kept the emptied folder alive), a
+    record of whose plots they were goes with them (left, it would keep the emptied folder alive), a
     user's own file there stays, and so does the folder then."""
     from hdet_scale.plot_out import RECORD
     from hdet_scale.train.rundir import _remove_plots
@@ -545,9 +546,9 @@ def test_train_overwrite_removes_the_plots_and_their_record_but_not_a_users_file
 
 
 def test_values_matplotlib_cannot_draw_skip_that_plot_with_a_note(tmp_path, capsys):
-    """Tester round 55: train losses alternating +-1e308 ended hdet-plot in matplotlib's
-    "arange: cannot compute length" traceback. That plot is skipped with one line naming
-    it; the others are written, exit 0, no partial file left."""
+    """Train losses alternating +-1e308 (matplotlib's "arange: cannot compute length")
+    skip that plot with one line naming it, not a traceback; the others are written,
+    exit 0, no partial file left."""
     recs = _records()
     for i, r in enumerate(recs):
         if "hdet/loss" in r:
@@ -562,9 +563,9 @@ def test_values_matplotlib_cannot_draw_skip_that_plot_with_a_note(tmp_path, caps
 
 
 def test_a_file_whose_steps_are_all_floats_says_so(tmp_path, capsys):
-    """Noticed in round 55: every record's step a float (1.5, 2.5...) was skipped with a
-    note, then the error said "no record of an hdet-train run in it", which the file is.
-    The error names the steps."""
+    """Every record's step a float (1.5, 2.5...) is skipped with a note, and the error
+    then names the steps, not only "no record of an hdet-train run in it", which the
+    file is."""
     recs = _records()
     for r in recs:
         r["step"] = r["step"] + 0.5
@@ -576,9 +577,9 @@ def test_a_file_whose_steps_are_all_floats_says_so(tmp_path, capsys):
 
 
 def test_plots_of_a_run_still_training_say_so(tmp_path, capsys):
-    """Tester round 57: hdet-plot on a run still training said "no validation loss in the
-    run", as if it were done. With the run's lock held (as a running hdet-train holds it)
-    one note says the run is still training; without it, none."""
+    """hdet-plot on a run still training does not say "no validation loss in the run" as
+    if it were done: with the run's lock held (as a running hdet-train holds it) one note
+    says the run is still training; without it, none."""
     import fcntl
 
     _write(tmp_path, _records())

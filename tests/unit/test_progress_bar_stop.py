@@ -1,7 +1,7 @@
-"""Rank 0's progress bar leaves nothing behind when a signal ends the rank (tester round
-32: after Ctrl-C / SIGTERM of hdet-train, with the default progress bar on, the resource
-tracker warned of "1 leaked semaphore objects to clean up at shutdown" after the stop line:
-tqdm's default lock is a multiprocessing RLock, a named semaphore)."""
+"""Rank 0's progress bar leaves nothing behind when a signal ends the rank (after Ctrl-C /
+SIGTERM of hdet-train, with the default progress bar on, the resource tracker must not warn
+of "1 leaked semaphore objects to clean up at shutdown" after the stop line: tqdm's default
+lock is a multiprocessing RLock, a named semaphore)."""
 
 from __future__ import annotations
 

@@ -42,10 +42,11 @@ def test_forget_agent_removes_only_that_agents_markers(monkeypatch, tmp_path):
 
 
 def test_the_agents_failure_note_names_the_failure_in_rank_0s_line(monkeypatch, tmp_path):
-    """Tester round 51: rank 0, ended by the agent after another rank was killed, said
-    "stopped by SIGTERM" as if the user had sent it. The agent's note (written by
+    """Rank 0, ended by the agent after another rank was killed, does not say "stopped by
+    SIGTERM" as if the user had sent it: the agent's note (written by
     launchers/torchrun_quiet.py before it ends the ranks) makes the line name the failure
-    and what comes next: a restart that resumes by itself, or (none left) the checkpoint."""
+    and what comes next: a restart that resumes by itself, or (none left) the
+    checkpoint."""
     from hdet_scale.train.stopping import failed_message
 
     _attempt(monkeypatch, tmp_path, 0, 1)
@@ -71,10 +72,10 @@ def test_the_agents_failure_note_names_the_failure_in_rank_0s_line(monkeypatch, 
 
 
 def test_rank_0s_completed_note_reaches_the_agent_and_goes_with_it(monkeypatch, tmp_path):
-    """Tester round 53: a rank lost after the run completed was reported by the launchers'
-    torchrun as a failed run. Rank 0 leaves its agent a note once summary.json is written
-    (``said``: rank 0 printed the line itself, so the agent prints none); nothing outside
-    torchrun; the agent's end removes it."""
+    """A rank lost after the run completed is no failed run to the launchers' torchrun:
+    rank 0 leaves its agent a note once summary.json is written (``said``: rank 0 printed
+    the line itself, so the agent prints none); nothing outside torchrun; the agent's end
+    removes it."""
     _attempt(monkeypatch, tmp_path, 0, 1)
     agent = os.getppid()
     assert refusals.completed_noted(agent) is None
@@ -91,10 +92,10 @@ def test_rank_0s_completed_note_reaches_the_agent_and_goes_with_it(monkeypatch, 
 
 
 def test_a_rank_that_lost_its_peer_names_the_restart_to_come_not_a_fresh_start(monkeypatch, tmp_path):
-    """Tester round 56: under the launchers' torchrun with restarts left and no checkpoint
-    yet, rank 0's line for a lost peer advised "start again ... with train.overwrite=true"
-    beside the agent's "restarts the job". It now names the restart, as the agent's note
-    does; with no restart left, the resume advice."""
+    """Under the launchers' torchrun with restarts left and no checkpoint yet, rank 0's
+    line for a lost peer names the restart, as the agent's note does, not "start again ...
+    with train.overwrite=true" beside the agent's "restarts the job"; with no restart
+    left, the resume advice."""
     from hdet_scale.train.stopping import after_failure
 
     run = {"run_dir": str(tmp_path / "run"), "train": {"checkpoint_every": 3, "steps": 20}}

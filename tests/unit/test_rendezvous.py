@@ -1,7 +1,7 @@
-"""The process-group rendezvous when a rank never joins (tester round 25 of issue 9).
+"""The process-group rendezvous when a rank never joins.
 
-A rank whose peers never come waited in torch's TCPStore for 30 minutes with no output,
-then died with a ``DistStoreError`` / ``DistNetworkError`` traceback. ``joining`` prints a
+A rank whose peers never come would wait in torch's TCPStore for 30 minutes with no output,
+then die with a ``DistStoreError`` / ``DistNetworkError`` traceback. ``joining`` prints a
 line every ``notice_every`` seconds naming the rank and the address, and turns the timeout
 into one ``HDETConfigError``. A real gloo rendezvous in a subprocess, with torch's timeout
 cut to 3 s (the only change from a run: 30 min is too long for a test) and notices every

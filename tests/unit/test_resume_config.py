@@ -69,11 +69,11 @@ def test_a_changed_model_shape_is_refused_naming_every_key(tmp_path):
 
 
 def test_a_changed_precision_is_refused_and_its_default_is_no_change(tmp_path):
-    """Issue 9, tester round 5: bf16 switched on in the DeepSpeed JSON of a resumed run was
-    accepted as a change, and every rank then failed to find DeepSpeed's
-    ``bf16_zero_pp_rank_*_optim_states.pt`` (a FileNotFoundError naming no setting). Now it
-    is refused before any rank starts, naming the key; ``bf16.enabled=false`` against a
-    checkpoint whose run left it unset (DeepSpeed's default) is no change at all."""
+    """bf16 switched on in the DeepSpeed JSON of a resumed run is refused before any rank
+    starts, naming the key: accepted as a change, every rank would fail to find DeepSpeed's
+    ``bf16_zero_pp_rank_*_optim_states.pt`` (a FileNotFoundError naming no setting).
+    ``bf16.enabled=false`` against a checkpoint whose run left it unset (DeepSpeed's
+    default) is no change at all."""
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 10, run_config(tmp_path))
     with pytest.raises(HDETStateError) as err:
@@ -88,10 +88,10 @@ SHORT = ("deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5")
 
 
 def test_a_longer_run_is_refused_with_advice_that_works(tmp_path):
-    """Tester round 45: lengthening a finished 20-step run was refused with "train.steps
-    sets it unless deepspeed.hdet.schedule.total_steps is given"; giving total_steps=20
-    then failed ("shorter than train.steps=30"). The advice now is a schedule set to the
-    whole length from the start, which a resume may then run up to: followed here."""
+    """Lengthening a finished 20-step run is advised as a schedule set to the whole
+    length from the start, which a resume may then run up to (followed here), not
+    "train.steps sets it unless deepspeed.hdet.schedule.total_steps is given", whose
+    total_steps=20 would then fail ("shorter than train.steps=30")."""
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 20, run_config(tmp_path, "train.steps=20", *SHORT))
     with pytest.raises(HDETStateError) as err:
@@ -140,8 +140,8 @@ def test_each_tag_is_compared_with_its_own_record(tmp_path):
     """A record per tag, for the tags the index lists: a save cut short after its record
     (latest still on the previous tag) compares with the previous tag's settings, and
     pruned tags' records go with the next save. A checkpoint without a record file is
-    refused, naming it (tester round 9: a changed model shape then failed in the ranks'
-    load); one whose record lists no entry for the tag (``{"runs": {}}``, the way out the
+    refused, naming it (unchecked, a changed model shape would fail in the ranks' load);
+    one whose record lists no entry for the tag (``{"runs": {}}``, the way out the
     message names) resumes unchecked; a damaged record file is named."""
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 5, None)  # no record file
@@ -211,11 +211,11 @@ def test_the_lr_the_warning_names_is_the_lr_a_loaded_scheduler_sets(tmp_path, co
 
 
 def test_a_changed_model_axis_base_says_the_learned_shift_stays(tmp_path):
-    """Tester round 18: after auto-LR moved the dropout axis, a resume with a new
-    model.dropout said "the resumed run uses 0.2", hiding that the shift learned up to the
-    checkpoint is restored on top (the "log" controller: ``Controller.value`` = new base +
-    saved shift); "paper" keeps its saved meta-updated base and ignores the new one.
-    Before the first meta-update nothing was learned: the plain line stays."""
+    """After auto-LR moved the dropout axis, a resume with a new model.dropout says that
+    the shift learned up to the checkpoint is restored on top (the "log" controller:
+    ``Controller.value`` = new base + saved shift), not only "the resumed run uses 0.2";
+    "paper" keeps its saved meta-updated base and ignores the new one. Before the first
+    meta-update nothing is learned: the plain line stays."""
     axis = ("deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, dropout: {spread_ratio: 0.02, kind: additive, "
             "auto: true}}")
     common = ["deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5", axis]
@@ -234,9 +234,10 @@ def test_a_changed_model_axis_base_says_the_learned_shift_stays(tmp_path):
 
 
 def test_changed_betas_with_a_beta2_axis_says_the_new_beta2_is_used(tmp_path):
-    """Tester round 19: with ``beta2`` explored, a resume with new ``betas`` said the run
-    "keeps the checkpoint's value" while the logged replica beta2 were the new 0.98 +- 1%
-    (HDET writes beta2 into the parameter groups every step); only beta1 is restored."""
+    """With ``beta2`` explored, a resume with new ``betas`` says the run uses the new
+    beta2 (HDET writes beta2 into the parameter groups every step: the logged replica
+    beta2 are the new 0.98 +- 1%), not that it "keeps the checkpoint's value"; only beta1
+    is restored."""
     axes = "deepspeed.hdet.axes={lr: {spread_ratio: 0.1}, beta2: {spread_ratio: 0.01}}"
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 10, run_config(tmp_path, axes))
@@ -251,10 +252,10 @@ def test_changed_betas_with_a_beta2_axis_says_the_new_beta2_is_used(tmp_path):
 
 
 def test_zero_stage_is_no_change_for_engines_that_do_not_read_it(tmp_path):
-    """Tester round 20: a ddp / fairscale resume with a new zero_optimization.stage (set to
-    silence the note that these engines do not read it) was refused as "the ZeRO stage
-    the saved partitions were written by"; the fsdp2 precision refusal named DeepSpeed's
-    file names. DeepSpeed itself still refuses the stage change."""
+    """A ddp / fairscale resume with a new zero_optimization.stage (set to silence the
+    note that these engines do not read it) is a change of no effect, not refused as
+    "the ZeRO stage the saved partitions were written by"; the fsdp2 precision refusal
+    names no DeepSpeed file names. DeepSpeed itself still refuses the stage change."""
     for backend in ("ddp", "fairscale"):
         ckpt = tmp_path / backend / "checkpoint"
         save(ckpt, 10, run_config(ckpt.parent, f"backend={backend}"))
@@ -274,8 +275,9 @@ def test_zero_stage_is_no_change_for_engines_that_do_not_read_it(tmp_path):
 
 
 def test_an_axis_auto_turned_off_says_the_learned_value_stays(tmp_path):
-    """Tester round 20: resuming with ``lr.auto=false`` said "uses false"; the LR then
-    followed the schedule times the multiplier learned before (measured x1.2687)."""
+    """Resuming with ``lr.auto=false`` says that what auto-LR learned stays, not only
+    "uses false": the LR then follows the schedule times the multiplier learned before
+    (x1.2687, measured)."""
     common = ["deepspeed.hdet.sync_interval=5", "deepspeed.hdet.auto.warmup_steps=5"]
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 10, run_config(tmp_path, *common))
@@ -285,9 +287,9 @@ def test_an_axis_auto_turned_off_says_the_learned_value_stays(tmp_path):
 
 
 def test_init_seed_and_eval_batches_changes_are_announced(tmp_path):
-    """A changed ``model.init_seed`` or ``train.eval_batches`` on resume was not compared,
-    so the run said nothing: the first has no effect (the checkpoint replaces the initial
-    weights), the second changes what the validation loss measures from here on."""
+    """A changed ``model.init_seed`` or ``train.eval_batches`` on resume is compared and
+    announced: the first has no effect (the checkpoint replaces the initial weights), the
+    second changes what the validation loss measures from here on."""
     ckpt = tmp_path / "checkpoint"
     save(ckpt, 10, run_config(tmp_path))
     text = resume_config.notice(run_config(tmp_path, "model.init_seed=7", "train.eval_batches=3"), str(ckpt))
@@ -299,11 +301,11 @@ def test_init_seed_and_eval_batches_changes_are_announced(tmp_path):
 
 
 def test_changed_training_bytes_are_told_and_a_respelled_data_path_is_no_change(tmp_path, monkeypatch):
-    """Tester round 56: files added to data.path (or lines appended) since the checkpoint
-    were trained on without a word, and the same folder given as ``data1/`` and as its
-    absolute path was announced as a change. The record holds the corpus' fingerprint
-    (data.fingerprint, read from a real ``load_corpus``); a record without one (a
-    checkpoint saved before it was recorded) tells nothing."""
+    """Files added to data.path (or lines appended) since the checkpoint are not trained
+    on without a word, and the same folder given as ``data1/`` and as its absolute path
+    is no change. The record holds the corpus' fingerprint (data.fingerprint, read from
+    a real ``load_corpus``); a record without one (a checkpoint saved before it was
+    recorded) tells nothing."""
     from hdet_scale.train.data import fingerprint, load_corpus
 
     folder = tmp_path / "data1"
@@ -339,10 +341,10 @@ def test_changed_training_bytes_are_told_and_a_respelled_data_path_is_no_change(
 
 
 def test_a_changed_wandb_project_is_told_when_the_checkpoint_recorded_a_wandb_run(tmp_path):
-    """Tester round 57: a resume with another wandb.project was told nothing (the
-    WANDB_RUN_ID note said it "continues the W&B run") and W&B opened a new run of that id
-    in the new project. Told when the checkpoint recorded a W&B run and W&B is on; the
-    other wandb keys (name, mode, dir) are still not compared."""
+    """A resume with another wandb.project is told so (W&B would open a new run of that
+    id in the new project, where the WANDB_RUN_ID note says it "continues the W&B run").
+    Told when the checkpoint recorded a W&B run and W&B is on; the other wandb keys
+    (name, mode, dir) are not compared."""
     ckpt = tmp_path / "checkpoint"
     first = run_config(tmp_path, "wandb.enabled=true", "wandb.project=first")
     save(ckpt, 10, None)

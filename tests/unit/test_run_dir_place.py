@@ -1,9 +1,9 @@
-"""Where a run_dir is (``train/run_dir_place.py``, tester round 59): run_dir=/ trained and
-wrote checkpoint/, plots/, metrics.jsonl... among the system's folders, and a folder of
-the user's own files got the run's files beside them without a word. The root is refused
-(exit 2, before anything is written); a non-empty folder that holds no run gets one note
-from the process that announces; an empty, new or earlier-run folder gets none. And
-``nproc=1`` (a world the user asked for) is no longer asked about plain ``python``."""
+"""Where a run_dir is (``train/run_dir_place.py``): run_dir=/ would train and write
+checkpoint/, plots/, metrics.jsonl... among the system's folders, and a folder of the
+user's own files would get the run's files beside them without a word. The root is
+refused (exit 2, before anything is written); a non-empty folder that holds no run gets
+one note from the process that announces; an empty, new or earlier-run folder gets none.
+And ``nproc=1`` (a world the user asked for) is not asked about plain ``python``."""
 
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ def test_the_note_is_printed_once_at_the_start(no_world, tmp_path, capsys):
                                     "deepspeed.hdet.replicas to one of [1, 2, 4]"),
 ])
 def test_a_world_replicas_do_not_divide_is_said_in_terms_of_nproc(no_world, tmp_path, capsys, args, needle):
-    """Tester round 59: nproc=1 asked whether a script had been started with plain python."""
+    """nproc=1 (a world the user asked for) is not asked whether a script was started with
+    plain python; the replicas are said in terms of nproc."""
     assert cli.main([*TINY, *args, f"run_dir={tmp_path / 'run'}"]) == 2 and no_world == []
     err = capsys.readouterr().err
     assert needle in err and "plain `python`" not in err and "allowed values for this world" not in err, err
@@ -131,9 +132,9 @@ def test_in_nproc_terms_keeps_other_errors_and_lines():
 
 
 def test_overwrite_notes_the_replaced_runs_wandb_folders_it_keeps(no_world, tmp_path, capsys):
-    """Tester round 64: train.overwrite=true kept the replaced run's offline W&B run
-    folder beside the new run's without a word. One note at the start names the folder,
-    the count and how to sync or delete them; none without a run to replace, without
+    """train.overwrite=true does not keep the replaced run's offline W&B run folder
+    beside the new run's without a word: one note at the start names the folder, the
+    count and how to sync or delete them; none without a run to replace, without
     overwrite, or with an empty W&B folder. Nothing is removed."""
     from hdet_scale.train.run_dir_place import kept_wandb_note
 
@@ -156,8 +157,8 @@ def test_overwrite_notes_the_replaced_runs_wandb_folders_it_keeps(no_world, tmp_
 
 
 def test_an_earlier_starts_wandb_folder_is_not_the_users_files(tmp_path):
-    """Tester round 65: a start stopped before its first step left run_dir/wandb (W&B's
-    offline run folder); the restart its stop line advised was told the run_dir held 1
+    """A start stopped before its first step leaves run_dir/wandb (W&B's offline run
+    folder); the restart its stop line advises must not be told the run_dir holds 1
     entry of the user's. A folder of W&B's own names is not counted; one with a file of
     the user's in it, or a file named wandb, still is."""
     wandb_dir = tmp_path / "wandb"

@@ -499,11 +499,11 @@ def test_missing_hyperparameter_raises_config_error():
 
 
 def test_a_resume_with_other_hdet_settings_warns_with_each_change():
-    """Tester round 25: ``HDETTrainer`` resumed a checkpoint with another
-    ``axes.lr.spread_ratio`` without a word (hdet-train lists its changes itself). The
-    scheduler's state keeps the block it ran with; a load into a scheduler of other
-    (changeable) settings warns once, naming each key old -> new; the same settings say
-    nothing, and the resumed run uses the new spread (its LRs differ from the old one's)."""
+    """``HDETTrainer`` resuming a checkpoint with another ``axes.lr.spread_ratio`` says
+    so (hdet-train lists its changes itself). The scheduler's state keeps the block it
+    ran with; a load into a scheduler of other (changeable) settings warns once, naming
+    each key old -> new; the same settings say nothing, and the resumed run uses the new
+    spread (its LRs differ from the old one's)."""
     import warnings
 
     from hdet_scale.errors import HDETResumeWarning
@@ -531,7 +531,7 @@ def test_a_resume_with_other_hdet_settings_warns_with_each_change():
         assert line in text, text
     assert "logging" not in text
     assert new.replica_values("lr", 0) != a.replica_values("lr", 0)  # the same base, the new spread
-    # tester round 65: another peak LR (the optimizer's lr) applies too, and is said
+    # another peak LR (the optimizer's lr) applies too, and is said
     groups = {r: [dict(g, lr=2 * g["lr"]) for g in gs] for r, gs in make_groups(old.replicas).items()}
     peak, _, _ = make(old, groups)
     with pytest.warns(HDETResumeWarning) as caught:
@@ -567,7 +567,7 @@ def logged_run(path, every: int = 1, last: int | None = None, steps: int = 20) -
 
 def test_the_last_step_is_recorded_whatever_logging_every(tmp_path):
     """``logging.every=7`` over 20 steps: per-step records (``hdet/loss``) at 7 and 14, and
-    at the run's last step 20 (tester round 36: steps 15-20 had none). hdet-train sets
+    at the run's last step 20 (so that steps 15-20 are not without one). hdet-train sets
     ``last_step`` to ``train.steps``; a run of 18 then records 18, not 20. Compared with
     every=1: the last record's values are the same."""
     def per_step(every, last=None, steps=20):
@@ -580,10 +580,10 @@ def test_the_last_step_is_recorded_whatever_logging_every(tmp_path):
 
 
 def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
-    """Tester round 38: the sync at the last step logged ``hdet/lr/group_0/base`` for a
-    step that never runs, OneCycleLR's formula one step past its end (~13x the last LR).
-    Every other sync logs the next step's base, the mean of the two replicas' LRs that
-    step runs with (multipliers 1 -+ 1/9: their mean is the base exactly, up to rounding)."""
+    """The sync at the last step logs no ``hdet/lr/group_0/base`` for a step that never
+    runs (OneCycleLR's formula one step past its end: ~13x the last LR). Every other
+    sync logs the next step's base, the mean of the two replicas' LRs that step runs
+    with (multipliers 1 -+ 1/9: their mean is the base exactly, up to rounding)."""
     def syncs(last=None, steps=20):
         records = logged_run(tmp_path / f"m{last}.jsonl", 1, last, steps)
         lr_at = {r["step"]: (r["hdet/lr/replica_0/group_0"] + r["hdet/lr/replica_1/group_0"]) / 2
@@ -598,7 +598,7 @@ def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
     past_end = OneCycle(20).value(20, 0.1)  # what the last sync logged before
     assert past_end > 10 * OneCycle(20).value(19, 0.1)
     # a run that stops early (hdet-train's train.steps) logs the base of the step its resume
-    # takes, as the uninterrupted run does (tester round 66: the resumed metrics lacked it)
+    # takes, as the uninterrupted run does (else the resumed metrics would lack it)
     short, _ = syncs(last=15, steps=15)
     assert [r["step"] for r in short if "hdet/lr/group_0/base" in r] == [5, 10, 15]
     assert short[2]["hdet/lr/group_0/base"] == records[2]["hdet/lr/group_0/base"]
@@ -606,9 +606,9 @@ def test_no_base_is_logged_for_a_step_after_the_last(tmp_path):
 
 
 def test_the_step_a_stop_names_is_noted_before_its_record_is_written(tmp_path):
-    """Tester round 49: a SIGTERM between a step's record (written inside the scheduler's
-    step) and the trainer's note of that step named "step 69" beside a step-70 record. The
-    logger now hands each record's step to ``on_step`` before writing it, so no record is
+    """A SIGTERM between a step's record (written inside the scheduler's step) and the
+    trainer's note of that step must not name "step 69" beside a step-70 record: the
+    logger hands each record's step to ``on_step`` before writing it, so no record is
     newer than the step a stop line names; the trainer's stopping.note_step gets it."""
     from hdet_scale.logging import MetricsLogger
     from hdet_scale.train import stopping

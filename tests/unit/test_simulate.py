@@ -171,11 +171,11 @@ def test_converge_passthrough_averages_without_sync():
 
 
 def test_the_last_step_converges_when_it_is_no_sync_step():
-    """Tester round 61: 5 steps at T = 2 ended with the replicas apart (the library and
-    HDETTrainer converged at syncs only; save_model wrote replica 0's weights). The
-    scheduler now converges at last_step: before it the replicas differ, after it every
-    replica holds the exact mean of what they held (converge's own mean, atol 0), logged
-    as a sync without a meta-update."""
+    """5 steps at T = 2 end with the replicas averaged, so that what the library and
+    HDETTrainer save is the ensemble's model, not replica 0's weights: the scheduler
+    converges at last_step: before it the replicas differ, after it every replica holds
+    the exact mean of what they held (converge's own mean, atol 0), logged as a sync
+    without a meta-update."""
     auto = {"enabled": True, "fitness": "train_loss", "warmup_steps": 0, "controller": "log"}
     sim = Simulator(lambda: Tiny(seed=2), sgd, hdet(replicas=2, sync_interval=2, total_steps=5, spread=0.5,
                                                     sharing="replica", auto=auto))
@@ -189,7 +189,7 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
     sim.sync.converge = lambda finite: (seen.append([params_of(m) for m in sim.models]), orig(finite))[1]
     sim.step(loss_for(data, 4))
     assert len(seen) == 1 and sim.scheduler.sync_count == 3 and sim.scheduler.converged_step == 5
-    # logged as a sync without a meta-update (tester round 62: it left no record)
+    # logged as a sync without a meta-update, so that the end leaves a record
     rec = sim.scheduler.last_sync
     assert rec["hdet/step"] == 5 and rec["hdet/final_converge"] == 1 and "hdet/loss/replica_1" in rec, rec
     assert not any(k.startswith("hdet/weight/") for k in rec), rec  # no meta-update at the end
@@ -209,11 +209,11 @@ def test_the_last_step_converges_when_it_is_no_sync_step():
 
 
 def test_a_run_stopped_before_total_steps_resumes_as_the_uninterrupted_run():
-    """Tester round 64: hdet-train with train.steps (last_step) shorter than total_steps
-    averaged the replicas at its last step, before its checkpoint, so a resume up to
-    total_steps parted from the uninterrupted run. Now that step is like any other: the
-    state after step 5 (models, optimizers, HDET state) equals that of a run going on to
-    10; a resume from it ends bit-for-bit (atol 0) as the uninterrupted run; ``finish()``
+    """hdet-train with train.steps (last_step) shorter than total_steps does not average
+    the replicas at its last step, before its checkpoint (a resume up to total_steps
+    would then part from the uninterrupted run): that step is like any other: the state
+    after step 5 (models, optimizers, HDET state) equals that of a run going on to 10; a
+    resume from it ends bit-for-bit (atol 0) as the uninterrupted run; ``finish()``
     afterwards averages the replicas (their exact mean) and logs it, leaving the sync
     count, permutations and controller alone."""
     auto = {"enabled": True, "fitness": "train_loss", "warmup_steps": 0, "controller": "log"}

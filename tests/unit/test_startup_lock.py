@@ -86,8 +86,8 @@ def test_the_advice_clears_whatever_blocks_the_loader(tmp_path):
     """Anything at the lock's name blocks torch's loader (its O_CREAT | O_EXCL open fails):
     an empty or non-empty folder, a dangling symbolic link, a file. For each, the message
     names what is there and its command, run in a shell, clears it, after which torch's
-    own FileBaton acquires the lock. Before the fix a folder got ``rm <lock>`` (rm refuses
-    a folder) and a dangling link, aged by stat through the link, was never called stale."""
+    own FileBaton acquires the lock: a folder gets no ``rm <lock>`` (rm refuses a folder),
+    and a dangling link is called stale (its age is not taken by stat through the link)."""
     import subprocess
 
     def folder(lock):
@@ -122,9 +122,9 @@ def test_the_advice_clears_whatever_blocks_the_loader(tmp_path):
         baton.release()
 
 
-# ---- a signal while this process holds a lock (issue 9, F9) ------------------------------
-# A rank stopped while torch's loader held <op>/lock used to leave it behind, and every later
-# start waited on it. These run a real child process doing what the loader does (torch's own
+# ---- a signal while this process holds a lock ---------------------------------------------
+# A rank stopped while torch's loader holds <op>/lock must not leave it behind: every later
+# start would wait on it. These run a real child process doing what the loader does (torch's own
 # FileBaton inside startup.watch_op_locks, a build child like ninja), signal it, and look at
 # the files and processes.
 
@@ -191,10 +191,10 @@ def test_sigterm_while_holding_an_op_lock_removes_it_and_stops_the_build(tmp_pat
 
 
 def test_sigint_under_torchrun_removes_the_lock_and_says_before_the_first_step(tmp_path):
-    """A torchrun rank (stopping.install_rank_handlers): its exit code and line as before,
-    the lock removed first. The line says the attempt trained no step (there is none here
-    to name; before the fix it read the step of metrics.jsonl, which an earlier attempt of a
-    resumed run may have written)."""
+    """A torchrun rank (stopping.install_rank_handlers): its exit code and line as without a
+    lock, the lock removed first. The line says the attempt trained no step (there is none
+    here to name; not the step of metrics.jsonl, which an earlier attempt of a resumed run
+    may have written)."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 8}\n')  # an earlier attempt's record
     child, build, lock, theirs = _holder(tmp_path, "torchrun")
     child.send_signal(signal.SIGINT)
@@ -235,13 +235,13 @@ def test_recorded_locks_only_while_held_and_never_a_replaced_file(tmp_path, monk
     baton.release()
 
 
-# ---- issue 9, F1/F2: an extensions folder torch's loader cannot use ------------------------
+# ---- an extensions folder torch's loader cannot use ----------------------------------------
 
 def test_an_unusable_extensions_dir_is_named_and_nothing_is_created(tmp_path):
     """A file, a path under a file, a folder that cannot be created (/proc refuses mkdir,
     even to root, whom os.access would answer yes): one HDETConfigError naming
     TORCH_EXTENSIONS_DIR and the value. A creatable path passes and is not created. The
-    stale-lock scan of a file no longer raises NotADirectoryError (the F1 traceback)."""
+    stale-lock scan of a file raises no NotADirectoryError."""
     import pytest
 
     from hdet_scale.errors import HDETConfigError
@@ -251,7 +251,7 @@ def test_an_unusable_extensions_dir_is_named_and_nothing_is_created(tmp_path):
     assert startup.stale_trainer_locks(str(a_file)) == []
     for root, text in [(a_file, "is a file"), (a_file / "x", f"cannot be created: {a_file} is a file"),
                        ("/proc/hdetx", "cannot be created in /proc"),
-                       # tester round 43: "" is the working directory to torch (ops rebuilt per folder)
+                       # "" is the working directory to torch (ops rebuilt per folder)
                        ("", f"is empty: torch would build DeepSpeed's ops into the working directory ({os.getcwd()})"),
                        ("  ", "is empty")]:
         with pytest.raises(HDETConfigError) as e:
@@ -262,7 +262,7 @@ def test_an_unusable_extensions_dir_is_named_and_nothing_is_created(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.json"]
 
 
-# ---- issue 9, F6/F7: what a torchrun rank prints, and exits with, when a signal ends it -----
+# ---- what a torchrun rank prints, and exits with, when a signal ends it --------------------
 
 RANK = r"""
 import json, os, sys, time
@@ -294,13 +294,13 @@ def _rank(tmp_path, mode: str, announce: bool):
 
 
 def test_sigterm_after_a_refusal_or_the_summary_gives_no_resume_advice(tmp_path):
-    """F6: a refused rank (stopping.settle(2)) that the launcher then ends by SIGTERM exits 2
-    and prints nothing (it printed "stopped by SIGTERM ...; continue with
-    train.resume=true", advice that was just refused). F7: SIGTERM once this attempt wrote
-    summary.json exits 0, rank 0 saying the run is complete (it exited 143 advising a
-    resume that is then refused). The reference: a summary.json from an earlier attempt
-    (older than this process) still gives 143 and the stop line; a rank that does not
-    announce prints nothing in every case."""
+    """A refused rank (stopping.settle(2)) that the launcher then ends by SIGTERM exits 2
+    and prints nothing (no "stopped by SIGTERM ...; continue with train.resume=true",
+    advice just refused). SIGTERM once this attempt wrote summary.json exits 0, rank 0
+    saying the run is complete (not 143 advising a resume that would then be refused). The
+    reference: a summary.json from an earlier attempt (older than this process) still
+    gives 143 and the stop line; a rank that does not announce prints nothing in every
+    case."""
     for announce in (True, False):
         assert _rank(tmp_path, "refused", announce) == (2, "")
     rc, err = _rank(tmp_path, "completed", True)
@@ -319,7 +319,7 @@ def _torchrun_ranks(monkeypatch, capsys, argv: list[str]) -> dict[str, str]:
 
     for var, value in (("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(var, value)
-    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's own mark (tester round 59: without one, every rank speaks)
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's own mark (without one, every rank speaks)
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     lines = {}
     for rank in ("0", "1"):
@@ -331,21 +331,20 @@ def _torchrun_ranks(monkeypatch, capsys, argv: list[str]) -> dict[str, str]:
 
 
 def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
-    """F6: every torchrun rank validates the same command line; rank 0 prints the one
-    error line, the others exit 2 silently (N copies before). In-process: cli.main with
-    the variables torchrun sets."""
+    """Every torchrun rank validates the same command line; rank 0 prints the one error
+    line, the others exit 2 silently (not N copies). In-process: cli.main with the
+    variables torchrun sets."""
     lines = _torchrun_ranks(monkeypatch, capsys, ["wandb.enabled=false", "train.stpes=3"])
     assert lines["0"].count("hdet-train: error: train.stpes: unknown key") == 1, lines
     assert lines["1"] == "", lines
 
 
 def test_torchrun_restarts_with_the_shared_store_are_refused_before_they_hang(monkeypatch, capsys):
-    """Tester round 43: under torchrun --max-restarts=2 without
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the first restart failed to connect and the second
-    waited until killed, with advice about MASTER_ADDR. Refused at once now, by rank 0
-    alone, naming the variable; with it set (torchrun then sets
-    TORCHELASTIC_USE_AGENT_STORE=False) or without restarts the same command goes on to its
-    own error."""
+    """Under torchrun --max-restarts=2 without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the
+    first restart would fail to connect and the second wait until killed, with advice about
+    MASTER_ADDR: refused at once, by rank 0 alone, naming the variable; with it set
+    (torchrun then sets TORCHELASTIC_USE_AGENT_STORE=False) or without restarts the same
+    command goes on to its own error."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     for restarts, shared, refused in (("2", "True", True), ("2", "False", False), ("0", "True", False)):
         monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
@@ -363,8 +362,8 @@ def test_torchrun_restarts_with_the_shared_store_are_refused_before_they_hang(mo
 
 
 def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys, tmp_path):
-    """Tester round 10: one replica asked to spread printed Python's ``UserWarning`` 9
-    times in a 2-rank run (every check that meets it, in the launcher and every rank).
+    """One replica asked to spread is warned of once, not as Python's ``UserWarning`` 9
+    times in a 2-rank run (every check that meets it, in the launcher and every rank):
     ``cli._validate_once`` prints it once as an ``hdet-train: warning:`` line where the
     run announces (the launcher, or rank 0 under torchrun) and nowhere else; a warning
     that is not one of ours passes through unchanged."""
@@ -393,10 +392,10 @@ def test_a_config_warning_is_printed_once_by_the_announcing_process(capsys, tmp_
 
 
 def test_a_signal_repeated_at_once_is_one_stop_a_later_one_kills():
-    """Tester round 22: ``timeout`` sends SIGTERM to the launcher and then to its process
-    group, so the launcher saw two; it took the copy for a person's second Ctrl-C and
-    SIGKILLed a rank that held a DeepSpeed op lock, which then refused every later start.
-    A repeat within ``REPEAT_S`` is the same stop; one a second or more later kills."""
+    """``timeout`` sends SIGTERM to the launcher and then to its process group, so the
+    launcher sees two; taking the copy for a person's second Ctrl-C would SIGKILL a rank
+    that holds a DeepSpeed op lock, which would then refuse every later start. A repeat
+    within ``REPEAT_S`` is the same stop; one a second or more later kills."""
     from hdet_scale.train.launcher import REPEAT_S, StopSignals
 
     now = [100.0]
@@ -442,11 +441,11 @@ sys.exit(main(["train.steps=5", "run_dir={run_dir}"]))
 
 
 def test_sigterm_or_sighup_while_the_config_is_checked_gives_the_stop_line(tmp_path):
-    """Tester round 31: a SIGTERM to hdet-train within its first second or so (reading and
-    checking the config, before the local launcher's handlers) ended it with 143 and no
-    line. Now the line the launcher prints a moment later, and 128 + the signal, at once
-    (within 25 s of the start, where the check it interrupts takes 30); nothing is left in
-    run_dir. (In a child process: before the fix the signal killed it.)"""
+    """A SIGTERM to hdet-train within its first second or so (reading and checking the
+    config, before the local launcher's handlers) does not end it with 143 and no line: it
+    prints the line the launcher prints a moment later, and exits 128 + the signal, at
+    once (within 25 s of the start, where the check it interrupts takes 30); nothing is
+    left in run_dir. (In a child process: a regression would kill this one.)"""
     import subprocess
     import sys
 
@@ -464,12 +463,12 @@ def test_sigterm_or_sighup_while_the_config_is_checked_gives_the_stop_line(tmp_p
 
 
 def test_a_world_left_in_the_environment_without_a_launcher_is_named(monkeypatch, capsys):
-    """Tester round 40: RANK/WORLD_SIZE/MASTER_* left in a shell made hdet-train rank 0 of a
-    world whose other ranks never came (nproc unused), silent for 60 s. Rank 0 now says so
-    at once; under torchrun (TORCHELASTIC_RUN_ID), the deepspeed launcher (LOCAL_SIZE) or
-    srun/mpirun nothing is added, and rank 1 stays quiet there. Tester round 59: a leftover
-    RANK=1 said nothing at all (no note, not even the config error): with no launcher, any
-    rank is alone in its terminal and says what rank 0 says."""
+    """RANK/WORLD_SIZE/MASTER_* left in a shell would make hdet-train rank 0 of a world
+    whose other ranks never come (nproc unused), silent for 60 s: rank 0 says so at once;
+    under torchrun (TORCHELASTIC_RUN_ID), the deepspeed launcher (LOCAL_SIZE) or
+    srun/mpirun nothing is added, and rank 1 stays quiet there. A leftover RANK=1 is not
+    silent (no note, not even the config error): with no launcher, any rank is alone in its
+    terminal and says what rank 0 says."""
     from hdet_scale.train import cli
     from hdet_scale.train.launcher import _LAUNCHER_MARKS
 
@@ -502,10 +501,10 @@ def test_a_world_left_in_the_environment_without_a_launcher_is_named(monkeypatch
 
 
 def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, capfd):
-    """Tester round 41: a first DeepSpeed start with an empty extensions folder was ~115 s
-    of silence while local rank 0 itself built ``fused_adam`` (the note covered only a wait
-    on another's lock). Now either is one line after ``waiting_note_s``; a process that does
-    not announce says nothing. Real FileBatons; a child process holds the lock waited on."""
+    """A first DeepSpeed start with an empty extensions folder is not ~115 s of silence
+    while local rank 0 itself builds ``fused_adam``: a build, as a wait on another's lock,
+    is one line after ``waiting_note_s``; a process that does not announce says nothing.
+    Real FileBatons; a child process holds the lock waited on."""
     import subprocess
     import sys
 
@@ -521,8 +520,8 @@ def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, 
         want = (f"hdet-train: building DeepSpeed's fused_adam op for this machine (once per extensions folder; it "
                 f"can take a few minutes, and later starts load it): {lock}\n")
         assert err == (want if announce else ""), err
-    # Waits on two ops' locks, one after the other, as on a first start (tester round 42: the
-    # second, fused_adam after shm_comm, was not noted: one note per process).
+    # Waits on two ops' locks, one after the other, as on a first start: the second,
+    # fused_adam after shm_comm, is noted too (one note per lock, not per process).
     shm = tmp_path / "deepspeed_shm_comm" / "lock"
     shm.parent.mkdir()
     with startup.watch_op_locks(announce=True, poll_s=0.05, waiting_note_s=0.3):
@@ -544,9 +543,9 @@ def test_a_long_build_or_wait_is_noted_once_by_the_announcing_process(tmp_path, 
 
 
 def test_a_wait_on_the_jobs_own_rank_says_so(tmp_path):
-    """Tester round 45: "waiting for process(es) [6469]" left the user to find out that
-    6469 was the job's other rank. Two sibling processes, as a launcher's ranks are: one
-    holds the lock, the other waits on it and names it as this job's rank."""
+    """"waiting for process(es) [6469]" does not leave the user to find out that 6469 is
+    the job's other rank. Two sibling processes, as a launcher's ranks are: one holds
+    the lock, the other waits on it and names it as this job's rank."""
     import subprocess
     import sys
 
@@ -572,11 +571,11 @@ def test_a_wait_on_the_jobs_own_rank_says_so(tmp_path):
 
 
 def test_an_op_build_stopped_by_a_signal_is_told_from_a_failed_one():
-    """Tester round 44: a Ctrl-C while fused_adam compiled reached ninja (the rank ignores
-    SIGINT, its child does not); the rank printed torch's ~60-line "Error building
-    extension" traceback above the launcher's stop line. Such a rank now exits 130
-    quietly; a compile that fails (exit 1) still raises. The chain as torch's loader
-    raises it: RuntimeError from CalledProcessError."""
+    """A Ctrl-C while fused_adam compiles reaches ninja (the rank ignores SIGINT, its
+    child does not); such a rank exits 130 quietly, without torch's ~60-line "Error
+    building extension" traceback above the launcher's stop line; a compile that fails
+    (exit 1) still raises. The chain as torch's loader raises it: RuntimeError from
+    CalledProcessError."""
     import subprocess
 
     from hdet_scale.train.launcher import build_interrupted
@@ -594,8 +593,8 @@ def test_an_op_build_stopped_by_a_signal_is_told_from_a_failed_one():
         assert build_interrupted(loader_error(rc)), rc
     for rc in (1, 2, -9):
         assert not build_interrupted(loader_error(rc)), rc
-    # tester round 45: ninja 1.13 exits 2 when its compiler died of the Ctrl-C first; its
-    # output, which torch puts in the message, still says why
+    # ninja 1.13 exits 2 when its compiler died of the Ctrl-C first; its output, which torch
+    # puts in the message, still says why
     assert build_interrupted(loader_error(2, ": [1/3] c++ ...\nninja: build stopped: interrupted by user.\n"))
     assert not build_interrupted(loader_error(1, ": FAILED: shm.o\nninja: build stopped: subcommand failed.\n"))
     assert not build_interrupted(RuntimeError("ninja: build stopped: interrupted by user."))  # no build error

@@ -48,7 +48,7 @@ def test_a_closed_port_an_unknown_host_and_a_listening_server(no_proxy_env):
 
 def test_through_a_proxy_the_proxy_is_what_must_answer(no_proxy_env, monkeypatch):
     """W&B connects through HTTPS_PROXY: a direct attempt would prove nothing, and a proxy
-    that refuses cost 64 s of W&B's retries (tester round 40). NO_PROXY bypasses it."""
+    that refuses costs 64 s of W&B's retries. NO_PROXY bypasses it."""
     port = closed_port()
     monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
     assert wandb_server.unreachable("https://no-such-host.invalid") == \
@@ -69,9 +69,9 @@ def test_through_a_proxy_the_proxy_is_what_must_answer(no_proxy_env, monkeypatch
 
 @pytest.mark.parametrize("url", ["notaurl", "ftp://wandb.example.com", "http://", "https://api.wandb.ai/x y"])
 def test_a_malformed_wandb_base_url_is_refused_before_the_start(no_proxy_env, monkeypatch, url):
-    """Tester round 40: W&B validates WANDB_BASE_URL in wandb.init, on rank 0 after the
-    start and for offline runs too: a pydantic traceback, exit 1, and advice to start
-    again. Refused by the pre-start check, naming the variable; a valid one passes."""
+    """W&B validates WANDB_BASE_URL in wandb.init, on rank 0 after the start and for
+    offline runs too (a pydantic traceback, exit 1, and advice to start again): refused
+    by the pre-start check, naming the variable; a valid one passes."""
     from hdet_scale.logging import check_wandb_settings
 
     monkeypatch.setenv("WANDB_BASE_URL", url)
@@ -85,9 +85,9 @@ def test_a_malformed_wandb_base_url_is_refused_before_the_start(no_proxy_env, mo
 
 
 def test_an_online_run_that_cannot_reach_its_server_fails_in_seconds(no_proxy_env, monkeypatch, tmp_path):
-    """Tester round 38: with a key and no network, W&B's retries took 88 s (init_timeout
-    30) before the error. The pre-check names the server and the way out in well under
-    the 30 s the standard allows, before W&B starts its service."""
+    """With a key and no network, W&B's retries would take 88 s (init_timeout 30) before
+    the error: the pre-check names the server and the way out in well under the 30 s the
+    standard allows, before W&B starts its service."""
     port = closed_port()
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
@@ -110,9 +110,9 @@ def test_an_online_run_that_cannot_reach_its_server_fails_in_seconds(no_proxy_en
 ])
 def test_netrc_credentials_for_the_server_w_and_b_would_use(no_proxy_env, monkeypatch, tmp_path, machine, base,
                                                             found):
-    """Before, only ``api.wandb.ai`` counted without WANDB_BASE_URL: a user logged in with
-    wandb 0.31 (``api.forge.coreweave.com``) got an offline run, or a refusal of
-    ``wandb.mode=online`` for "no API key"."""
+    """Without WANDB_BASE_URL, not only ``api.wandb.ai`` counts: a user logged in with
+    wandb 0.31 (``api.forge.coreweave.com``) gets neither an offline run nor a refusal
+    of ``wandb.mode=online`` for "no API key"."""
     netrc = tmp_path / "netrc"
     netrc.write_text(f"machine {machine}\n  login user\n  password {FAKE_KEY}\n")
     monkeypatch.setenv("NETRC", str(netrc))
@@ -122,9 +122,9 @@ def test_netrc_credentials_for_the_server_w_and_b_would_use(no_proxy_env, monkey
 
 
 def test_hdet_train_refuses_an_unreachable_server_before_any_rank_starts(no_proxy_env, monkeypatch, tmp_path, capsys):
-    """Tester round 39: the check ran on rank 0 only after every rank had built its engine
-    (40-64 s on a loaded machine). Now hdet-train's launcher refuses before it starts a
-    rank: ``launch_local`` is never reached (replaced here by a recorder)."""
+    """hdet-train's launcher refuses an unreachable server before it starts a rank (on
+    rank 0 after every rank had built its engine, the check would come 40-64 s in on a
+    loaded machine): ``launch_local`` is never reached (replaced here by a recorder)."""
     from hdet_scale.train import cli, launcher
 
     port = closed_port()
@@ -144,8 +144,9 @@ def test_hdet_train_refuses_an_unreachable_server_before_any_rank_starts(no_prox
 
 
 def test_the_launcher_says_it_starts_the_ranks_and_which_variables_it_does_not_read(monkeypatch):
-    """Tester round 39: up to 49 s without a line while the ranks built their engines, and
-    ``MASTER_PORT=abc`` accepted without a word (hdet-train's launcher picks its own port)."""
+    """The launcher says it starts the ranks (else up to 49 s without a line while the ranks
+    build their engines), and names ``MASTER_PORT=abc`` as not used (hdet-train's launcher
+    picks its own port)."""
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.launcher import start_lines
 
@@ -162,11 +163,11 @@ def test_the_launcher_says_it_starts_the_ranks_and_which_variables_it_does_not_r
 
 
 def test_wandb_run_id_from_the_environment_is_named_and_a_resume_keeps_its_own(no_proxy_env, monkeypatch, tmp_path):
-    """Tester round 56: WANDB_RUN_ID gave two unrelated runs one W&B id, and a resumed run
-    continued its recorded W&B run instead, both without a word. The note says which id
-    the run takes, held to real offline W&B runs: a new run takes the variable's id, a
-    resume (``run_id``: the id its checkpoint recorded) its own. An id W&B refuses is
-    refused before the start, naming the variable."""
+    """WANDB_RUN_ID would give two unrelated runs one W&B id, and a resumed run
+    continues its recorded W&B run instead: the note says which id the run takes, held
+    to real offline W&B runs: a new run takes the variable's id, a resume (``run_id``:
+    the id its checkpoint recorded) its own. An id W&B refuses is refused before the
+    start, naming the variable."""
     from hdet_scale.logging import check_wandb_settings
     from hdet_scale.train.config import load_run_config
     from hdet_scale.train.run_notes import wandb_env_notes
@@ -175,7 +176,7 @@ def test_wandb_run_id_from_the_environment_is_named_and_a_resume_keeps_its_own(n
     monkeypatch.delenv("WANDB_DIR", raising=False)
     run = load_run_config(None, [f"run_dir={tmp_path}", "wandb.mode=offline"])
     assert wandb_env_notes(run, False, None) == []
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # tester round 57: not read, said nowhere
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # not read: said so
     assert wandb_env_notes(run, False, None) == [f"WANDB_DIR={str(tmp_path / 'elsewhere')!r} is not read: W&B's "
                                                  f"files go to {tmp_path / 'wandb'} (wandb.dir, run_dir unless set; "
                                                  "set wandb.dir to choose)"]
