@@ -72,6 +72,14 @@ def rank_start_method() -> str:
     return method
 
 
+def _stop_arrives(received: list[int], wait_s: float = 1.0) -> bool:
+    """Whether a stop signal is (or within ``wait_s`` becomes) among ``received``."""
+    deadline = time.monotonic() + wait_s
+    while not received and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(received)
+
+
 def rank_preload(backend: str) -> list[str]:
     """The modules every rank of ``backend`` imports before its first step, which the
     fork server the ranks start from (:func:`launch_local`) imports once for all of them."""
@@ -302,6 +310,11 @@ def launch_local(run: dict) -> int:
     )
 
     started = time.time()  # a summary.json from before this launch is an earlier attempt's
+    try:
+        method = rank_start_method()  # read by this launcher alone (torchrun starts its own ranks)
+    except HDETConfigError as e:
+        print(f"hdet-train: error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR
     n = run["nproc"]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
     if run["backend"] == "deepspeed":  # asked once here, not twice in every rank (backends/ds_cpuinfo.py)
@@ -327,7 +340,7 @@ def launch_local(run: dict) -> int:
     # another. The server starts like a spawned process (nothing of this launcher's state
     # is forked) and exits when this launcher does; its ranks are its children.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    ctx = get_context(rank_start_method())
+    ctx = get_context(method)
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(rank_preload(run["backend"]))
     # multiprocessing's resource tracker ignores SIGINT and SIGTERM but dies of SIGHUP, which
@@ -367,15 +380,37 @@ def launch_local(run: dict) -> int:
     taken = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
     if signal.SIGTERM in taken:
         signal.signal(signal.SIGTERM, on_signal)
+    forked = ctx.get_start_method() == "forkserver"
     try:
+        if forked:
+            # The fork server starts with SIGINT and SIGHUP ignored, as a spawned rank
+            # would, and its ranks keep that (forked, not started from here). It then
+            # imports for seconds before the first rank exists; the launcher listens
+            # meanwhile, so a stop in that wait stops the starting.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+            for sig in taken - {signal.SIGTERM}:
+                signal.signal(sig, on_signal)
         for p in procs:
             if received:
                 break
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
-            p.start()
-            for sig in taken - {signal.SIGTERM}:
-                signal.signal(sig, on_signal)
+            if not forked:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            try:
+                p.start()
+            except (EOFError, OSError):
+                # the server ended by the group's SIGTERM while it imported: this
+                # launcher's copy of the signal says so within moments
+                if not _stop_arrives(received):
+                    raise
+                break
+            if not forked:
+                for sig in taken - {signal.SIGTERM}:
+                    signal.signal(sig, on_signal)
         while any(p.is_alive() for p in procs) and not received:
             if not errors.empty():  # a rank's bad input (_rank_main): end all ranks now
                 break

@@ -23,7 +23,6 @@ from hdet_scale.param_groups import check_group_count
 from hdet_scale.train import fault_hook, run_checkpoint, rundir
 from hdet_scale.train.data import ByteBatches, load_corpus
 from hdet_scale.train.data_place import check_apart, holding_part
-from hdet_scale.train.launcher import rank_start_method
 from hdet_scale.train.run_dir_place import refuse_root
 from hdet_scale.autolr import build_schedule, check_additive_floors
 from hdet_scale import iterates
@@ -212,7 +211,6 @@ def validate(run: dict, world_size: int, build_model: bool = True):
     for note in eval_overlap_note(run, asked, len(corpus.val)) if isinstance(micro, int) else []:
         warnings.warn(f"hdet_scale: {note}", UserWarning, stacklevel=1)  # printed once: cli._validate_once
     fault_hook.fault_point(world_size, run["train"]["steps"])  # a bad test hook fails here, on every rank alike
-    rank_start_method()  # how the launcher starts ranks: refused before it starts any
     rundir.check_writable(run["run_dir"])  # before any rank starts, not four tracebacks later
     if run["wandb"]["enabled"]:
         check_wandb_settings(WandbConfig(**run["wandb"]))
