@@ -39,22 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hdet_scale.processes import pid_alive
 from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 
 LAYOUT_FILE = "hdet_layout.json"
 LATEST_FILE = "latest"
 # The default tag (``global_step<step>``): only folders named so are removed as crash leftovers.
 DEFAULT_TAG = re.compile(r"global_step\d+")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process (EPERM): alive
-        return True
-    return True
 
 
 def remove_stale_temps(path: str) -> list[str]:
@@ -71,7 +62,7 @@ def remove_stale_temps(path: str) -> list[str]:
         return removed
     for entry in entries:
         m = pattern.fullmatch(entry)
-        if m and (int(m.group(1)) == os.getpid() or not _alive(int(m.group(1)))):
+        if m and (int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1)))):
             try:
                 os.remove(os.path.join(folder, entry))
                 removed.append(os.path.join(folder, entry))

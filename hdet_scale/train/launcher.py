@@ -11,65 +11,17 @@ import signal
 import socket
 import sys
 import time
-from multiprocessing import get_context
 from typing import Any
 
 from hdet_scale.backends.op_builds import build_interrupted, op_missing
 from hdet_scale.errors import HDETConfigError, HDETStateError
+from hdet_scale.train.rank_start import die_with_launcher, rank_context, rank_start_method
 from hdet_scale.train.rank_failures import BUILD_STOPPED, OP_MISSING, PEER_LOST, describe_failures, peer_lost
 
 USER_ERROR = 2  # the exit code of HDETConfigError / HDETStateError
 _REPORT_WAIT_S = 60  # a rank with bad input waits this long for the launcher to end it
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what the launcher acts on
-LAUNCHER_PID_ENV = "HDET_LAUNCHER_PID"  # tells the fork server whose death ends it (fork_server.py)
 REPEAT_S = 1.0  # a signal this soon after the first is the same stop, sent twice (to the process and its group)
-
-
-def die_with_launcher(launcher: int, parent: int | None = None) -> None:
-    """Ask the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) to send this rank SIGTERM when
-    its parent dies, even by SIGKILL or the OOM killer: ranks must never train on
-    unseen, holding the machine and writing into a run_dir a restart would reuse.
-    ``launcher``: the launcher's process id (this launcher's, torchrun's agent, the
-    deepspeed launcher's). ``parent``: the process this rank was forked from when that is
-    not the launcher (hdet-train's fork server, which exits when the launcher does).
-    Sends SIGTERM at once when either is already gone."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: nothing to ask for
-        return
-    if os.getppid() != (launcher if parent is None else parent) or (parent is not None and not _alive(launcher)):
-        os.kill(os.getpid(), signal.SIGTERM)  # gone before the request took effect
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's (a reused pid)
-        return True
-    return True
-
-
-RANK_START_ENV = "HDET_RANK_START"
-RANK_STARTS = ("forkserver", "spawn")
-
-
-def rank_start_method() -> str:
-    """How :func:`launch_local` starts its ranks, ``HDET_RANK_START``: ``"forkserver"``
-    (the default: forked from one server that imported what every rank needs) or
-    ``"spawn"`` (each rank a fresh interpreter importing everything itself: slower to start,
-    the fallback where forking a process that imported torch is unwanted).
-
-    Raises:
-        HDETConfigError: another value, naming the variable and the two it takes.
-    """
-    method = os.environ.get(RANK_START_ENV, "") or "forkserver"
-    if method not in RANK_STARTS:
-        raise HDETConfigError(f"{RANK_START_ENV}: expected one of {', '.join(RANK_STARTS)}, got {method!r}")
-    return method
 
 
 def _stop_arrives(received: list[int], wait_s: float = 1.0) -> bool:
@@ -78,15 +30,6 @@ def _stop_arrives(received: list[int], wait_s: float = 1.0) -> bool:
     while not received and time.monotonic() < deadline:
         time.sleep(0.02)
     return bool(received)
-
-
-def rank_preload(backend: str) -> list[str]:
-    """The modules every rank of ``backend`` imports before its first step, which the
-    fork server the ranks start from (:func:`launch_local`) imports once for all of them."""
-    mods = ["hdet_scale.train.fork_server", "hdet_scale.train.loop", "transformers",
-            "transformers.models.llama.modeling_llama"]
-    return mods + (["deepspeed", "hdet_scale.backends.deepspeed"] if backend == "deepspeed" else
-                   [f"hdet_scale.backends.{backend}"])
 
 
 class _RankMessages:
@@ -334,15 +277,8 @@ def launch_local(run: dict) -> int:
                 signal.signal(sig, handler)
     for line in start_lines(run):
         print(line, file=sys.stderr, flush=True)
-    # Ranks are forked from one server process that imported torch, transformers' model
-    # code and the training loop once (rank_preload): a spawned rank imports them itself,
-    # 3-4 s of CPU each, which a machine with fewer cores than ranks pays one rank after
-    # another. The server starts like a spawned process (nothing of this launcher's state
-    # is forked) and exits when this launcher does; its ranks are its children.
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    ctx = get_context(method)
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(rank_preload(run["backend"]))
+    ctx = rank_context(method, run["backend"])
+    forked = method == "forkserver"
     # multiprocessing's resource tracker ignores SIGINT and SIGTERM but dies of SIGHUP, which
     # a closing terminal sends to the whole process group: "process died unexpectedly" and
     # KeyError tracebacks after a clean stop. Started here with SIGHUP
@@ -380,7 +316,6 @@ def launch_local(run: dict) -> int:
     taken = {sig for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
     if signal.SIGTERM in taken:
         signal.signal(signal.SIGTERM, on_signal)
-    forked = ctx.get_start_method() == "forkserver"
     try:
         if forked:
             # The fork server starts with SIGINT and SIGHUP ignored, as a spawned rank

@@ -308,7 +308,7 @@ def install_rank_handlers(run: dict[str, Any], announce: bool) -> None:
     Python runs the handler between bytecodes of the main thread: a rank inside a
     collective whose peer already ended gets the peer's error first, then the handler."""
 
-    from hdet_scale.train.launcher import die_with_launcher
+    from hdet_scale.train.rank_start import die_with_launcher
     from hdet_scale.train.startup import release_held_locks
 
     since = time.time()
