@@ -66,7 +66,6 @@ import re
 from dataclasses import dataclass
 
 from hdet_scale.ds_json import RepeatedKeyError, loads_json
-from hdet_scale.ds_values import batch_sizes
 from hdet_scale.errors import HDETConfigError
 from hdet_scale.hf_sizes import degenerate_size_keys, join_and
 from hdet_scale.paths import require_regular
@@ -375,40 +374,6 @@ def check_options(params: str | None = None, hf_config: str | None = None, preci
             "precision": precision,
             "bandwidth_gbps": None if bandwidth_gbps is None else positive(bandwidth_gbps, "--bandwidth-gbps", 1e-3, 1e6),
             "step_seconds": None if step_seconds is None else positive(step_seconds, "--step-seconds", 1e-6, 1e7)}
-
-
-def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options: dict,
-                   autos: tuple[str, ...] | list[str] = ()) -> str:
-    """The cost lines of ``hdet-dryrun`` for a checked ``cfg`` (HDETConfig) and its
-    DeepSpeed JSON; ``options`` from :func:`check_options`. The precision defaults to the
-    JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error. ``autos``:
-    the keys the file left ``"auto"`` (HDETTrainer's, left out of ``ds_config``): a
-    ``bf16.enabled`` among them is the Trainer's ``bf16`` argument, so any ``--precision``
-    goes with it (it does not read as ``false``)."""
-    if "bf16.enabled" in autos:
-        in_file = options["precision"] or "fp32"
-    else:
-        in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled") is True else "fp32"
-    precision = options["precision"] or in_file
-    if precision == "bf16" and backend in ("ddp", "fairscale"):  # never advise a bf16 the backend refuses
-        raise HDETConfigError(f"--precision bf16: the {backend} backend trains in float32; bf16 is available with "
-                              "backend deepspeed or fsdp2")
-    if precision != in_file:
-        raise HDETConfigError(f"--precision {precision} differs from the file (bf16.enabled="
-                              f"{str(in_file == 'bf16').lower()}): set bf16.enabled to match")
-    if options["hf_config"] is not None:
-        size = size_of_hf_config(options["hf_config"])
-    else:
-        size = ModelSize(options["params"])
-    cost = estimate(size, backend=backend, precision=precision, world_size=world_size, replicas=cfg.replicas,
-                    gradient_sharing=cfg.gradient_sharing, sync_interval=cfg.sync_interval,
-                    micro_batches=batch_sizes(ds_config, world_size)[1],
-                    bucket_bytes=cfg.bucket_bytes, overlapped=cfg.overlap_gradient_sharing and (
-                        precision == "fp32" or (ds_config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"))
-    from hdet_scale.cost_report import not_modelled, report
-
-    return report(cost, options["bandwidth_gbps"], options["step_seconds"]) + "".join(
-        f"\n  not modelled: {what}" for what in not_modelled(ds_config))
 
 
 def groups_line(world_size: int, replicas: int) -> str:

@@ -1,9 +1,12 @@
 """The cost section of ``hdet-dryrun`` in words (``report``): what :func:`hdet_scale.cost.estimate`
-computed, as memory per rank and one line per transfer. Split from ``cost.py``."""
+computed, as memory per rank and one line per transfer; :func:`dryrun_section` estimates
+and reports for a checked config."""
 
 from __future__ import annotations
 
-from hdet_scale.cost import Cost
+from hdet_scale.cost import Cost, ModelSize, estimate, size_of_hf_config
+from hdet_scale.ds_values import batch_sizes
+from hdet_scale.errors import HDETConfigError
 
 
 def _b(x: float) -> str:
@@ -76,3 +79,34 @@ def not_modelled(ds_config: dict) -> list[str]:
             out.append(f"zero_optimization.{key} to {device} (the figures keep that state on the accelerator)")
     return out
 
+
+def dryrun_section(cfg, ds_config: dict, backend: str, world_size: int, options: dict,
+                   autos: tuple[str, ...] | list[str] = ()) -> str:
+    """The cost lines of ``hdet-dryrun`` for a checked ``cfg`` (HDETConfig) and its
+    DeepSpeed JSON; ``options`` from :func:`check_options`. The precision defaults to the
+    JSON's ``bf16.enabled``; a ``--precision`` that contradicts it is an error. ``autos``:
+    the keys the file left ``"auto"`` (HDETTrainer's, left out of ``ds_config``): a
+    ``bf16.enabled`` among them is the Trainer's ``bf16`` argument, so any ``--precision``
+    goes with it (it does not read as ``false``)."""
+    if "bf16.enabled" in autos:
+        in_file = options["precision"] or "fp32"
+    else:
+        in_file = "bf16" if (ds_config.get("bf16") or {}).get("enabled") is True else "fp32"
+    precision = options["precision"] or in_file
+    if precision == "bf16" and backend in ("ddp", "fairscale"):  # never advise a bf16 the backend refuses
+        raise HDETConfigError(f"--precision bf16: the {backend} backend trains in float32; bf16 is available with "
+                              "backend deepspeed or fsdp2")
+    if precision != in_file:
+        raise HDETConfigError(f"--precision {precision} differs from the file (bf16.enabled="
+                              f"{str(in_file == 'bf16').lower()}): set bf16.enabled to match")
+    if options["hf_config"] is not None:
+        size = size_of_hf_config(options["hf_config"])
+    else:
+        size = ModelSize(options["params"])
+    cost = estimate(size, backend=backend, precision=precision, world_size=world_size, replicas=cfg.replicas,
+                    gradient_sharing=cfg.gradient_sharing, sync_interval=cfg.sync_interval,
+                    micro_batches=batch_sizes(ds_config, world_size)[1],
+                    bucket_bytes=cfg.bucket_bytes, overlapped=cfg.overlap_gradient_sharing and (
+                        precision == "fp32" or (ds_config.get("data_types") or {}).get("grad_accum_dtype") == "fp32"))
+    return report(cost, options["bandwidth_gbps"], options["step_seconds"]) + "".join(
+        f"\n  not modelled: {what}" for what in not_modelled(ds_config))

@@ -200,7 +200,7 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
     if world_size < 1:
         raise HDETConfigError(f"--world-size: must be >= 1 (ranks), got {world_size}")
     from hdet_scale.backends.deepspeed import prepare_config
-    from hdet_scale.ds_json import read_for_check
+    from hdet_scale.backends.ds_prepare import read_for_check
 
     path = config
     config = read_for_check(config)
@@ -368,11 +368,12 @@ def describe(config: str | dict, world_size: int, total_steps: int | None = None
         lines.append(f"warm init: noise std nu={cfg.warm_init.nu:g} x RMS of the whole model, per replica")
     if build_groups or cost:
         from hdet_scale import cost as cost_model
+        from hdet_scale.cost_report import dryrun_section
 
         if build_groups:
             lines.append(cost_model.groups_line(world_size, cfg.replicas))
         if cost:
-            lines.append(cost_model.dryrun_section(cfg, config, backend, world_size, cost, autos))
+            lines.append(dryrun_section(cfg, config, backend, world_size, cost, autos))
     return "\n".join(lines)
 
 

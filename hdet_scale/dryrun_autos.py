@@ -29,7 +29,7 @@ def auto_hints(path: str, error: str) -> str:
     about (a weight_decay axis over a weight_decay of 0, where only
     ``TrainingArguments.weight_decay`` decides), one line saying that the check used the
     optimizer's default and ``HDETTrainer`` takes the Trainer's value; ``""`` if none."""
-    from hdet_scale.ds_json import read_for_check
+    from hdet_scale.backends.ds_prepare import read_for_check
     from hdet_scale.hf_config import without_trainer_autos
 
     try:

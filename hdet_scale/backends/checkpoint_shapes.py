@@ -14,6 +14,8 @@ import torch
 from hdet_scale.backends.safe_load import dcp_metadata, load as safe_load
 from hdet_scale.safe_parse import json_load  # deep nesting is a ValueError
 
+MODEL_FILE = "model_optim.pt"  # the ddp backend's file per replica: model and optimizer state
+
 _SHOWN = 3  # differing tensors named per kind
 
 
@@ -53,8 +55,6 @@ def saved_model_shapes(backend: str, folder: str) -> dict[str, tuple[int, ...]] 
                 shapes.update(group)
             shapes.update(states.get("frozen_param_shapes") or {})
         elif backend == "ddp":
-            from hdet_scale.backends.ddp import MODEL_FILE
-
             shapes = archive(MODEL_FILE)["model"]
         else:  # fairscale: the whole model, written by shard 0 of each replica
             shapes = archive("model.pt")

@@ -27,7 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from hdet_scale.backends.checkpoint_io import verify_checksums
-from hdet_scale.backends.checkpoint_shapes import refuse_other_model
+from hdet_scale.backends.checkpoint_shapes import MODEL_FILE, refuse_other_model
 from hdet_scale.backends.common import FullParamsBackend, build_scheduler, build_topology, check_probe, default_device, init_process_group, make_logger, resolve_config, unwrap, use_topology, wrap_ddp
 from hdet_scale.backends.optimizer_resume import group_settings, warn_kept_settings
 from hdet_scale.backends.checkpoints import check_optimizer_class, load_entries, check_resumable, checkpoint_target, finish_checkpoint, load_hdet_state, replica_dir, save_hdet_state
@@ -37,8 +37,6 @@ from hdet_scale.errors import HDETConfigError
 from hdet_scale.topology import Topology
 
 __all__ = ["build_topology", "initialize", "load_checkpoint", "save_checkpoint"]
-
-MODEL_FILE = "model_optim.pt"
 
 
 # ---- initialize -----------------------------------------------------------------------

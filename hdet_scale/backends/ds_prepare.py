@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-from typing import Mapping
+import re
+from typing import Any, Mapping
 
 import torch
 
@@ -122,3 +123,51 @@ def prepare_config(ds_config: str | dict, world_size: int | None = None) -> tupl
     if cfg.enabled:
         check_config(cfg)
     return cfg, ds
+
+
+def read_for_check(config: str | dict) -> Any:
+    """``config`` (a path or an already-read dict) read as ``hdet-dryrun`` reads it: the
+    library's reader (:func:`load_ds_config`: JSON, a key given twice
+    refused) with a one-line :class:`HDETConfigError` for a file that is missing, empty,
+    not UTF-8, not JSON or YAML by mistake. Returns the parsed
+    value, which may not be a dict (the caller names that)."""
+    try:
+        return load_ds_config(config)
+    except HDETConfigError:
+        raise  # a key given twice: the message names the file and the key already
+    except UnicodeDecodeError as e:  # random bytes in a .yaml are not called YAML
+        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: it is not UTF-8 text (byte {e.start}): is "
+                              "it the right file?") from None
+    except (OSError, ValueError, TypeError) as e:
+        if _empty(config):  # an empty .yaml is not called YAML either
+            raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: the file is empty; it must hold a "
+                                  "DeepSpeed JSON object") from None
+        raise HDETConfigError(f"cannot read the DeepSpeed JSON {config!r}: {e}{_yaml_hint(config, e)}") from None
+
+
+def _empty(path: object) -> bool:
+    """Whether the file ``path`` holds nothing but whitespace. Raises nothing."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):  # never a FIFO's open
+        return False
+    try:
+        with open(path, "rb") as f:
+            return not f.read(1 << 16).strip() and os.path.getsize(path) <= 1 << 16
+    except OSError:
+        return False
+
+
+def _yaml_hint(path: object, error: Exception) -> str:
+    """A hint when ``path`` failed as JSON and looks like YAML (by its name, or a first
+    line ``key: ...``): most likely an ``hdet-train`` run config; empty otherwise."""
+    if not isinstance(error, ValueError) or not isinstance(path, (str, os.PathLike)):
+        return ""
+    looks = os.fspath(path).endswith((".yaml", ".yml"))
+    if not looks:
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = next((line for line in f if line.strip() and not line.lstrip().startswith("#")), "")
+            looks = re.match(r"^[A-Za-z_][\w.-]*\s*:(\s|$)", first) is not None
+        except (OSError, ValueError):
+            return ""
+    return ("; this looks like YAML (an hdet-train run config?); hdet-dryrun reads a DeepSpeed JSON (the file "
+            "hdet-train's deepspeed_config= names)") if looks else ""

@@ -943,7 +943,8 @@ def test_round_20_messages(tmp_path):
     spread it has), an axis' auto: true with auto-LR off (a warning, not silent),
     --precision bf16 on ddp (no advice of a bf16 the engine refuses)."""
     from hdet_scale.autolr import check_additive_floors
-    from hdet_scale.cost import check_options, dryrun_section
+    from hdet_scale.cost import check_options
+    from hdet_scale.cost_report import dryrun_section
 
     dotted, keys = tmp_path / "dot.yaml", tmp_path / "keys.yaml"
     dotted.write_text("train.steps: 5\n")
